@@ -1,0 +1,38 @@
+"""Shared fixtures: a real redis-server per test session, flushed per test."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from otel_lock._redis_server import RedisServer
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    """One redis-server on a free loopback port for the whole run, stopped by pid."""
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture
+def redis_url(redis_server):
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushall()
+    client.close()
+    return redis_server.url
+
+
+@pytest.fixture
+def fresh_redis():
+    """A private redis-server for tests that kill, pause or restart it."""
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture
+async def redis_client(redis_url):
+    client = aioredis.Redis.from_url(redis_url)
+    yield client
+    await client.aclose()

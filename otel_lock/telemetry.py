@@ -1,0 +1,239 @@
+"""`setup()`: an OpenTelemetry SDK for apps that have none.
+
+otel-lock records through the OpenTelemetry API only; this module is the
+optional wiring that turns those calls into data: a Resource that tells the
+replicas apart, OTLP push (traces and metrics, HTTP/protobuf, configured by
+the standard ``OTEL_*`` variables) and Prometheus pull at ``/metrics``
+(prometheus-client, fed by the OpenTelemetry Prometheus reader), so the same
+metric names reach Prometheus by either path.
+
+Apps that installed their own SDK keep it: `setup()` logs a warning and
+returns their providers unchanged. Calling `setup()` twice returns the first
+result, so every worker or import path may call it.
+
+Exemplars: the Prometheus reader of opentelemetry-exporter-prometheus does
+not attach exemplars to the samples it hands to prometheus-client, so
+``/metrics`` carries none. Exemplars (trace ids on histogram buckets) travel
+by OTLP: the SDK samples them in the request context, the collector's
+``prometheus`` exporter exposes them as OpenMetrics, and a Prometheus started
+with ``--enable-feature=exemplar-storage`` keeps them (deploy/ does this).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from opentelemetry import metrics, trace
+from prometheus_client import REGISTRY, CollectorRegistry
+from prometheus_client.exposition import choose_encoder
+
+from . import __version__
+
+__all__ = ["TelemetrySetup", "setup", "metrics_endpoint", "default_instance_id"]
+
+log = logging.getLogger("otel_lock.telemetry")
+
+DEFAULT_SERVICE_NAME = "otel-lock"
+# Routes whose own requests should not show up in HTTP metrics and traces.
+DEFAULT_EXCLUDED_URLS = "/metrics,/healthz"
+_OTLP_ENDPOINT_VARS = (
+    "OTEL_EXPORTER_OTLP_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
+)
+
+
+@dataclass(frozen=True)
+class TelemetrySetup:
+    """What `setup()` installed (or found): providers, the /metrics registry, the resource."""
+
+    tracer_provider: Any
+    meter_provider: Any
+    registry: CollectorRegistry | None
+    resource: Any = None
+    installed: bool = True
+    otlp: bool = False
+    _instrumented: list = field(default_factory=list, repr=False, compare=False)
+
+    def instrument_app(self, app, excluded_urls: str = DEFAULT_EXCLUDED_URLS):
+        """Wrap an ASGI app with the OpenTelemetry ASGI middleware (HTTP server spans
+        and duration per route), using these providers.
+
+        Wrap the *outermost* app, e.g. ``app = telemetry.instrument_app(app)`` after
+        every ``add_middleware``: the route template is read from the scope after
+        Starlette's router filled it in.
+
+        Per route means the default (pre-stable) HTTP conventions: in
+        opentelemetry-instrumentation-asgi 0.66b2 only `http.server.duration`
+        (ms, Prometheus `http_server_duration_milliseconds`) carries the route
+        template, as `http.target`; the stable `http.server.request.duration` has
+        no `http.route` for plain ASGI apps. The dashboards query the former.
+        """
+        from opentelemetry.instrumentation.asgi import OpenTelemetryMiddleware
+
+        return OpenTelemetryMiddleware(
+            app, excluded_urls=excluded_urls,
+            tracer_provider=self.tracer_provider, meter_provider=self.meter_provider,
+        )
+
+
+_lock = threading.Lock()
+_current: TelemetrySetup | None = None
+_retired: list[TelemetrySetup] = []
+
+
+def default_instance_id() -> str:
+    """hostname-pid-random: unique per replica and per worker process, even across restarts."""
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def setup(
+    service_name: str = DEFAULT_SERVICE_NAME,
+    service_instance_id: str | None = None,
+    *,
+    prometheus: bool = True,
+    otlp: bool | None = None,
+    resource_attributes: Mapping[str, Any] | None = None,
+) -> TelemetrySetup:
+    """Install tracer and meter providers globally, once per process.
+
+    ``otlp=None`` enables OTLP when an ``OTEL_EXPORTER_OTLP_*ENDPOINT`` variable
+    is set; ``True`` forces it (default endpoint http://localhost:4318). With
+    ``prometheus=True`` the metrics are served by `metrics_endpoint`.
+    ``OTEL_SERVICE_NAME`` wins over the default service name, never over an
+    explicit one.
+    """
+    global _current
+    with _lock:
+        if _current is not None:
+            return _current
+        existing = _existing_sdk()
+        if existing is not None:
+            log.warning(
+                "otel_lock.telemetry.setup(): an OpenTelemetry SDK is already installed "
+                "(%s); keeping it, nothing was changed", existing)
+            _current = TelemetrySetup(
+                trace.get_tracer_provider(), metrics.get_meter_provider(), None, installed=False)
+            return _current
+        _current = _install(service_name, service_instance_id, prometheus, otlp, resource_attributes)
+        return _current
+
+
+def current() -> TelemetrySetup | None:
+    """The result of the first `setup()` call in this process, if any."""
+    return _current
+
+
+async def metrics_endpoint(request):
+    """Starlette endpoint: Prometheus exposition (text or OpenMetrics, as the scraper asks).
+
+    Serves the registry `setup()` created; without `setup()`, prometheus-client's
+    default registry (where an app's own PrometheusMetricReader registers).
+    """
+    from starlette.responses import Response
+
+    registry = _current.registry if _current is not None and _current.registry is not None else REGISTRY
+    encoder, content_type = choose_encoder(request.headers.get("accept", ""))
+    return Response(encoder(registry), media_type=content_type)
+
+
+# -- installation -----------------------------------------------------------
+
+
+def _existing_sdk() -> str | None:
+    """Name of an SDK provider the app installed itself, else None (API defaults)."""
+    for provider in (trace.get_tracer_provider(), metrics.get_meter_provider()):
+        if not _is_api_default(provider):
+            return type(provider).__name__
+    return None
+
+
+def _is_api_default(provider) -> bool:
+    # The API's proxy and no-op providers mean "nobody configured anything yet".
+    return type(provider).__name__ in {
+        "ProxyTracerProvider", "NoOpTracerProvider", "_ProxyMeterProvider", "NoOpMeterProvider"}
+
+
+def _install(service_name, service_instance_id, prometheus, otlp, resource_attributes) -> TelemetrySetup:
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.trace import TracerProvider
+
+    resource = _resource(service_name, service_instance_id, resource_attributes)
+    if otlp is None:
+        otlp = any(os.environ.get(name) for name in _OTLP_ENDPOINT_VARS)
+
+    readers = []
+    registry = None
+    if prometheus:
+        from opentelemetry.exporter.prometheus import PrometheusMetricReader
+
+        # A registry of our own: a second app or test in the process cannot collide
+        # with prometheus-client's global one.
+        registry = CollectorRegistry(auto_describe=True)
+        readers.append(PrometheusMetricReader(registry=registry))
+    # Without an exporter spans would be built and dropped: keep the API's no-op
+    # tracer (incoming traceparent headers still propagate) and pay nothing.
+    tracer_provider = None
+    if otlp:
+        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+        # Exporters and the reader read OTEL_EXPORTER_OTLP_* and
+        # OTEL_METRIC_EXPORT_INTERVAL themselves.
+        readers.append(PeriodicExportingMetricReader(OTLPMetricExporter()))
+        tracer_provider = TracerProvider(resource=resource)
+        tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        trace.set_tracer_provider(tracer_provider)
+    meter_provider = MeterProvider(resource=resource, metric_readers=readers)
+    metrics.set_meter_provider(meter_provider)
+    return TelemetrySetup(
+        tracer_provider or trace.get_tracer_provider(), meter_provider, registry, resource,
+        installed=True, otlp=bool(otlp))
+
+
+def _resource(service_name, service_instance_id, resource_attributes):
+    from opentelemetry.sdk.resources import Resource
+
+    attributes: dict[str, Any] = {"service.version": __version__}
+    if service_name != DEFAULT_SERVICE_NAME or not os.environ.get("OTEL_SERVICE_NAME"):
+        attributes["service.name"] = service_name
+    attributes.update(resource_attributes or {})
+    # OTEL_RESOURCE_ATTRIBUTES may carry an instance id (e.g. the pod name): keep it
+    # unless the caller names one.
+    if service_instance_id:
+        attributes["service.instance.id"] = service_instance_id
+    elif "service.instance.id" not in attributes:
+        from opentelemetry.sdk.resources import OTELResourceDetector
+
+        # Only OTEL_RESOURCE_ATTRIBUTES: Resource.create() alone would invent a random uuid.
+        from_env = OTELResourceDetector().detect().attributes.get("service.instance.id")
+        attributes["service.instance.id"] = from_env or default_instance_id()
+    return Resource.create(attributes)
+
+
+def _reset_for_tests() -> None:
+    """Forget the installed providers (tests only: the API's set-once globals are reset too)."""
+    global _current
+    from opentelemetry.util._once import Once
+
+    with _lock:
+        if _current is not None and _current.installed:
+            _current.meter_provider.shutdown()
+            if _current.otlp:
+                _current.tracer_provider.shutdown()
+            # Kept alive: otel_lock._telemetry caches instruments by id(provider), and a
+            # freed provider's id could be reused by the next test's provider.
+            _retired.append(_current)
+        _current = None
+    trace._TRACER_PROVIDER_SET_ONCE = Once()
+    trace._TRACER_PROVIDER = None
+    metrics._internal._METER_PROVIDER_SET_ONCE = Once()
+    metrics._internal._METER_PROVIDER = None

@@ -1,0 +1,165 @@
+"""otel_lock.telemetry.setup(): resource, idempotency, respect for an existing SDK, /metrics."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import httpx
+import pytest
+from opentelemetry import metrics, trace
+from opentelemetry.sdk.metrics import MeterProvider
+from starlette.applications import Starlette
+from starlette.routing import Route
+
+from otel_lock import telemetry
+from otel_lock._telemetry import Telemetry
+
+
+@pytest.fixture(autouse=True)
+def clean_otel(monkeypatch):
+    for name in ("OTEL_SERVICE_NAME", "OTEL_RESOURCE_ATTRIBUTES", "OTEL_EXPORTER_OTLP_ENDPOINT",
+                 "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"):
+        monkeypatch.delenv(name, raising=False)
+    telemetry._reset_for_tests()
+    yield
+    telemetry._reset_for_tests()
+
+
+def test_resource_names_the_service_and_a_unique_instance():
+    installed = telemetry.setup("shop", resource_attributes={"deployment.environment": "test"})
+    attributes = installed.resource.attributes
+    assert attributes["service.name"] == "shop"
+    assert attributes["deployment.environment"] == "test"
+    assert str(os.getpid()) in attributes["service.instance.id"]
+    assert telemetry.default_instance_id() != telemetry.default_instance_id()
+
+
+def test_explicit_instance_id_wins():
+    installed = telemetry.setup("shop", "replica-a")
+    assert installed.resource.attributes["service.instance.id"] == "replica-a"
+
+
+def test_otel_service_name_replaces_only_the_default(monkeypatch):
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "from-env")
+    assert telemetry.setup().resource.attributes["service.name"] == "from-env"
+    telemetry._reset_for_tests()
+    assert telemetry.setup("explicit").resource.attributes["service.name"] == "explicit"
+
+
+def test_instance_id_from_otel_resource_attributes_is_kept(monkeypatch):
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "service.instance.id=pod-7")
+    assert telemetry.setup().resource.attributes["service.instance.id"] == "pod-7"
+
+
+def test_setup_twice_returns_the_first_result():
+    first = telemetry.setup("shop")
+    second = telemetry.setup("other", prometheus=False)
+    assert second is first
+    assert metrics.get_meter_provider() is first.meter_provider
+
+
+def test_without_otlp_no_tracer_sdk_is_installed():
+    installed = telemetry.setup()
+    assert not installed.otlp
+    assert type(trace.get_tracer_provider()).__name__ == "ProxyTracerProvider"
+
+
+def test_an_existing_sdk_is_kept(caplog):
+    own = MeterProvider()
+    metrics.set_meter_provider(own)
+    with caplog.at_level(logging.WARNING, logger="otel_lock.telemetry"):
+        installed = telemetry.setup()
+    assert not installed.installed
+    assert installed.meter_provider is own
+    assert metrics.get_meter_provider() is own
+    assert "already installed" in caplog.text
+    own.shutdown()
+
+
+async def _scrape(installed, accept: str = "") -> httpx.Response:
+    telemetry_ = Telemetry(meter_provider=installed.meter_provider)
+    attrs = {"lock.name": "stock:{path.product_id}"}
+    telemetry_.wait_duration.record(0.02, {**attrs, "lock.outcome": "acquired", "lock.contended": True})
+    telemetry_.hold_duration.record(0.2, {**attrs, "lock.release.outcome": "released"})
+    telemetry_.errors.add(1, {**attrs, "lock.operation": "acquire", "error.type": "timeout"})
+    telemetry_.renewals.add(1, {**attrs, "lock.renewal.outcome": "ok"})
+    telemetry_.active.add(1, attrs)
+    telemetry_.pending.add(1, attrs)
+    telemetry_.idempotency_requests.add(1, {"http.route": "/api/orders", "idempotency.outcome": "stored"})
+    app = Starlette(routes=[Route("/metrics", telemetry.metrics_endpoint)])
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+        return await client.get("/metrics", headers={"accept": accept} if accept else {})
+
+
+@pytest.mark.parametrize("series", [
+    'otel_lock_wait_duration_seconds_count{lock_contended="true",lock_name="stock:{path.product_id}",'
+    'lock_outcome="acquired"',
+    'otel_lock_hold_duration_seconds_count{lock_name="stock:{path.product_id}",lock_release_outcome="released"',
+    'otel_lock_errors_total{error_type="timeout",lock_name="stock:{path.product_id}",lock_operation="acquire"',
+    'otel_lock_renewals_total{lock_name="stock:{path.product_id}",lock_renewal_outcome="ok"',
+    'otel_lock_active{lock_name="stock:{path.product_id}"',
+    'otel_lock_pending{lock_name="stock:{path.product_id}"',
+    'otel_lock_idempotency_requests_total{http_route="/api/orders",idempotency_outcome="stored"',
+])
+async def test_metrics_endpoint_uses_the_documented_prometheus_names(series):
+    response = await _scrape(telemetry.setup("shop", "r1"))
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    assert series in response.text
+
+
+async def test_metrics_endpoint_speaks_openmetrics_when_asked():
+    response = await _scrape(telemetry.setup(), "application/openmetrics-text; version=1.0.0")
+    assert response.headers["content-type"].startswith("application/openmetrics-text")
+    assert response.text.rstrip().endswith("# EOF")
+
+
+async def test_wait_buckets_are_the_advisory_seconds():
+    text = (await _scrape(telemetry.setup())).text
+    assert 'otel_lock_wait_duration_seconds_bucket{' in text
+    assert 'le="0.001"' in text and 'le="30.0"' in text
+    assert 'otel_lock_hold_duration_seconds_bucket{' in text and 'le="120.0"' in text
+
+
+def test_whole_path_in_a_fresh_process():
+    """Global providers, the ASGI instrumentation and the lock instruments, as an app uses them."""
+    script = textwrap.dedent("""
+        import asyncio, httpx
+        from starlette.applications import Starlette
+        from starlette.responses import JSONResponse
+        from starlette.routing import Route
+        from otel_lock import telemetry
+        from otel_lock._telemetry import get_telemetry
+
+        installed = telemetry.setup("shop", "replica-a")
+
+        async def deduct(request):
+            get_telemetry().wait_duration.record(0.01, {"lock.name": "stock:{path.product_id}",
+                                                        "lock.outcome": "acquired"})
+            return JSONResponse({})
+
+        app = Starlette(routes=[Route("/api/stock/{product_id}/deduct", deduct, methods=["POST"]),
+                                Route("/metrics", telemetry.metrics_endpoint)])
+        app = installed.instrument_app(app)
+
+        async def main():
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+                await client.post("/api/stock/7/deduct")
+                print((await client.get("/metrics")).text)
+        asyncio.run(main())
+    """)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                         timeout=60, check=True).stdout
+    assert 'target_info{service_instance_id="replica-a",service_name="shop"' in out
+    assert 'otel_lock_wait_duration_seconds_count{lock_name="stock:{path.product_id}"' in out
+    # HTTP duration per route template (never the concrete path); /metrics itself is excluded.
+    assert 'http_target="/api/stock/{product_id}/deduct"' in out
+    assert "http_server_duration_milliseconds_bucket{" in out
+    assert "/api/stock/7/deduct" not in out
+    assert 'http_target="/metrics"' not in out

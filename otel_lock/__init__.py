@@ -1,3 +1,17 @@
 """otel-lock: an asyncio Redis lock for Starlette/FastAPI replicas, observable with OpenTelemetry."""
 
 __version__ = "0.1.0"
+
+from ._errors import LockError, LockLost, LockTimeout, RedisUnavailable
+from ._lock import HeldLock, LockInfo, LockManager
+
+__all__ = [
+    "HeldLock",
+    "LockError",
+    "LockInfo",
+    "LockLost",
+    "LockManager",
+    "LockTimeout",
+    "RedisUnavailable",
+    "__version__",
+]

@@ -1,0 +1,31 @@
+"""The exceptions of otel-lock.
+
+    LockError              base of everything below
+     ├── LockTimeout       not acquired within `wait`
+     ├── LockLost          the lease was lost while the caller held the lock
+     └── RedisUnavailable  Redis could not be reached within the socket timeout
+
+Bad arguments raise ValueError with a message that names the problem.
+"""
+
+from __future__ import annotations
+
+
+class LockError(Exception):
+    """Base class; `key` is the lock's Redis key when one is concerned."""
+
+    def __init__(self, message: str, *, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+class LockTimeout(LockError):
+    """The lock was not acquired within the caller's `wait`."""
+
+
+class LockLost(LockError):
+    """The lease expired or was taken over while the holder still ran."""
+
+
+class RedisUnavailable(LockError):
+    """Redis did not answer (refused, reset, or timed out)."""

@@ -1,0 +1,567 @@
+"""LockManager and the held lock: acquire, re-enter, release, lose.
+
+Reentrancy is per key and per context: a context variable maps each key this
+task (or its parent, when the task was spawned) holds to its lease, so a
+nested `lock("k")` re-enters with the same owner while any other caller
+(a sibling task, another request) acquires with a fresh owner and waits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+import random
+import uuid
+from contextvars import ContextVar
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Mapping
+from urllib.parse import urlsplit
+
+import redis.asyncio as aioredis
+from opentelemetry import trace
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
+
+from . import _scripts
+from ._errors import LockError, LockLost, LockTimeout, RedisUnavailable
+from ._telemetry import Telemetry, current_traceparent, get_telemetry, suppressed
+from ._waiting import PROMOTED, Waiting
+from ._watchdog import NEVER, Watchdog
+
+log = logging.getLogger("otel_lock")
+
+MAX_KEY_LENGTH = 512
+MIN_LEASE = 0.1
+_DEFAULT: Any = object()
+_HELD: ContextVar[Mapping[tuple[str, str], "Lease"]] = ContextVar("otel_lock_held", default=MappingProxyType({}))
+_MANAGER_OPTIONS = (
+    "namespace", "lease", "wait", "cancel_on_lost", "fence_ttl", "grace", "poll_cap",
+    "renew_interval", "tracer_provider", "meter_provider",
+)
+
+
+@dataclass(frozen=True)
+class LockInfo:
+    """A lock as Redis sees it, for `otel-lock locks`."""
+
+    key: str
+    owner: str
+    depth: int
+    ttl: float
+    token: int
+
+
+def _text(value: bytes | str | None) -> str:
+    return value.decode() if isinstance(value, bytes) else (value or "")
+
+
+def default_name(key: str) -> str:
+    """`lock.name` when none is given: the key up to its first ':', so ids stay off metrics."""
+    return key.split(":", 1)[0]
+
+
+def _check_seconds(what: str, value: float, *, allow_zero: bool, allow_inf: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{what} must be a number of seconds, not {value!r}")
+    if math.isnan(value) or value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{what} must be {'>= 0' if allow_zero else '> 0'} seconds, not {value!r}")
+    if math.isinf(value) and not allow_inf:
+        raise ValueError(f"{what} must be finite, not {value!r}")
+    return float(value)
+
+
+class Lease:
+    """One lock held in Redis by one owner; reentrant holds share it."""
+
+    def __init__(self, manager: LockManager, key: str, name: str, owner: str, token: int,
+                 lease: float, renew: bool, cancel_on_lost: bool, now: float, granted_for: float) -> None:
+        self.manager, self.name, self.owner, self.token = manager, name, owner, token
+        self.lock_key = key
+        self.key = manager._keys(key)[0]
+        self.renew_ms = int(lease * 1000)
+        self.renew = renew
+        self.renew_every = manager.renew_interval if renew else NEVER
+        self.drift = lease * 0.01 + 0.002
+        self.cancel_on_lost = cancel_on_lost
+        self.task = asyncio.current_task()
+        self.span = trace.get_current_span()
+        self.acquired_at = now
+        self.depth = 1
+        self.lost = asyncio.Event()
+        self.lost_reason = ""
+        self.cancelled_by_us = False
+        self.ended = False
+        if granted_for < lease:
+            # handed over with the short grace lease: top it up soon, trust it for half
+            self.expires_at = now + granted_for / 2
+            self.renew_at = now + granted_for / 4
+        else:
+            self.expires_at = now + lease - self.drift
+            self.renew_at = now + self.renew_every
+
+    def confirmed(self, sent_at: float) -> None:
+        self.expires_at = sent_at + self.renew_ms / 1000 - self.drift
+        self.renew_at = sent_at + self.renew_every
+
+
+class HeldLock:
+    """What `lock()` yields and `try_lock()` returns: one (possibly nested) hold."""
+
+    __slots__ = ("_lease", "depth", "_release")
+
+    def __init__(self, lease: Lease, depth: int) -> None:
+        self._lease = lease
+        self.depth = depth
+        self._release: asyncio.Future | None = None
+
+    key = property(lambda self: self._lease.key, doc="The full Redis key.")
+    name = property(lambda self: self._lease.name, doc="The `lock.name` of metrics and spans.")
+    owner = property(lambda self: self._lease.owner, doc="The owner id in Redis.")
+    token = property(lambda self: self._lease.token, doc="Fencing token: strictly increasing per key.")
+    lost = property(lambda self: self._lease.lost, doc="asyncio.Event set once the lease is known lost.")
+
+    async def release(self) -> bool:
+        """Release this hold; False if the lock was no longer ours. Idempotent, safe to cancel."""
+        if self._release is None:
+            self._lease.manager._forget(self)
+            self._release = asyncio.ensure_future(self._lease.manager._release(self))
+        return await asyncio.shield(self._release)
+
+    def __repr__(self) -> str:
+        return f"<HeldLock {self.key} owner={self.owner} token={self.token} depth={self.depth}>"
+
+
+class _LockContext:
+    """`async with manager.lock(...)`: acquire on enter, release on exit, LockLost on loss."""
+
+    __slots__ = ("_manager", "_args", "_held")
+
+    def __init__(self, manager: LockManager, args: dict) -> None:
+        self._manager, self._args, self._held = manager, args, None
+
+    async def __aenter__(self) -> HeldLock:
+        self._held = await self._manager.acquire(**self._args)
+        return self._held
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        held, self._held = self._held, None
+        lease = held._lease
+        try:
+            await held.release()
+        except RedisUnavailable as error:
+            log.warning("otel-lock: could not release %s, it will expire by itself: %s", lease.key, error)
+        except asyncio.CancelledError as cancelled:
+            # The loss's cancellation reached us here, after the body finished.
+            self._raise_lost(lease, cancelled)
+            raise
+        if exc_type is not None and issubclass(exc_type, asyncio.CancelledError):
+            self._raise_lost(lease, exc)
+
+    @staticmethod
+    def _raise_lost(lease: Lease, cancelled: BaseException | None) -> None:
+        task = asyncio.current_task()
+        if lease.cancelled_by_us and task is not None and task.uncancel() == 0:
+            raise LockLost(f"lease of {lease.key} was lost: {lease.lost_reason}", key=lease.key) from cancelled
+
+
+class LockManager:
+    """Hands out locks from one Redis; one subscriber and one watchdog per manager."""
+
+    def __init__(self, redis: aioredis.Redis, *, namespace: str = "otel-lock", lease: float = 30.0,
+                 wait: float = 5.0, cancel_on_lost: bool = False, fence_ttl: float = 3600.0,
+                 grace: float = 0.5, poll_cap: float = 0.5, renew_interval: float | None = None,
+                 tracer_provider=None, meter_provider=None) -> None:
+        if not isinstance(namespace, str) or not namespace or "{" in namespace or "}" in namespace:
+            raise ValueError(f"namespace must be a non-empty string without '{{' or '}}', not {namespace!r}")
+        self.redis = redis
+        self.namespace = namespace
+        self.lease = _check_seconds("lease", lease, allow_zero=False)
+        if self.lease < MIN_LEASE:
+            raise ValueError(f"lease must be at least {MIN_LEASE} s, not {lease!r}")
+        self.renew_interval = self.lease / 3 if renew_interval is None else _check_seconds(
+            "renew_interval", renew_interval, allow_zero=False)
+        if self.renew_interval >= self.lease:
+            raise ValueError(f"lease ({lease} s) must be longer than the renewal interval ({self.renew_interval} s)")
+        self.wait = _check_seconds("wait", wait, allow_zero=True, allow_inf=True)
+        self.cancel_on_lost = bool(cancel_on_lost)
+        self.fence_ttl_ms = int(_check_seconds("fence_ttl", fence_ttl, allow_zero=False) * 1000)
+        self.grace_ms = int(_check_seconds("grace", grace, allow_zero=False) * 1000)
+        self.poll_cap = _check_seconds("poll_cap", poll_cap, allow_zero=False)
+        self.telemetry: Telemetry = get_telemetry(tracer_provider, meter_provider)
+        self.id = uuid.uuid4().hex[:12]
+        self._ids = itertools.count(1)
+        self._waiting = Waiting(redis, f"{namespace}:wake:{self.id}")
+        self._watchdog = Watchdog(self)
+        self._owns_client = False
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> "LockManager":
+        """A manager with its own client; Redis options (socket_timeout, ...) go to redis-py."""
+        scheme = urlsplit(url).scheme if isinstance(url, str) else None
+        if scheme not in ("redis", "rediss", "unix"):
+            raise ValueError(f"unknown Redis URL scheme in {url!r}: use redis://, rediss:// or unix://")
+        manager_options = {k: options.pop(k) for k in _MANAGER_OPTIONS if k in options}
+        options.setdefault("socket_timeout", 2.0)
+        options.setdefault("socket_connect_timeout", options["socket_timeout"])
+        # One immediate retry: a pooled connection that died with a Redis restart.
+        options.setdefault("retry", Retry(NoBackoff(), 1))
+        manager = cls(aioredis.Redis.from_url(url, **options), **manager_options)
+        manager._owns_client = True
+        return manager
+
+    # -- public API ----------------------------------------------------------
+
+    def lock(self, key: str, *, wait: float | None = None, lease: float | None = None, owner: str | None = None,
+             name: str | None = None, cancel_on_lost: bool | None = None) -> _LockContext:
+        """`async with manager.lock("stock:1") as held:`; LockTimeout after `wait` seconds."""
+        return _LockContext(self, dict(key=key, wait=wait, lease=lease, owner=owner, name=name,
+                                       cancel_on_lost=cancel_on_lost))
+
+    async def try_lock(self, key: str, *, lease: float | None = None, owner: str | None = None,
+                       name: str | None = None, cancel_on_lost: bool | None = None) -> HeldLock | None:
+        """Take the lock if it is free right now, else None (no waiting)."""
+        try:
+            return await self.acquire(key, wait=0, lease=lease, owner=owner, name=name, cancel_on_lost=cancel_on_lost)
+        except LockTimeout:
+            return None
+
+    async def acquire(self, key: str, *, wait: float | None = None, lease: float | None = None,
+                      owner: str | None = None, name: str | None = None,
+                      cancel_on_lost: bool | None = None) -> HeldLock:
+        """Acquire and return the hold; release it with `await held.release()`."""
+        self._check_key(key)
+        wait = self.wait if wait is None else _check_seconds("wait", wait, allow_zero=True, allow_inf=True)
+        renew = lease is None
+        lease = self.lease if lease is None else _check_seconds("lease", lease, allow_zero=False)
+        if lease < 0.01:
+            raise ValueError(f"lease must be at least 0.01 s, not {lease!r}")
+        if owner is not None and (not isinstance(owner, str) or not owner):
+            raise ValueError(f"owner must be a non-empty string, not {owner!r}")
+        name = name or default_name(key)
+        cancel_on_lost = self.cancel_on_lost if cancel_on_lost is None else cancel_on_lost
+        held = _HELD.get().get((self.id, key)) if owner is None else None
+        if held is not None and not held.ended and not held.lost.is_set():
+            return await self._reenter(held)
+        return await self._acquire(key, wait, lease, renew, owner, name, cancel_on_lost)
+
+    async def held_locks(self) -> list[LockInfo]:
+        """Every lock held in this namespace (SCAN, for operators)."""
+        pattern = _glob_escape(self.namespace) + ":{*}"
+        keys = [_text(k) async for k in self.redis.scan_iter(match=pattern, count=1000)]
+        if not keys:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for key in keys:
+            pipe.hgetall(key)
+            pipe.pttl(key)
+        answers = await pipe.execute()
+        infos = []
+        for key, fields, pttl in zip(keys, answers[::2], answers[1::2]):
+            fields = {_text(k): _text(v) for k, v in fields.items()}
+            if fields.get("owner"):
+                infos.append(LockInfo(key, fields["owner"], int(fields.get("depth") or 0),
+                                      max(pttl, 0) / 1000, int(fields.get("token") or 0)))
+        return sorted(infos, key=lambda info: info.key)
+
+    async def force_release(self, key: str) -> bool:
+        """Release whoever holds `key` (an operator's last resort); waiters are handed the lock."""
+        self._check_key(key)
+        keys = self._keys(key)
+        owner = await self.redis.hget(keys[0], "owner")
+        released = bool(await self._call(_scripts.force_release, keys, [self.fence_ttl_ms, self.grace_ms],
+                                         "release", default_name(key)))
+        if released:
+            log.warning("otel-lock: forced release of %s (owner was %s)", keys[0], _text(owner))
+        return released
+
+    async def aclose(self) -> None:
+        """Stop the watchdog and subscriber; locks still held expire after their lease."""
+        await self._watchdog.aclose()
+        await self._waiting.aclose()
+        if self._owns_client:
+            await self.redis.aclose()
+
+    async def __aenter__(self) -> "LockManager":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # -- acquiring -------------------------------------------------------------
+
+    def _keys(self, key: str) -> tuple[str, str, str, str]:
+        lock = f"{self.namespace}:{{{key}}}"
+        return lock, lock + ":fence", lock + ":q", lock + ":w"
+
+    @staticmethod
+    def _check_key(key: str) -> None:
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"lock key must be a non-empty string, not {key!r}")
+        if len(key) > MAX_KEY_LENGTH:
+            raise ValueError(f"lock key is {len(key)} characters long; the limit is {MAX_KEY_LENGTH}")
+        if "{" in key or "}" in key:
+            raise ValueError(f"lock key {key!r} must not contain '{{' or '}}' (they delimit the Redis Cluster hash tag)")
+
+    async def _reenter(self, lease: Lease) -> HeldLock:
+        telemetry = self.telemetry
+        with telemetry.acquire_span(lease.name) as span:
+            res = await self._call(_scripts.acquire, self._keys(lease.lock_key),
+                                   [lease.owner, "-", lease.renew_ms, "1", "-1", "", self.fence_ttl_ms, ""],
+                                   "acquire", lease.name)
+            if res[0] != 1:
+                self._lose(lease, "the lease was gone when the lock was re-entered")
+                raise LockLost(f"lease of {lease.key} was lost before re-entry", key=lease.key)
+            lease.depth += 1
+            depth = int(res[2])
+            if span.is_recording():
+                span.set_attributes({"lock.name": lease.name, "lock.key": lease.key, "lock.owner": lease.owner,
+                                     "lock.token": lease.token, "lock.depth": depth, "lock.attempts": 1,
+                                     "lock.contended": False, "lock.outcome": "acquired"})
+            telemetry.wait_duration.record(0.0, {"lock.name": lease.name, "lock.outcome": "acquired",
+                                                 "lock.contended": False})
+        return HeldLock(lease, depth)
+
+    async def _acquire(self, key: str, wait: float, lease: float, renew: bool, owner: str | None,
+                       name: str, cancel_on_lost: bool) -> HeldLock:
+        telemetry = self.telemetry
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        deadline = start + wait
+        waiter_id = f"{self.id}:{next(self._ids)}"
+        owner = owner or waiter_id
+        reenter = "0" if owner == waiter_id else "1"
+        keys = self._keys(key)
+        lease_ms = int(lease * 1000)
+        ctx = current_traceparent() if trace.get_current_span().get_span_context().is_valid else ""
+        attrs = {"lock.name": name}
+        outcome, error_type, contended, attempts = "error", None, False, 0
+        granted_for = lease
+
+        def args(queue_ms: str) -> list:
+            return [owner, waiter_id, lease_ms, reenter, queue_ms, ctx, self.fence_ttl_ms, self._waiting.channel]
+
+        def budget() -> str:
+            return "0" if math.isinf(wait) else str(max(1, int((deadline - loop.time()) * 1000)))
+
+        with telemetry.acquire_span(name) as span:
+            try:
+                queued = wait > 0 and self._waiting.ready
+                res = await self._call(_scripts.acquire, keys, args(budget() if queued else "-1"), "acquire", name)
+                attempts = 1
+                if res[0] != 1:
+                    contended = True
+                    telemetry.link_holder(span, _text(res[2]))
+                    if wait <= 0:
+                        raise LockTimeout(f"lock {keys[0]} is held by another owner", key=keys[0])
+                    res, granted_for, more = await self._wait(keys, args, budget, queued, deadline, res, name)
+                    attempts += more
+                outcome = "acquired"
+            except LockTimeout:
+                outcome, error_type = "timeout", "timeout"
+                telemetry.set_error(span, "timeout")
+                raise
+            except asyncio.CancelledError:
+                outcome = "cancelled"
+                raise
+            except RedisUnavailable:
+                error_type = "redis_unavailable"
+                telemetry.set_error(span, "redis unavailable")
+                raise
+            except LockError:
+                error_type = "redis_error"
+                telemetry.set_error(span, "redis error")
+                raise
+            finally:
+                now = loop.time()
+                metric = {"lock.name": name, "lock.outcome": outcome, "lock.contended": contended}
+                if error_type:
+                    metric["error.type"] = error_type
+                telemetry.wait_duration.record(now - start, metric)
+                if span.is_recording():
+                    span.set_attributes({"lock.name": name, "lock.key": keys[0], "lock.owner": owner,
+                                         "lock.attempts": attempts, "lock.contended": contended,
+                                         "lock.outcome": outcome})
+            token, depth = int(res[1]), int(res[2])
+            if span.is_recording():
+                span.set_attributes({"lock.token": token, "lock.depth": depth})
+        held_lease = Lease(self, key, name, owner, token, lease, renew, cancel_on_lost, now, granted_for)
+        if depth > 1:  # explicit shared owner that already held it
+            held_lease.depth = depth
+        telemetry.active.add(1, attrs)
+        self._watchdog.add(held_lease)
+        _HELD.set(MappingProxyType({**_HELD.get(), (self.id, key): held_lease}))
+        return HeldLock(held_lease, depth)
+
+    async def _wait(self, keys, args, budget, queued, deadline, res, name):
+        """Wait in the queue until handed the lock, polling only as a fallback."""
+        loop = asyncio.get_running_loop()
+        telemetry = self.telemetry
+        attrs = {"lock.name": name}
+        telemetry.pending.add(1, attrs)
+        waiter = None
+        attempts = 0
+        try:
+            try:
+                await self._waiting.start()
+            except (RedisError, OSError) as exc:
+                raise RedisUnavailable(f"Redis is unavailable (subscribe): {exc}", key=keys[0]) from exc
+            waiter, _ = self._waiting.add(args("-")[1], keys[0])
+            if not queued:
+                res = await self._call(_scripts.acquire, keys, args(budget()), "acquire", name)
+                attempts += 1
+                if res[0] == 1:
+                    return res, math.inf, attempts
+            pttl = int(res[1])
+            while True:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    token = waiter.grant()
+                    if token is not None:
+                        return [1, token, 1], self.grace_ms / 1000, attempts
+                    raise LockTimeout(f"lock {keys[0]} was not acquired within the wait", key=keys[0])
+                timeout = remaining
+                if self._waiting.is_first(waiter):
+                    timeout = min(timeout, self._poll_delay(pttl))
+                value = await waiter.next(timeout)
+                if isinstance(value, int):
+                    return [1, value, 1], self.grace_ms / 1000, attempts
+                if value == PROMOTED or (value is None and deadline <= loop.time()):
+                    continue
+                res = await self._call(_scripts.acquire, keys, args(budget()), "acquire", name)
+                attempts += 1
+                if res[0] == 1:
+                    return res, math.inf, attempts
+                pttl = int(res[1])
+        except BaseException:
+            if waiter is not None:
+                await asyncio.shield(self._abandon(keys, args("-"), waiter, name))
+            raise
+        finally:
+            if waiter is not None:
+                self._waiting.remove(waiter)
+            telemetry.pending.add(-1, attrs)
+
+    def _poll_delay(self, pttl_ms: int) -> float:
+        """Fallback poll: when the holder's lease would run out, at most `poll_cap`, jittered."""
+        bound = self.poll_cap if pttl_ms < 0 else min(pttl_ms / 1000, self.poll_cap)
+        return max(0.005, bound) * random.uniform(0.8, 1.1)
+
+    async def _abandon(self, keys, args, waiter, name) -> None:
+        """A waiter gives up: leave the queue, or pass on a lock handed to it meanwhile."""
+        owner, waiter_id = args[0], args[1]
+        try:
+            if waiter.grant() is not None:
+                await self._call(_scripts.release, keys, [owner, self.fence_ttl_ms, self.grace_ms], "release", name)
+            else:
+                await self._call(_scripts.leave, keys, [waiter_id, owner, self.fence_ttl_ms, self.grace_ms],
+                                 "release", name)
+        except LockError as error:
+            # The queue entry expires with its deadline; a hand-over to us after `grace`.
+            log.warning("otel-lock: could not leave the queue of %s: %s", keys[0], error)
+
+    # -- releasing and losing ------------------------------------------------
+
+    def _forget(self, held: HeldLock) -> None:
+        """Drop the key from this context's held map when its outermost hold ends."""
+        lease = held._lease
+        if lease.depth > 1:
+            return
+        current = _HELD.get()
+        ident = (self.id, lease.lock_key)
+        if current.get(ident) is lease:
+            _HELD.set(MappingProxyType({k: v for k, v in current.items() if k != ident}))
+
+    async def _release(self, held: HeldLock) -> bool:
+        lease = held._lease
+        if lease.ended:
+            return False
+        lease.depth -= 1
+        final = lease.depth <= 0
+        if final:
+            self._watchdog.discard(lease)  # never renew what is being released
+        keys = self._keys(lease.lock_key)
+        try:
+            res = await self._call(_scripts.release, keys, [lease.owner, self.fence_ttl_ms, self.grace_ms],
+                                   "release", lease.name)
+        except LockError:
+            if final:
+                self._end(lease, "error")
+            raise
+        if res == -1:
+            outcome = "lost" if lease.renew else "expired"
+            if not lease.lost.is_set():
+                self._lose(lease, "the lock was no longer ours at release", count=False)
+            self._end(lease, outcome)
+            return False
+        if final:
+            self._end(lease, "released")
+        return True
+
+    def _end(self, lease: Lease, outcome: str) -> None:
+        if lease.ended:
+            return
+        lease.ended = True
+        self._watchdog.discard(lease)
+        loop = asyncio.get_running_loop()
+        self.telemetry.hold_duration.record(loop.time() - lease.acquired_at,
+                                            {"lock.name": lease.name, "lock.release.outcome": outcome})
+        self.telemetry.active.add(-1, {"lock.name": lease.name})
+        if lease.span.is_recording():
+            lease.span.add_event(f"lock {outcome}", {"lock.name": lease.name, "lock.token": lease.token})
+
+    def _lose(self, lease: Lease, reason: str, count: bool = True) -> None:
+        """The lease is gone: tell the holder, and cancel it if it asked for that."""
+        if lease.lost.is_set():
+            return
+        lease.lost_reason = reason
+        lease.lost.set()
+        self._watchdog.discard(lease)
+        if count and lease.renew:
+            self.telemetry.renewals.add(1, {"lock.name": lease.name, "lock.renewal.outcome": "lost"})
+        if lease.span.is_recording():
+            lease.span.add_event("lock lost", {"lock.name": lease.name, "lock.token": lease.token,
+                                               "lock.lost.reason": reason})
+        log.warning("otel-lock: lease of %s lost: %s", lease.key, reason)
+        task = lease.task
+        if lease.cancel_on_lost and task is not None and not task.done() and not lease.ended:
+            lease.cancelled_by_us = True
+            task.cancel(f"otel-lock: lease of {lease.key} lost")
+
+    def _count_renewal(self, lease: Lease, outcome: str, error: BaseException | None = None) -> None:
+        self.telemetry.renewals.add(1, {"lock.name": lease.name, "lock.renewal.outcome": outcome})
+        if error is not None:
+            self.telemetry.errors.add(1, {"lock.name": lease.name, "lock.operation": "renew",
+                                          "error.type": _error_type(error)})
+            if lease.span.is_recording():
+                lease.span.add_event("lock renewal failed", {"lock.name": lease.name, "error.type": _error_type(error)})
+
+    # -- Redis -----------------------------------------------------------------
+
+    async def _call(self, script: _scripts.Script, keys, args, operation: str, name: str):
+        try:
+            with suppressed():
+                return await script(self.redis, keys, args)
+        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            self.telemetry.errors.add(1, {"lock.name": name, "lock.operation": operation,
+                                          "error.type": "redis_unavailable"})
+            raise RedisUnavailable(f"Redis is unavailable ({operation} {keys[0]}): {exc}", key=keys[0]) from exc
+        except RedisError as exc:
+            self.telemetry.errors.add(1, {"lock.name": name, "lock.operation": operation,
+                                          "error.type": "redis_error"})
+            raise LockError(f"Redis refused {operation} of {keys[0]}: {exc}", key=keys[0]) from exc
+
+
+def _error_type(error: BaseException) -> str:
+    if isinstance(error, (RedisConnectionError, RedisTimeoutError, OSError)):
+        return "redis_unavailable"
+    return "redis_error"
+
+
+def _glob_escape(text: str) -> str:
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)

@@ -1,0 +1,198 @@
+"""Every Lua script of otel-lock, with the Redis data model they share.
+
+One lock named N in namespace S uses four keys, all under the Redis Cluster
+hash tag `{N}` so that a script can touch them together on any topology:
+
+    S:{N}        hash   owner, depth, token, ctx (holder's traceparent),
+                        waiter (id of the waiter it was handed to, if any)
+    S:{N}:fence  string last fencing token; expires `fence_ttl` after last use
+    S:{N}:q      zset   waiting callers in arrival order (score: Redis time, us)
+    S:{N}:w      hash   waiter id -> JSON [deadline_us (0: none), lease_ms,
+                        owner, ctx, wake channel]
+
+Fencing tokens are seeded from Redis `TIME` in microseconds and bumped past
+the last one, so they increase strictly per key even after the fence key has
+expired, without leaving a permanent key behind per lock name.
+
+A release with waiters does not delete the lock: it hands it to the first live
+waiter (direct hand-over, FIFO) with a short lease (`grace_ms`) and publishes
+the grant to that waiter's manager only. The waiter needs no round trip to
+take it; if it died, the lock is free again after `grace_ms`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Sequence
+
+from redis.exceptions import NoScriptError
+
+_COMMON = r"""
+local function now_us()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+
+local function mint(fence, fence_ttl_ms, now)
+  local token = now
+  local last = tonumber(redis.call('GET', fence) or '0')
+  if last >= token then token = last + 1 end
+  redis.call('SET', fence, string.format('%.0f', token), 'PX', fence_ttl_ms)
+  return token
+end
+
+local function hand_over(lock, fence, queue, waiters, fence_ttl_ms, grace_ms)
+  local now = nil
+  while true do
+    local head = redis.call('ZPOPMIN', queue)
+    if #head == 0 then
+      redis.call('DEL', lock)
+      return 0
+    end
+    local info = redis.call('HGET', waiters, head[1])
+    if info then
+      redis.call('HDEL', waiters, head[1])
+      local w = cjson.decode(info)
+      now = now or now_us()
+      if w[1] == 0 or w[1] > now then
+        local token = string.format('%.0f', mint(fence, fence_ttl_ms, now))
+        redis.call('DEL', lock)
+        redis.call('HSET', lock, 'owner', w[3], 'depth', 1, 'token', token, 'ctx', w[4], 'waiter', head[1])
+        redis.call('PEXPIRE', lock, math.min(w[2], grace_ms))
+        redis.call('PUBLISH', w[5], head[1] .. ' ' .. token)
+        return 1
+      end
+    end
+  end
+end
+"""
+
+# ACQUIRE: take the lock, re-enter it, or join its queue.
+# KEYS: lock, fence, queue, waiters
+# ARGV: owner, waiter id, lease_ms, reenter ('1': same owner may nest),
+#       queue_ms (-1: do not queue; 0: queue without deadline; n: queue for n ms),
+#       ctx (traceparent), fence_ttl_ms, wake channel
+# Returns {1, token, depth} when held, {0, pttl_ms, holder_ctx} when busy.
+ACQUIRE = _COMMON + r"""
+local lock, fence, queue, waiters = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local owner, waiter, lease = ARGV[1], ARGV[2], ARGV[3]
+local holder = redis.call('HGET', lock, 'owner')
+if holder == owner then
+  local depth
+  if redis.call('HGET', lock, 'waiter') == waiter then
+    -- handed to this waiter, whose wake-up message was lost
+    redis.call('HDEL', lock, 'waiter')
+    depth = 1
+  elseif ARGV[4] == '1' then
+    depth = redis.call('HINCRBY', lock, 'depth', 1)
+  else
+    return redis.error_reply('owner ' .. owner .. ' already holds the lock')
+  end
+  if redis.call('PTTL', lock) < tonumber(lease) then redis.call('PEXPIRE', lock, lease) end
+  if ARGV[5] ~= '-1' then
+    redis.call('ZREM', queue, waiter)
+    redis.call('HDEL', waiters, waiter)
+  end
+  return {1, tonumber(redis.call('HGET', lock, 'token')), depth}
+end
+if not holder then
+  local token = mint(fence, ARGV[7], now_us())
+  redis.call('HSET', lock, 'owner', owner, 'depth', 1, 'token', string.format('%.0f', token), 'ctx', ARGV[6])
+  redis.call('PEXPIRE', lock, lease)
+  if ARGV[5] ~= '-1' then
+    redis.call('ZREM', queue, waiter)
+    redis.call('HDEL', waiters, waiter)
+  end
+  return {1, token, 1}
+end
+if ARGV[5] ~= '-1' and not redis.call('ZSCORE', queue, waiter) then
+  local now = now_us()
+  local budget = tonumber(ARGV[5])
+  local deadline, keep_ms = 0, 3600000
+  if budget > 0 then deadline, keep_ms = now + budget * 1000, budget + 60000 end
+  redis.call('ZADD', queue, now, waiter)
+  redis.call('HSET', waiters, waiter, cjson.encode({deadline, tonumber(lease), owner, ARGV[6], ARGV[8]}))
+  if redis.call('PTTL', queue) < keep_ms then
+    redis.call('PEXPIRE', queue, keep_ms)
+    redis.call('PEXPIRE', waiters, keep_ms)
+  end
+end
+return {0, redis.call('PTTL', lock), redis.call('HGET', lock, 'ctx') or ''}
+"""
+
+# RELEASE: owner-checked; the last release hands over to the next waiter.
+# KEYS: lock, fence, queue, waiters
+# ARGV: owner, fence_ttl_ms, grace_ms
+# Returns -1 when the caller is not the owner (nothing touched), else the
+# depth left (0: released, and handed over if anyone waited).
+RELEASE = _COMMON + r"""
+if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return -1 end
+local depth = redis.call('HINCRBY', KEYS[1], 'depth', -1)
+if depth > 0 then return depth end
+hand_over(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[2], ARGV[3])
+return 0
+"""
+
+# LEAVE: a waiter gives up (timeout, cancellation). If the lock was handed to
+# it in the meantime, it is passed on at once instead of idling for grace_ms.
+# KEYS: lock, fence, queue, waiters
+# ARGV: waiter id, owner, fence_ttl_ms, grace_ms
+# Returns 1 when a hand-over to this waiter was undone, else 0.
+LEAVE = _COMMON + r"""
+redis.call('ZREM', KEYS[3], ARGV[1])
+redis.call('HDEL', KEYS[4], ARGV[1])
+if redis.call('HGET', KEYS[1], 'waiter') == ARGV[1] and redis.call('HGET', KEYS[1], 'owner') == ARGV[2] then
+  hand_over(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[3], ARGV[4])
+  return 1
+end
+return 0
+"""
+
+# RENEW: extend many leases in one call.
+# KEYS: lock keys
+# ARGV: owner and lease_ms for each key, in order (2 per key)
+# Returns one 1 (renewed) or 0 (no longer ours) per key.
+RENEW = r"""
+local out = {}
+for i = 1, #KEYS do
+  if redis.call('HGET', KEYS[i], 'owner') == ARGV[2 * i - 1] then
+    redis.call('PEXPIRE', KEYS[i], ARGV[2 * i])
+    out[i] = 1
+  else
+    out[i] = 0
+  end
+end
+return out
+"""
+
+# FORCE_RELEASE: release whoever holds the lock (operator command), then hand over.
+# KEYS: lock, fence, queue, waiters
+# ARGV: fence_ttl_ms, grace_ms
+# Returns 1 if a lock was held, else 0.
+FORCE_RELEASE = _COMMON + r"""
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+hand_over(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[1], ARGV[2])
+return 1
+"""
+
+
+class Script:
+    """A script called by SHA, loaded again when Redis has forgotten it (restart, SCRIPT FLUSH)."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.sha = hashlib.sha1(source.encode()).hexdigest()
+
+    async def __call__(self, client, keys: Sequence[str], args: Sequence[object]):
+        try:
+            return await client.evalsha(self.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            await client.script_load(self.source)
+            return await client.evalsha(self.sha, len(keys), *keys, *args)
+
+
+acquire = Script(ACQUIRE)
+release = Script(RELEASE)
+leave = Script(LEAVE)
+renew = Script(RENEW)
+force_release = Script(FORCE_RELEASE)

@@ -1,0 +1,164 @@
+"""Wake-on-release: one subscriber connection per manager, one waiter woken per release.
+
+A release hands the lock to the first live waiter in the lock's Redis queue
+and publishes `<waiter id> <token>` on that waiter's manager channel, so only
+the new holder wakes. Locally, waiters of one lock are kept in arrival order
+and only the first of them polls Redis as a fallback (bounded by the holder's
+remaining TTL), so a lost message never strands anybody and the poll rate
+does not grow with the number of waiters. After the subscriber reconnects
+(messages may have been lost meanwhile) every waiter polls once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import OrderedDict
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+log = logging.getLogger("otel_lock")
+
+POLL = "poll"          # look at Redis now
+PROMOTED = "promoted"  # became the first local waiter: start the fallback poll
+
+
+class Waiter:
+    """One caller waiting for one lock; `wake` resolves it with a token, POLL or PROMOTED."""
+
+    __slots__ = ("id", "key", "_future")
+
+    def __init__(self, waiter_id: str, key: str) -> None:
+        self.id = waiter_id
+        self.key = key
+        self._future: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    def wake(self, value: object) -> None:
+        # A token beats a pending POLL/PROMOTED: never overwrite a grant.
+        if self._future.done():
+            if isinstance(value, int) and not isinstance(self._future.result(), int):
+                self._future = asyncio.get_running_loop().create_future()
+            else:
+                return
+        self._future.set_result(value)
+
+    async def next(self, timeout: float | None) -> object | None:
+        """The next wake-up, or None after `timeout` seconds."""
+        future = self._future
+        try:
+            async with asyncio.timeout(timeout):
+                value = await asyncio.shield(future)
+        except TimeoutError:
+            return None
+        if self._future is future and not isinstance(value, int):
+            self._future = asyncio.get_running_loop().create_future()
+        return value
+
+    def grant(self) -> int | None:
+        """The token if the lock was handed to this waiter already."""
+        if self._future.done() and isinstance(self._future.result(), int):
+            return self._future.result()
+        return None
+
+
+class Waiting:
+    """The manager's subscriber and its registry of local waiters."""
+
+    def __init__(self, redis, channel: str) -> None:
+        self._redis = redis
+        self.channel = channel
+        self._waiters: dict[str, Waiter] = {}
+        self._by_key: dict[str, OrderedDict[str, Waiter]] = {}
+        self._task: asyncio.Task | None = None
+        self._subscribed: asyncio.Future | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self._subscribed is not None and self._subscribed.done() and not self._subscribed.exception()
+
+    async def start(self) -> None:
+        """Subscribe once; later calls return at once."""
+        if self._task is None or self._task.done():
+            self._subscribed = asyncio.get_running_loop().create_future()
+            self._task = asyncio.create_task(self._listen(), name="otel-lock subscriber")
+        await asyncio.shield(self._subscribed)
+
+    def add(self, waiter_id: str, key: str) -> tuple[Waiter, bool]:
+        """Register a waiter; returns it and whether it is the first local waiter of its key."""
+        waiter = Waiter(waiter_id, key)
+        self._waiters[waiter_id] = waiter
+        queue = self._by_key.setdefault(key, OrderedDict())
+        queue[waiter_id] = waiter
+        return waiter, len(queue) == 1
+
+    def is_first(self, waiter: Waiter) -> bool:
+        queue = self._by_key.get(waiter.key)
+        return bool(queue) and next(iter(queue)) == waiter.id
+
+    def remove(self, waiter: Waiter) -> None:
+        self._waiters.pop(waiter.id, None)
+        queue = self._by_key.get(waiter.key)
+        if queue is None:
+            return
+        was_first = next(iter(queue), None) == waiter.id
+        queue.pop(waiter.id, None)
+        if not queue:
+            del self._by_key[waiter.key]
+        elif was_first:
+            next(iter(queue.values())).wake(PROMOTED)
+
+    def _poll_all(self) -> None:
+        for waiter in list(self._waiters.values()):
+            waiter.wake(POLL)
+
+    async def _listen(self) -> None:
+        pubsub = self._redis.pubsub()
+        first = True
+        try:
+            while True:
+                try:
+                    if not pubsub.subscribed:
+                        await pubsub.subscribe(self.channel)
+                    message = await pubsub.get_message(timeout=1.0)
+                except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+                    if first and self._subscribed is not None and not self._subscribed.done():
+                        self._subscribed.set_exception(exc)
+                        return
+                    log.warning("otel-lock subscriber lost its connection (%s); waiters poll", exc)
+                    self._poll_all()
+                    await asyncio.sleep(0.2)
+                    with contextlib.suppress(Exception):
+                        await pubsub.reset()
+                    pubsub = self._redis.pubsub()
+                    continue
+                if message is None:
+                    continue
+                kind = message["type"]
+                if kind in ("subscribe", b"subscribe"):
+                    if first:
+                        first = False
+                        self._subscribed.set_result(None)
+                    else:
+                        self._poll_all()  # re-subscribed: grants may have been missed
+                elif kind in ("message", b"message"):
+                    self._deliver(message["data"])
+        finally:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(pubsub.aclose())
+
+    def _deliver(self, data: bytes | str) -> None:
+        if isinstance(data, bytes):
+            data = data.decode()
+        waiter_id, _, token = data.rpartition(" ")
+        waiter = self._waiters.get(waiter_id)
+        if waiter is not None:
+            waiter.wake(int(token))
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+            self._task = None

@@ -1,0 +1,125 @@
+"""`@locked(...)` and `@idempotent(...)`: route annotations read by LockMiddleware.
+
+They wrap nothing: FastAPI and Starlette register the very function object,
+so the decorator only records itself in an attribute, which makes it work in
+either order around `@app.post(...)`. The same objects are the values of
+`LockMiddleware(rules={...})`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ._keys import KeyTemplate, parse_template
+
+ATTR = "__otel_lock__"
+MIB = 1024 * 1024
+
+
+def _attach(obj: Any, kind: str, annotation: Any) -> Any:
+    existing = getattr(obj, ATTR, None) or {}
+    if kind in existing:
+        raise ValueError(f"{getattr(obj, '__qualname__', obj)!r} already has a @{kind} annotation")
+    # A new dict, never an update: functools.wraps shares __dict__ between a
+    # wrapper and its target, and annotating one must not annotate the other.
+    setattr(obj, ATTR, {**existing, kind: annotation})
+    return obj
+
+
+def _check_seconds(what: str, value: float | None, *, allow_zero: bool) -> None:
+    if value is None:
+        return
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{what} must be a {'non-negative' if allow_zero else 'positive'} number of seconds, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Locked:
+    template: KeyTemplate
+    wait: float | None = None
+    lease: float | None = None
+    status: int = 409
+    fail_open: bool = False
+    hash_parts: bool = False
+    name: str | None = None
+    retry_after: float | None = None
+
+    kind = "locked"
+
+    @property
+    def lock_name(self) -> str:
+        """The metric/span label: the template or an explicit name, never a concrete key."""
+        return self.name or self.template.template
+
+    def __call__(self, endpoint: Callable) -> Callable:
+        return _attach(endpoint, self.kind, self)
+
+
+@dataclass(frozen=True)
+class Idempotent:
+    ttl: float = 86400.0
+    required: bool = True
+    principal: Callable[[Any], Any] | None = None
+    wait_for_inflight: float = 0.0
+    retry_on_5xx: bool = False
+    max_body: int = MIB
+    retry_after: float = 1.0
+
+    kind = "idempotent"
+
+    def __call__(self, endpoint: Callable) -> Callable:
+        return _attach(endpoint, self.kind, self)
+
+
+def locked(
+    template: str, *, wait: float | None = None, lease: float | None = None, status: int = 409,
+    fail_open: bool = False, hash_parts: bool = False, name: str | None = None, retry_after: float | None = None,
+) -> Locked:
+    """Take the lock named by `template` before the handler runs; release after the response."""
+    _check_seconds("wait", wait, allow_zero=True)
+    _check_seconds("lease", lease, allow_zero=False)
+    _check_seconds("retry_after", retry_after, allow_zero=True)
+    if not isinstance(status, int) or not 400 <= status <= 599:
+        raise ValueError(f"status must be a 4xx or 5xx code, got {status!r}")
+    if name is not None and (not isinstance(name, str) or not name):
+        raise ValueError("name must be a non-empty string")
+    return Locked(parse_template(template), wait, lease, status, fail_open, hash_parts, name, retry_after)
+
+
+def idempotent(
+    *, ttl: float = 86400, required: bool = True, principal: Callable[[Any], Any] | None = None,
+    wait_for_inflight: float = 0, retry_on_5xx: bool = False, max_body: int = MIB, retry_after: float = 1,
+) -> Idempotent:
+    """Honour the Idempotency-Key header: run once, replay the stored response to retries."""
+    _check_seconds("ttl", ttl, allow_zero=False)
+    _check_seconds("wait_for_inflight", wait_for_inflight, allow_zero=True)
+    _check_seconds("retry_after", retry_after, allow_zero=True)
+    if principal is not None and not callable(principal):
+        raise ValueError("principal must be a callable taking the request")
+    if not isinstance(max_body, int) or max_body < 0:
+        raise ValueError(f"max_body must be a non-negative number of bytes, got {max_body!r}")
+    return Idempotent(float(ttl), required, principal, float(wait_for_inflight), retry_on_5xx, max_body,
+                      float(retry_after))
+
+
+def annotations_of(endpoint: Any, method: str | None = None) -> dict[str, Any]:
+    """Annotations of an endpoint: an HTTPEndpoint's method (then class), following `__wrapped__`."""
+    found: dict[str, Any] = {}
+    targets = []
+    if inspect.isclass(endpoint) and method:
+        handler = getattr(endpoint, method.lower(), None)
+        if handler is None and method.upper() == "HEAD":
+            handler = getattr(endpoint, "get", None)
+        targets.append(handler)
+    targets.append(endpoint)
+    for target in targets:
+        seen = 0
+        while target is not None and seen < 32:  # a bound on pathological __wrapped__ cycles
+            for kind, annotation in (getattr(target, ATTR, None) or {}).items():
+                found.setdefault(kind, annotation)
+            # functools.wraps-style wrappers, then functools.partial
+            target = getattr(target, "__wrapped__", None) or getattr(target, "func", None)
+            seen += 1
+    return found

@@ -1,0 +1,171 @@
+"""Key templates: `stock:{path.product_id}` -> `stock:1001`, safely.
+
+A template is parsed once, when the route is annotated, so a typo fails at
+import time instead of on the first request. Each value is percent-encoded
+outside a small safe set, so no value can introduce `:`, `{`, `}`, `*`,
+newlines or unicode into the key; values that are too long become a hash.
+Escaped values never contain a separator (a safe-set outsider other than
+`%`), and templates must put one between two placeholders: that makes the
+mapping from value tuples to keys injective, so no request can forge
+another one's key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Callable
+
+SOURCES = ("path", "query", "header", "json")
+MAX_NAME = 512            # the lock core's limit on a lock name
+MAX_PART = 64             # escaped values longer than this are hashed
+SECRET_ENV = "OTEL_LOCK_HASH_SECRET"
+
+_SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~")
+_PLACEHOLDER = re.compile(r"\{([^{}]*)\}")
+_FIELD = re.compile(r"^[A-Za-z0-9_\-]+$")
+# "%h"/"%k" can never come out of escaping ("h", "k" are not hex digits),
+# so a hashed value cannot collide with an escaped one.
+_HASHED, _KEYED = "%h", "%k"
+
+
+class TemplateValueError(ValueError):
+    """A request lacks a value the key template needs, or the value is ill-formed (-> 400)."""
+
+
+def escape(value: str) -> str:
+    """Percent-encode UTF-8 bytes outside the safe set; hash the result if it is too long."""
+    raw = value.encode("utf-8", "surrogatepass")
+    out = "".join(chr(b) if b in _SAFE else f"%{b:02X}" for b in raw)
+    if len(out) > MAX_PART:
+        return _HASHED + hashlib.sha256(raw).hexdigest()[:32]
+    return out
+
+
+def keyed_hash(secret: bytes, value: str) -> str:
+    """HMAC of a value for `hash_parts=True`: the raw value never reaches Redis or telemetry."""
+    digest = hmac.new(secret, value.encode("utf-8", "surrogatepass"), hashlib.sha256).hexdigest()
+    return _KEYED + digest[:32]
+
+
+def resolve_secret(explicit: str | bytes | None, fallback: str) -> bytes:
+    """The HMAC secret: explicit option, else $OTEL_LOCK_HASH_SECRET, else a per-namespace salt.
+
+    The fallback must be the same on every replica (a random one would give
+    each replica different keys for one value, and no exclusion), so it is
+    derived from the namespace: values are still not readable, but low-entropy
+    values (phone numbers) can be guessed. Set a secret when keys carry PII.
+    """
+    secret = explicit if explicit is not None else os.environ.get(SECRET_ENV)
+    if secret is None:
+        secret = "otel-lock:" + fallback
+    return secret.encode() if isinstance(secret, str) else bytes(secret)
+
+
+@dataclass(frozen=True)
+class Part:
+    source: str             # path, query, header, json
+    field: str              # path param, query name, lower-case header name, or dotted json path
+    text: str               # the placeholder as written, for error messages
+
+    @property
+    def json_path(self) -> tuple[str, ...]:
+        return tuple(self.field.split("."))
+
+
+@dataclass(frozen=True)
+class KeyTemplate:
+    """A parsed template: literal pieces around placeholders, ready to render."""
+
+    template: str
+    literals: tuple[str, ...]     # len(parts) + 1 pieces
+    parts: tuple[Part, ...]
+
+    @property
+    def needs_body(self) -> bool:
+        return any(p.source == "json" for p in self.parts)
+
+    def render(self, lookup: Callable[[Part], str], secret: bytes | None = None) -> str:
+        """Build the lock name; `lookup` raises TemplateValueError for absent values."""
+        out = [self.literals[0]]
+        for part, literal in zip(self.parts, self.literals[1:]):
+            value = lookup(part)
+            out.append(keyed_hash(secret, value) if secret is not None else escape(value))
+            out.append(literal)
+        return "".join(out)
+
+
+def parse_template(template: str) -> KeyTemplate:
+    """Parse `prefix:{source.field}:...`; raises ValueError naming what is wrong."""
+    if not isinstance(template, str) or not template:
+        raise ValueError("lock key template must be a non-empty string")
+    literals: list[str] = []
+    parts: list[Part] = []
+    pos = 0
+    for m in _PLACEHOLDER.finditer(template):
+        literals.append(template[pos:m.start()])
+        parts.append(_parse_part(template, m.group(1), m.group(0)))
+        pos = m.end()
+    literals.append(template[pos:])
+    for literal in literals:
+        _check_literal(template, literal)
+    for i, literal in enumerate(literals[1:-1], start=1):
+        if not any(ch not in _SAFE_STR and ch != "%" for ch in literal):
+            raise ValueError(
+                f"lock key template {template!r}: {parts[i - 1].text} and {parts[i].text} must be "
+                f"separated by a delimiter such as ':' (otherwise two values could run together)"
+            )
+    worst = sum(len(x) for x in literals) + len(parts) * MAX_PART
+    if worst > MAX_NAME:
+        raise ValueError(f"lock key template {template!r} can produce names longer than {MAX_NAME} characters")
+    return KeyTemplate(template, tuple(literals), tuple(parts))
+
+
+_SAFE_STR = frozenset(chr(b) for b in _SAFE)
+
+
+def _parse_part(template: str, inner: str, text: str) -> Part:
+    source, dot, field = inner.partition(".")
+    if not dot or source not in SOURCES:
+        raise ValueError(
+            f"lock key template {template!r}: placeholder {text} must be one of "
+            + ", ".join(f"{{{s}.NAME}}" for s in SOURCES)
+        )
+    names = field.split(".") if source == "json" else [field]
+    if not all(_FIELD.match(n) for n in names):
+        raise ValueError(f"lock key template {template!r}: {text} names an empty or ill-formed field")
+    if source == "header":
+        field = field.lower()
+    return Part(source, field, text)
+
+
+def _check_literal(template: str, literal: str) -> None:
+    if "{" in literal or "}" in literal:
+        raise ValueError(f"lock key template {template!r} has an unbalanced '{{' or '}}'")
+    if any(not (0x20 < ord(ch) < 0x7F) for ch in literal):
+        raise ValueError(f"lock key template {template!r}: literal text must be printable ASCII without spaces")
+    if "*" in literal:
+        # Not a forgery risk, but `otel-lock locks` and SCAN patterns treat '*' specially.
+        raise ValueError(f"lock key template {template!r} must not contain '*'")
+
+
+def json_value(body: Any, part: Part) -> str:
+    """Walk a dotted path through a decoded JSON body; scalars only."""
+    node = body
+    for step in part.json_path:
+        if isinstance(node, dict) and step in node:
+            node = node[step]
+        elif isinstance(node, list) and step.isdigit() and int(step) < len(node):
+            node = node[int(step)]
+        else:
+            raise TemplateValueError(f"JSON body has no field {part.field!r} (needed by {part.text})")
+    if node is None:
+        raise TemplateValueError(f"JSON field {part.field!r} is null (needed by {part.text})")
+    if isinstance(node, bool):
+        return "true" if node else "false"
+    if isinstance(node, (str, int, float)):
+        return str(node)
+    raise TemplateValueError(f"JSON field {part.field!r} must be a string or a number (needed by {part.text})")

@@ -1,0 +1,198 @@
+"""Find the route of a request before the router runs.
+
+LockMiddleware sits outside the router, so it asks each route the router's
+own question, `route.matches(scope)`, and stops at the first FULL match,
+descending into Mounts (routers with prefixes, mounted sub-apps) the way the
+router would. The annotations of a route are looked up once and cached.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from starlette.routing import Host, Match, Mount, compile_path
+
+from ._annotations import Idempotent, Locked, annotations_of
+
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+
+
+@dataclass(frozen=True)
+class RouteMatch:
+    route: str                      # the template, e.g. /api/stock/{product_id}/deduct (http.route)
+    path_params: dict[str, Any]
+    locked: Locked | None
+    idempotent: Idempotent | None
+
+
+@dataclass(frozen=True)
+class _Rule:
+    methods: frozenset[str] | None  # None: any method
+    path_format: str
+    regex: Any
+    convertors: dict
+    annotations: dict[str, Any]
+
+
+def parse_rules(rules: dict[str, Any] | None) -> list[_Rule]:
+    """`{"POST /api/x/{id}": locked(...)}` (a list/tuple of annotations also works)."""
+    parsed = []
+    for spec, value in (rules or {}).items():
+        method, _, path = spec.strip().rpartition(" ")
+        if not path.startswith("/"):
+            raise ValueError(f"rule {spec!r} must look like 'POST /path/{{param}}'")
+        methods = frozenset(m.strip().upper() for m in method.split(",") if m.strip()) or None
+        if methods and "*" in methods:
+            methods = None
+        if methods and "GET" in methods:
+            methods = methods | {"HEAD"}
+        annotations: dict[str, Any] = {}
+        for annotation in value if isinstance(value, (list, tuple)) else [value]:
+            if not isinstance(annotation, (Locked, Idempotent)):
+                raise ValueError(f"rule {spec!r}: values must be locked(...) or idempotent(...), got {annotation!r}")
+            if annotation.kind in annotations:
+                raise ValueError(f"rule {spec!r} has two {annotation.kind} annotations")
+            annotations[annotation.kind] = annotation
+        regex, path_format, convertors = compile_path(path)
+        parsed.append(_Rule(methods, path_format, regex, convertors, annotations))
+    return parsed
+
+
+def _format(template: str) -> str:
+    """`/x/{id:int}` -> `/x/{id}`: rules and routes compare without convertors."""
+    try:
+        return compile_path(template)[1]
+    except (AssertionError, ValueError, KeyError):
+        return template
+
+
+def _child_routes(route: Any) -> list | None:
+    if isinstance(route, (Mount, Host)):
+        return list(route.routes)
+    return None
+
+
+class RouteResolver:
+    """Route lookup for one wrapped app: one walk per request, annotations cached per route."""
+
+    def __init__(self, rules: dict[str, Any] | None = None) -> None:
+        self.rules = parse_rules(rules)
+        self._cache: dict[tuple[int, str], tuple[Any, dict[str, Any]]] = {}
+        self._prepared: set[int] = set()
+
+    def resolve(self, scope: dict, routes: Iterable[Any]) -> RouteMatch | None:
+        found = _walk(routes, scope, "")
+        if found is None:
+            return self._rule_only(scope)
+        route, template, child_scope = found
+        annotations = self._annotations(route, template, scope["method"])
+        if not annotations:
+            return None
+        return RouteMatch(template, dict(child_scope.get("path_params", {})),
+                          annotations.get("locked"), annotations.get("idempotent"))
+
+    def _annotations(self, route: Any, template: str, method: str) -> dict[str, Any]:
+        key = (id(route), method)
+        cached = self._cache.get(key)
+        if cached is not None and cached[0] is route:
+            return cached[1]
+        annotations = annotations_of(getattr(route, "endpoint", None), method)
+        path_format = _format(template)
+        for rule in self.rules:
+            if rule.path_format == path_format and (rule.methods is None or method in rule.methods):
+                annotations = {**annotations, **rule.annotations}  # rules win over decorators
+                break
+        self._cache[key] = (route, annotations)
+        return annotations
+
+    def _rule_only(self, scope: dict) -> RouteMatch | None:
+        """Apps without Starlette routes (plain ASGI): match the rules' own paths."""
+        path = scope.get("path", "")
+        root = scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root):]
+        for rule in self.rules:
+            if rule.methods is not None and scope["method"] not in rule.methods:
+                continue
+            m = rule.regex.match(path)
+            if m:
+                params = {k: rule.convertors[k].convert(v) for k, v in m.groupdict().items()}
+                return RouteMatch(rule.path_format, params,
+                                  rule.annotations.get("locked"), rule.annotations.get("idempotent"))
+        return None
+
+    def prepare_openapi(self, routes: Iterable[Any]) -> None:
+        """Show `Idempotency-Key` on FastAPI operations that honour it (once per routes list).
+
+        FastAPI builds the schema from each route's `openapi_extra`, lazily, on
+        the first /openapi.json; this runs on the first request the middleware
+        sees, so it is in place before that, whatever the decorator order.
+        """
+        if id(routes) in self._prepared:
+            return
+        self._prepared.add(id(routes))
+        for route, template in _all_routes(routes, ""):
+            if not hasattr(route, "openapi_extra"):
+                continue
+            methods = sorted(getattr(route, "methods", None) or ["POST"])
+            for method in methods:
+                idem = self._annotations(route, template, method).get("idempotent")
+                if idem is not None:
+                    _add_header_parameter(route, idem)
+                    break
+
+
+def _walk(routes: Iterable[Any], scope: dict, prefix: str) -> tuple[Any, str, dict] | None:
+    for route in routes:
+        match, child = route.matches(scope)
+        if match is not Match.FULL:
+            continue  # PARTIAL (wrong method) is the router's 405, never locked
+        template = prefix + getattr(route, "path", "")
+        children = _child_routes(route)
+        if children is None:
+            return route, template, {**scope, **child}
+        # The router hands the request to this Mount whatever happens inside,
+        # so a miss below is a miss overall: no second candidate.
+        return _walk(children, {**scope, **child}, template)
+    return None
+
+
+def _all_routes(routes: Iterable[Any], prefix: str):
+    for route in routes:
+        template = prefix + getattr(route, "path", "")
+        children = _child_routes(route)
+        if children is None:
+            yield route, template
+        else:
+            yield from _all_routes(children, template)
+
+
+def _add_header_parameter(route: Any, idem: Idempotent) -> None:
+    extra = dict(route.openapi_extra or {})
+    params = list(extra.get("parameters", []))
+    if any(p.get("in") == "header" and str(p.get("name", "")).lower() == "idempotency-key" for p in params):
+        return
+    params.append({
+        "name": IDEMPOTENCY_HEADER, "in": "header", "required": idem.required,
+        "description": "Unique key for this operation (Structured Field string, 1-255 printable ASCII "
+                       "characters); a retry with the same key and payload replays the stored response.",
+        "schema": {"type": "string", "minLength": 1, "maxLength": 257},
+    })
+    extra["parameters"] = params
+    # A new dict: include_router shares one openapi_extra between copies of a route.
+    route.openapi_extra = extra
+
+
+def find_routes(app: Any, scope: dict) -> Any:
+    """The routes list of the wrapped app: walk `.app` down to a router, else the scope's app."""
+    node, seen = app, 0
+    while node is not None and seen < 32:
+        routes = getattr(node, "routes", None)
+        if isinstance(routes, list):
+            return routes
+        node = getattr(node, "app", None)
+        seen += 1
+    outer = scope.get("app")
+    routes = getattr(outer, "routes", None)
+    return routes if isinstance(routes, list) else []

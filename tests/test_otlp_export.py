@@ -1,0 +1,56 @@
+"""OTLP end to end: lock spans and metrics reach a receiver as OTLP/HTTP protobuf."""
+
+from __future__ import annotations
+
+import pytest
+
+from otel_lock import telemetry
+
+from ._telemetry_helpers import OtlpReceiver
+
+
+@pytest.fixture
+def receiver(monkeypatch):
+    with OtlpReceiver() as receiver:
+        for name in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
+                     "OTEL_SERVICE_NAME", "OTEL_RESOURCE_ATTRIBUTES"):
+            monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint)
+        telemetry._reset_for_tests()
+        yield receiver
+        telemetry._reset_for_tests()
+
+
+async def test_lock_spans_and_metrics_arrive_over_otlp(receiver, redis_client):
+    from otel_lock import LockManager
+
+    installed = telemetry.setup("shop", "replica-a", prometheus=False)
+    assert installed.otlp, "OTEL_EXPORTER_OTLP_ENDPOINT alone turns OTLP on"
+    locks = LockManager(redis_client, namespace="otlp-test",
+                        tracer_provider=installed.tracer_provider, meter_provider=installed.meter_provider)
+    try:
+        async with locks.lock("stock:1", name="stock:{id}"):
+            pass
+    finally:
+        await locks.aclose()
+    assert installed.tracer_provider.force_flush()
+    assert installed.meter_provider.force_flush()
+
+    assert receiver.wait_for(lambda: receiver.spans and receiver.metrics)
+    assert "lock acquire stock:{id}" in {span.name for span in receiver.spans}
+    names = {metric.name for metric in receiver.metrics}
+    assert {"otel_lock.wait.duration", "otel_lock.hold.duration", "otel_lock.active"} <= names
+    wait = next(m for m in receiver.metrics if m.name == "otel_lock.wait.duration")
+    assert wait.unit == "s"
+    point = wait.histogram.data_points[0]
+    attributes = {a.key: a.value.string_value for a in point.attributes}
+    assert attributes["lock.name"] == "stock:{id}"
+    assert attributes["lock.outcome"] == "acquired"
+    resource = {a.key: a.value.string_value for a in receiver.resources[0].attributes}
+    assert resource["service.name"] == "shop"
+    assert resource["service.instance.id"] == "replica-a"
+
+
+def test_explicit_otlp_false_wins_over_the_environment(receiver):
+    installed = telemetry.setup(otlp=False)
+    assert not installed.otlp

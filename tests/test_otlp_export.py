@@ -6,7 +6,7 @@ import pytest
 
 from otel_lock import telemetry
 
-from ._telemetry_helpers import OtlpReceiver
+from _telemetry_helpers import OtlpReceiver
 
 
 @pytest.fixture

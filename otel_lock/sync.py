@@ -1,0 +1,141 @@
+"""A blocking facade over LockManager for scripts and cron jobs.
+
+The async core runs on a private event-loop thread; every call is submitted
+to it and waited for. Reentrancy is per thread: a thread that already holds
+a key re-enters it (same owner, depth + 1). A blocked thread cannot be
+cancelled, so a lost lease shows as `held.lost.is_set()` (check it between
+steps of long work) and as a False return from `release()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+from ._lock import HeldLock, LockManager
+
+
+class SyncHeldLock:
+    """A hold seen from a thread: key, owner, token, depth, lost (threading.Event)."""
+
+    def __init__(self, manager: "SyncLockManager", held: HeldLock, lost: threading.Event) -> None:
+        self._manager, self._held, self.lost = manager, held, lost
+        self.key, self.name, self.owner, self.token, self.depth = held.key, held.name, held.owner, held.token, held.depth
+
+    def release(self) -> bool:
+        return self._manager._release(self)
+
+    def __repr__(self) -> str:
+        return f"<SyncHeldLock {self.key} owner={self.owner} token={self.token} depth={self.depth}>"
+
+
+class SyncLockManager:
+    """`with locks.lock("job:cleanup"):` from plain threads."""
+
+    def __init__(self, url: str, **options: Any) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="otel-lock loop", daemon=True)
+        self._thread.start()
+        self._held = threading.local()
+        try:
+            self._manager: LockManager = self._run(self._make(url, options))
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> "SyncLockManager":
+        return cls(url, **options)
+
+    @staticmethod
+    async def _make(url: str, options: dict) -> LockManager:
+        return LockManager.from_url(url, **options)
+
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    @contextmanager
+    def lock(self, key: str, **options: Any) -> Iterator[SyncHeldLock]:
+        held = self.acquire(key, **options)
+        try:
+            yield held
+        finally:
+            held.release()
+
+    def try_lock(self, key: str, **options: Any) -> SyncHeldLock | None:
+        held = self._held_map().get(key)
+        if held is None:
+            found = self._run(self._manager.try_lock(key, **options))
+            return None if found is None else self._wrap(key, found)
+        return self.acquire(key, **options)
+
+    def acquire(self, key: str, **options: Any) -> SyncHeldLock:
+        """Block until held (LockTimeout after `wait`); re-enters a key this thread holds."""
+        outer = self._held_map().get(key)
+        if outer is not None and not outer.lost.is_set():
+            options["owner"] = outer.owner
+        held = self._run(self._manager.acquire(key, **options))
+        return self._wrap(key, held)
+
+    def _wrap(self, key: str, held: HeldLock) -> SyncHeldLock:
+        held_map = self._held_map()
+        outer = held_map.get(key)
+        lost = outer.lost if outer is not None else threading.Event()
+        if outer is None:
+            self._loop.call_soon_threadsafe(self._watch_lost, held, lost)
+        wrapped = SyncHeldLock(self, held, lost)
+        if outer is None:
+            held_map[key] = wrapped
+        return wrapped
+
+    @staticmethod
+    def _watch_lost(held: HeldLock, lost: threading.Event) -> None:
+        async def watch() -> None:
+            await held.lost.wait()
+            lost.set()
+
+        task = asyncio.ensure_future(watch())
+        held._lease.lost_watch = task  # keep a reference; it ends with the lease's event
+
+    def _release(self, wrapped: SyncHeldLock) -> bool:
+        held_map = self._held_map()
+        for key, value in list(held_map.items()):
+            if value is wrapped:
+                del held_map[key]
+        return self._run(wrapped._held.release())
+
+    def _held_map(self) -> dict[str, SyncHeldLock]:
+        if not hasattr(self._held, "map"):
+            self._held.map = {}
+        return self._held.map
+
+    def held_locks(self):
+        return self._run(self._manager.held_locks())
+
+    def force_release(self, key: str) -> bool:
+        return self._run(self._manager.force_release(key))
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._run(self._manager.aclose())
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        async def cancel_rest() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(cancel_rest(), self._loop).result()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    def __enter__(self) -> "SyncLockManager":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,331 @@
+"""The lock core in one process, against a real redis-server."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+
+from otel_lock import LockError, LockLost, LockManager, LockTimeout, RedisUnavailable
+from otel_lock._redis_server import free_port
+
+
+@pytest.fixture
+async def locks(redis_url):
+    manager = LockManager.from_url(redis_url, namespace="t", wait=5.0)
+    yield manager
+    await manager.aclose()
+
+
+@pytest.fixture
+async def other(redis_url):
+    manager = LockManager.from_url(redis_url, namespace="t", wait=5.0)
+    yield manager
+    await manager.aclose()
+
+
+async def until(predicate, deadline: float = 10.0) -> None:
+    """Poll Redis state until `predicate()` holds; fail instead of hanging."""
+    async with asyncio.timeout(deadline):
+        while not await predicate():
+            await asyncio.sleep(0.01)
+
+
+async def queued(redis_client, key: str, n: int) -> None:
+    await until(lambda: _zcard_is(redis_client, f"t:{{{key}}}:q", n))
+
+
+async def _zcard_is(client, key, n):
+    return await client.zcard(key) == n
+
+
+async def test_lock_sets_owner_token_and_releases(locks, redis_client):
+    async with locks.lock("stock:1") as held:
+        assert held.key == "t:{stock:1}"
+        assert held.depth == 1
+        assert await redis_client.hget(held.key, "owner") == held.owner.encode()
+        assert isinstance(held.token, int) and held.token > 0
+        assert not held.lost.is_set()
+    assert await redis_client.exists("t:{stock:1}") == 0
+
+
+async def test_reentrancy_in_one_task_keeps_token_and_counts_depth(locks, other, redis_client):
+    async with locks.lock("k") as outer:
+        async with locks.lock("k") as inner:
+            assert inner.depth == 2
+            assert inner.token == outer.token and inner.owner == outer.owner
+            assert await redis_client.hget(outer.key, "depth") == b"2"
+        assert await redis_client.hget(outer.key, "depth") == b"1"
+        assert await other.try_lock("k") is None
+    assert await redis_client.exists("t:{k}") == 0
+
+
+async def test_concurrent_task_waits_for_the_holder(locks, redis_client):
+    events = []
+    go = asyncio.Event()
+
+    async def second():
+        await go.wait()
+        async with locks.lock("k"):
+            events.append("second acquired")
+
+    task = asyncio.create_task(second())  # spawned before the lock is held: not a child of the hold
+    async with locks.lock("k"):
+        go.set()
+        await queued(redis_client, "k", 1)
+        events.append("first releasing")
+    await asyncio.wait_for(task, 5)
+    assert events == ["first releasing", "second acquired"]
+
+
+async def test_sibling_tasks_taking_a_new_key_exclude_each_other(locks):
+    inside = 0
+    overlaps = []
+    entered = []
+
+    async def child(i):
+        nonlocal inside
+        async with locks.lock("b") as held:
+            inside += 1
+            overlaps.append(inside)
+            entered.append(held.owner)
+            await asyncio.sleep(0.01)
+            inside -= 1
+
+    async with locks.lock("a"):
+        await asyncio.gather(*(child(i) for i in range(3)))
+    assert overlaps == [1, 1, 1]
+    assert len(set(entered)) == 3
+
+
+async def test_child_task_re_enters_a_key_its_parent_holds(locks):
+    async with locks.lock("a") as parent:
+        async def child():
+            async with locks.lock("a", wait=0) as held:
+                return held.depth, held.owner
+
+        depth, owner = await asyncio.create_task(child())
+    assert (depth, owner) == (2, parent.owner)
+
+
+async def test_two_managers_are_two_clients_even_in_one_task(locks, other):
+    async with locks.lock("k"):
+        assert await other.try_lock("k") is None
+
+
+async def test_explicit_owner_shares_ownership(locks, other):
+    async with locks.lock("k", owner="batch-7") as first:
+        held = await other.try_lock("k", owner="batch-7")
+        assert held is not None and held.depth == 2 and held.token == first.token
+        assert await held.release()
+
+
+async def test_release_by_a_non_owner_never_deletes_the_lock(locks, redis_client):
+    held = await locks.acquire("k")
+    await redis_client.hset("t:{k}", "owner", "someone-else")
+    assert await held.release() is False
+    assert await redis_client.hget("t:{k}", "owner") == b"someone-else"
+    assert held.lost.is_set()
+
+
+async def test_fixed_lease_expires_without_renewal(locks, other, redis_client):
+    held = await locks.acquire("k", lease=0.3)
+    assert 0 < await redis_client.pttl("t:{k}") <= 300
+    async with asyncio.timeout(5):
+        await held.lost.wait()
+    async with other.lock("k", wait=5) as taken:
+        assert taken.token > held.token
+    assert await held.release() is False
+
+
+async def test_watchdog_keeps_a_lease_alive_past_three_leases(redis_url, redis_client):
+    async with LockManager.from_url(redis_url, namespace="t", lease=0.3) as locks:
+        async with locks.lock("k") as held:
+            await asyncio.sleep(1.2)  # four leases of wall time: the premise, not a synchronisation
+            assert not held.lost.is_set()
+            assert await redis_client.hget("t:{k}", "owner") == held.owner.encode()
+            assert await redis_client.pttl("t:{k}") > 0
+
+
+async def test_lease_lost_cancels_the_holder_with_lock_lost(redis_url, redis_client):
+    async with LockManager.from_url(redis_url, namespace="t", lease=0.3, cancel_on_lost=True) as locks:
+        never = asyncio.Event()
+        with pytest.raises(LockLost, match="lost"):
+            async with asyncio.timeout(10):
+                async with locks.lock("k") as held:
+                    await redis_client.delete("t:{k}")
+                    await never.wait()
+        assert held.lost.is_set()
+
+
+async def test_lease_lost_is_signalled_without_cancelling(locks, redis_client):
+    async with LockManager(locks.redis, namespace="t", lease=0.3) as short:
+        held = await short.acquire("k")
+        await redis_client.hset("t:{k}", "owner", "thief")
+        async with asyncio.timeout(10):
+            await held.lost.wait()
+        assert await held.release() is False
+
+
+async def test_cancelled_waiter_leaves_nothing_in_redis(locks, other, redis_client):
+    held = await locks.acquire("k")
+    waiter = asyncio.create_task(other.acquire("k", wait=30))
+    await queued(redis_client, "k", 1)
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert await redis_client.zcard("t:{k}:q") == 0
+    assert await redis_client.hlen("t:{k}:w") == 0
+    assert await held.release()
+    assert await redis_client.exists("t:{k}") == 0
+
+
+async def test_timed_out_waiter_leaves_the_queue(locks, other, redis_client):
+    async with locks.lock("k"):
+        with pytest.raises(LockTimeout):
+            await other.acquire("k", wait=0.2)
+        assert await redis_client.zcard("t:{k}:q") == 0
+    assert await redis_client.exists("t:{k}") == 0
+
+
+async def test_cancelled_release_still_releases(locks, redis_client):
+    held = await locks.acquire("k")
+    task = asyncio.create_task(held.release())
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert await held.release() is True
+    assert await redis_client.exists("t:{k}") == 0
+
+
+async def test_release_wakes_waiters_in_arrival_order(locks, redis_url, redis_client):
+    managers = [LockManager.from_url(redis_url, namespace="t") for _ in range(4)]
+    order = []
+
+    async def wait_turn(i, manager):
+        async with manager.lock("k", wait=30):
+            order.append(i)
+
+    try:
+        async with locks.lock("k"):
+            tasks = []
+            for i, manager in enumerate(managers):
+                tasks.append(asyncio.create_task(wait_turn(i, manager)))
+                await queued(redis_client, "k", i + 1)
+        await asyncio.wait_for(asyncio.gather(*tasks), 10)
+    finally:
+        for manager in managers:
+            await manager.aclose()
+    assert order == [0, 1, 2, 3]
+
+
+async def test_releasing_worker_does_not_take_the_lock_straight_back(locks, other, redis_client):
+    first = await locks.acquire("k")
+    waiter = asyncio.create_task(other.acquire("k", wait=10))
+    await queued(redis_client, "k", 1)
+    assert await first.release()
+    assert await locks.try_lock("k") is None  # handed to the waiter, not up for grabs
+    held = await asyncio.wait_for(waiter, 5)
+    assert held.token > first.token
+    await held.release()
+
+
+async def test_try_lock_on_a_busy_key_does_not_queue(locks, other, redis_client):
+    async with locks.lock("k"):
+        assert await other.try_lock("k") is None
+        assert await redis_client.exists("t:{k}:q") == 0
+
+
+async def test_tokens_increase_for_a_reused_key(locks):
+    tokens = []
+    for _ in range(20):
+        async with locks.lock("k") as held:
+            tokens.append(held.token)
+    assert tokens == sorted(set(tokens))
+
+
+async def test_fence_state_expires_but_tokens_still_increase(redis_url, redis_client):
+    async with LockManager.from_url(redis_url, namespace="f", fence_ttl=0.3) as locks:
+        for i in range(200):
+            async with locks.lock(f"order:{i}"):
+                pass
+        async with locks.lock("order:0") as before:
+            pass
+        assert await redis_client.dbsize() > 0
+        await until(lambda: _dbsize_is(redis_client, 0))
+        async with locks.lock("order:0") as after:
+            assert after.token > before.token
+
+
+async def _dbsize_is(client, n):
+    return await client.dbsize() == n
+
+
+async def test_held_locks_and_force_release(locks, other, redis_client):
+    held = await locks.acquire("stock:9")
+    infos = await other.held_locks()
+    assert [(i.key, i.owner, i.depth, i.token) for i in infos] == [("t:{stock:9}", held.owner, 1, held.token)]
+    assert 0 < infos[0].ttl <= 30
+    waiter = asyncio.create_task(other.acquire("stock:9", wait=10))
+    await queued(redis_client, "stock:9", 1)
+    assert await other.force_release("stock:9") is True
+    taken = await asyncio.wait_for(waiter, 5)
+    assert await held.release() is False
+    assert await taken.release() is True
+    assert await other.force_release("stock:9") is False
+
+
+async def test_redis_unreachable_raises_redis_unavailable_not_a_hang():
+    locks = LockManager.from_url(f"redis://127.0.0.1:{free_port()}/0", socket_timeout=0.5)
+    try:
+        async with asyncio.timeout(10):
+            with pytest.raises(RedisUnavailable):
+                await locks.acquire("k")
+    finally:
+        await locks.aclose()
+    assert issubclass(RedisUnavailable, LockError)
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda m: m.acquire(""), "non-empty"),
+        (lambda m: m.acquire("x" * 513), "limit is 512"),
+        (lambda m: m.acquire("a{b}"), "hash tag"),
+        (lambda m: m.acquire(42), "non-empty string"),
+        (lambda m: m.acquire("k", wait=-1), "wait must be >= 0"),
+        (lambda m: m.acquire("k", wait=math.nan), "wait must be >= 0"),
+        (lambda m: m.acquire("k", lease=-2), "lease must be > 0"),
+        (lambda m: m.acquire("k", lease=0), "lease must be > 0"),
+        (lambda m: m.acquire("k", lease="5"), "number of seconds"),
+        (lambda m: m.acquire("k", owner=""), "owner must be"),
+    ],
+    ids=["empty", "oversized", "braces", "not-a-string", "negative-wait", "nan-wait",
+         "negative-lease", "zero-lease", "string-lease", "empty-owner"],
+)
+async def test_bad_arguments_raise_value_error(locks, call, message):
+    with pytest.raises(ValueError, match=message):
+        await call(locks)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(lease=1.0, renew_interval=2.0), "longer than the renewal interval"),
+        (dict(lease=0.01), "at least"),
+        (dict(wait=-1), "wait must be >= 0"),
+        (dict(namespace=""), "namespace"),
+        (dict(fence_ttl=0), "fence_ttl"),
+    ],
+    ids=["lease-shorter-than-renewal", "tiny-lease", "negative-wait", "empty-namespace", "zero-fence-ttl"],
+)
+def test_bad_manager_options_raise_value_error(options, message):
+    with pytest.raises(ValueError, match=message):
+        LockManager(object(), **options)
+
+
+def test_unknown_url_scheme_is_rejected():
+    with pytest.raises(ValueError, match="unknown Redis URL scheme"):
+        LockManager.from_url("http://127.0.0.1:6379")

@@ -1,0 +1,243 @@
+"""The `otel-lock` command: demo, serve, locks, unlock, stack.
+
+Heavy imports (uvicorn, the demo app, the lock core) happen inside each
+subcommand, so `otel-lock --help` is instant and a bad argument is reported
+(exit 2) before anything starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import getpass
+import logging
+import os
+import socket
+import sys
+import time
+from urllib.parse import urlsplit
+
+DEFAULT_NAMESPACE = "otel-lock"
+AUDIT_STREAM_LEN = 10_000
+
+
+# -- argument types: each names what is wrong -------------------------------
+
+
+def _redis_url(value: str) -> str:
+    if urlsplit(value).scheme not in ("redis", "rediss", "unix"):
+        raise argparse.ArgumentTypeError(f"not a Redis URL: {value!r} (expected redis://host:port/db)")
+    return value
+
+
+def _port(value: str) -> int:
+    try:
+        port = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {value!r}") from None
+    if not 0 < port < 65536:
+        raise argparse.ArgumentTypeError(f"port must be 1-65535, got {port}")
+    return port
+
+
+def _interval(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
+    # Below 0.1 s a tick is shorter than a Redis hiccup; 0 switches the job off.
+    if not (number == 0 or 0.1 <= number <= 86400):
+        raise argparse.ArgumentTypeError(f"must be 0 (off) or 0.1-86400 seconds, got {value}")
+    return number
+
+
+def _count(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {value!r}") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
+    return number
+
+
+def _namespace(value: str) -> str:
+    if not value or len(value) > 128 or any(c in value for c in "{}*? \n\r\t"):
+        raise argparse.ArgumentTypeError(f"namespace must be 1-128 characters without braces, "
+                                         f"wildcards or whitespace: {value!r}")
+    return value
+
+
+def _add_redis(parser: argparse.ArgumentParser, default: str | None) -> None:
+    parser.add_argument("--redis-url", type=_redis_url, default=os.environ.get("REDIS_URL", default),
+                        help="Redis to use (default: $REDIS_URL" + (f", else {default})" if default else ")"))
+    parser.add_argument("--namespace", type=_namespace, default=DEFAULT_NAMESPACE,
+                        help=f"key prefix shared by all replicas (default: {DEFAULT_NAMESPACE})")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="otel-lock", description="Redis locks for Starlette/FastAPI replicas, observable with OpenTelemetry.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    demo = commands.add_parser(
+        "demo", help="two replicas, a seckill and a double-submit burst, and a summary",
+        description="Start Redis (unless --redis-url/REDIS_URL is given) and two demo-shop replicas, "
+                    "fire a seckill burst and a double-submit burst, print a summary. Exit status 1 "
+                    "if anything was oversold or an order was created twice.")
+    demo.add_argument("--redis-url", type=_redis_url, default=os.environ.get("REDIS_URL"),
+                      help="use this Redis (default: $REDIS_URL, else a redis-server from PATH on a free port)")
+    demo.add_argument("--namespace", type=_namespace, default="otel-lock-demo", help="key prefix (default: %(default)s)")
+    demo.add_argument("--replicas", type=_count, default=2, help="replica processes (default: %(default)s)")
+    demo.add_argument("--buyers", type=_count, default=200, help="concurrent buyers (default: %(default)s)")
+    demo.add_argument("--items", type=_count, default=100, help="items in stock (default: %(default)s)")
+    demo.add_argument("--double-submits", type=_count, default=20,
+                      help="concurrent copies of one order (default: %(default)s)")
+
+    serve = commands.add_parser("serve", help="run the demo shop under uvicorn",
+                                description="Run the demo shop (one replica) under uvicorn.")
+    serve.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
+    serve.add_argument("--port", type=_port, default=8000, help="port (default: %(default)s)")
+    _add_redis(serve, "redis://127.0.0.1:6379/0")
+    serve.add_argument("--replica-name", default=None, help="name in job runs and telemetry (default: hostname-pid)")
+    serve.add_argument("--job-interval", type=_interval, default=10.0,
+                       help="seconds between background job ticks, 0 = off (default: %(default)s)")
+    serve.add_argument("--log-level", default="warning",
+                       choices=["critical", "error", "warning", "info", "debug"], help="(default: %(default)s)")
+
+    locks = commands.add_parser("locks", help="list held locks: key, owner, depth, TTL, token",
+                                description="List the locks held right now in a namespace.")
+    _add_redis(locks, "redis://127.0.0.1:6379/0")
+
+    unlock = commands.add_parser(
+        "unlock", help="force-release a lock (audited)",
+        description="Delete a lock whatever its owner, for an operator who knows the holder is gone. "
+                    "Logged to stderr and appended to the Redis stream <namespace>:audit. "
+                    "Exit status 1 if the lock was not held.")
+    unlock.add_argument("key", metavar="KEY", help="lock name (stock:1001) or Redis key as `locks` prints it")
+    _add_redis(unlock, "redis://127.0.0.1:6379/0")
+    unlock.add_argument("--reason", default="", help="why, for the audit record")
+
+    commands.add_parser("stack", help="run the local docker compose stack (arguments are passed on)",
+                        add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["stack"]:
+        # Its own parser owns every argument after `stack`, --help included.
+        from ._local_stack import main as stack_main
+        return stack_main(argv[1:]) or 0
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s",
+                        stream=sys.stderr)
+    return {"demo": _demo, "serve": _serve, "locks": _locks, "unlock": _unlock}[args.command](args)
+
+
+# -- commands -------------------------------------------------------------
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .demo._run import DemoOptions, run_demo
+
+    return run_demo(DemoOptions(redis_url=args.redis_url, replicas=args.replicas, buyers=args.buyers,
+                                items=args.items, double_submits=args.double_submits, namespace=args.namespace))
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from . import telemetry
+    from .demo import DemoSettings, create_app
+
+    name = args.replica_name or f"{socket.gethostname()}-{os.getpid()}"
+    setup = telemetry.setup(service_name="otel-lock-demo", service_instance_id=name)
+    settings = DemoSettings.from_env(redis_url=args.redis_url, namespace=args.namespace, replica_name=name,
+                                     job_interval=args.job_interval)
+    app = setup.instrument_app(create_app(settings))
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                lifespan="on")
+    return 0
+
+
+def _manager(args: argparse.Namespace):
+    from . import LockManager
+
+    return LockManager.from_url(args.redis_url, namespace=args.namespace, socket_timeout=2.0)
+
+
+def _unreachable() -> tuple[type[BaseException], ...]:
+    from redis.exceptions import ConnectionError, TimeoutError
+
+    from . import RedisUnavailable
+
+    return RedisUnavailable, ConnectionError, TimeoutError
+
+
+def _locks(args: argparse.Namespace) -> int:
+    async def held():
+        manager = _manager(args)
+        try:
+            return await manager.held_locks()
+        finally:
+            await manager.aclose()
+
+    try:
+        infos = asyncio.run(held())
+    except _unreachable() as exc:
+        print(f"otel-lock locks: Redis unreachable at {args.redis_url}: {exc}", file=sys.stderr)
+        return 1
+    if not infos:
+        print(f"no locks held in namespace {args.namespace!r}")
+        return 0
+    rows = [("KEY", "OWNER", "DEPTH", "TTL", "TOKEN")]
+    rows += [(i.key, i.owner, str(i.depth), "-" if i.ttl is None else f"{i.ttl:.1f}s", str(i.token)) for i in infos]
+    widths = [max(len(row[col]) for row in rows) for col in range(5)]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+    return 0
+
+
+def _lock_name(key: str, namespace: str) -> str:
+    """Accept the Redis key as `locks` prints it (`ns:{name}`) as well as the bare name."""
+    prefix = f"{namespace}:{{"
+    if key.startswith(prefix) and key.endswith("}"):
+        return key[len(prefix):-1]
+    return key
+
+
+def _unlock(args: argparse.Namespace) -> int:
+    name = _lock_name(args.key, args.namespace)
+    who = f"{getpass.getuser()}@{socket.gethostname()}"
+
+    async def force() -> bool:
+        manager = _manager(args)
+        try:
+            released = await manager.force_release(name)
+            # The audit record lives next to the locks, so every operator sees it.
+            await manager.redis.xadd(f"{args.namespace}:audit", {
+                "action": "unlock", "lock": name, "by": who, "pid": str(os.getpid()),
+                "released": "1" if released else "0", "reason": args.reason, "at": f"{time.time():.3f}",
+            }, maxlen=AUDIT_STREAM_LEN, approximate=True)
+            return released
+        finally:
+            await manager.aclose()
+
+    try:
+        released = asyncio.run(force())
+    except _unreachable() as exc:
+        print(f"otel-lock unlock: Redis unreachable at {args.redis_url}: {exc}", file=sys.stderr)
+        return 1
+    except ValueError as exc:  # the core rejects names it could never have locked
+        print(f"otel-lock unlock: {exc}", file=sys.stderr)
+        return 2
+    # Printed, not logged: the audit line must reach stderr whatever logging is configured.
+    print(f"otel-lock unlock: forced release of lock {name!r} in namespace {args.namespace!r} by {who}: "
+          + ("released" if released else "was not held")
+          + (f" (reason: {args.reason})" if args.reason else ""), file=sys.stderr)
+    return 0 if released else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

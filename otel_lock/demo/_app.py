@@ -1,0 +1,288 @@
+"""The demo shop: the seed scenarios of otel-lock as a small Starlette app.
+
+Read it as the how-to: `@locked` on the stock routes, `@idempotent` +
+`@locked` on order submission, a nested `locks.lock(...)` for the product
+inside the order handler, the fencing token on every stock write, and a
+`try_lock` job that runs on one replica per tick.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import uuid
+from dataclasses import dataclass, field
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from .. import LockManager, LockMiddleware, LockTimeout, RedisUnavailable, idempotent, locked
+from .._keys import escape
+from ..telemetry import metrics_endpoint
+from ._job import run_job
+from ._problems import Problem, http_exception_handler, problem_handler, problem_response, unexpected_error_handler
+from ._store import Store, valid_id
+
+MAX_BODY = 64 * 1024
+MAX_QUANTITY = 1000
+MAX_STOCK = 1_000_000_000
+LOCK_WAIT = 2.0  # seconds a buyer queues for a product before 409 lock-timeout
+STOCK_LOCK = "stock:{path.product_id}"
+
+
+@dataclass(frozen=True)
+class DemoSettings:
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    namespace: str = "otel-lock"
+    replica_name: str = field(default_factory=socket.gethostname)
+    job_interval: float = 10.0  # 0 turns the job off
+    locks_enabled: bool = True
+    work: float = 0.0  # seconds of simulated slow work (a payment call) between read and write
+
+    @classmethod
+    def from_env(cls, **overrides) -> "DemoSettings":
+        """`OTEL_LOCK_DEMO_DISABLE_LOCKS=1` removes every lock, to show what they prevent;
+        `OTEL_LOCK_DEMO_WORK_MS=20` widens the read-modify-write window (and the hold time)."""
+        disabled = os.environ.get("OTEL_LOCK_DEMO_DISABLE_LOCKS", "").strip().lower() in ("1", "true", "yes")
+        try:
+            work = max(0.0, float(os.environ.get("OTEL_LOCK_DEMO_WORK_MS", "0") or 0) / 1000)
+        except ValueError:
+            raise ValueError("OTEL_LOCK_DEMO_WORK_MS must be a number of milliseconds") from None
+        return cls(**{"locks_enabled": not disabled, "work": work, **overrides})
+
+
+@dataclass
+class Shop:
+    settings: DemoSettings
+    locks: LockManager
+    store: Store
+
+    @contextlib.asynccontextmanager
+    async def product_lock(self, product_id: str):
+        """The same lock `@locked(STOCK_LOCK)` takes for the stock routes, taken by hand."""
+        if not self.settings.locks_enabled:
+            yield None
+            return
+        try:
+            # escape() is what the middleware applies to `{path.product_id}`: same key, same lock.
+            key = f"stock:{escape(product_id)}"
+            async with self.locks.lock(key, wait=LOCK_WAIT, name=STOCK_LOCK) as held:
+                yield held
+        except LockTimeout:
+            raise Problem(409, "lock-timeout", f"product {product_id} is busy, retry shortly",
+                          {"Retry-After": "1"}) from None
+
+
+# -- request parsing: every bad input ends as a 4xx problem ----------------
+
+
+async def _json_object(request: Request, *, optional: bool = False) -> dict:
+    body = await request.body()
+    if len(body) > MAX_BODY:
+        raise Problem(413, "request-too-large", f"request body is larger than {MAX_BODY} bytes")
+    if not body.strip() and optional:
+        return {}
+    try:
+        value = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        raise Problem(400, "invalid-json", "request body is not valid JSON") from None
+    if not isinstance(value, dict):
+        raise Problem(400, "invalid-body", "request body must be a JSON object")
+    return value
+
+
+def _int_field(body: dict, name: str, low: int, high: int, default: int | None = None) -> int:
+    value = body.get(name, default)
+    # bool is an int subclass in Python; `true` is not a quantity.
+    if type(value) is not int or not low <= value <= high:
+        raise Problem(400, "invalid-body", f"'{name}' must be an integer from {low} to {high}")
+    return value
+
+
+def _product_id(value: object) -> str:
+    if not isinstance(value, str) or not valid_id(value):
+        raise Problem(400, "invalid-product-id",
+                      "product id must be 1-64 characters: letters, digits, '_' or '-'")
+    return value
+
+
+def _user_id(value: str | None) -> str:
+    if value is None or not valid_id(value):
+        raise Problem(400, "invalid-user-id",
+                      "X-User-Id must be 1-64 characters: letters, digits, '_' or '-'")
+    return value
+
+
+def _token(request: Request) -> int | None:
+    """The fencing token of the lock the middleware took for this request."""
+    held = getattr(request.state, "lock", None)
+    return None if held is None else held.token
+
+
+def _shop(request: Request) -> Shop:
+    return request.app.state.shop
+
+
+def _stock_body(product_id: str, stock: int) -> JSONResponse:
+    return JSONResponse({"product_id": product_id, "stock": stock})
+
+
+# -- stock ---------------------------------------------------------------
+
+
+@locked(STOCK_LOCK, wait=LOCK_WAIT)
+async def put_stock(request: Request) -> JSONResponse:
+    product_id = _product_id(request.path_params["product_id"])
+    stock = _int_field(await _json_object(request), "stock", 0, MAX_STOCK)
+    if not await _shop(request).store.put_stock(product_id, stock, _token(request)):
+        raise Problem(409, "stale-fencing-token", "a newer lock holder already wrote this product")
+    return _stock_body(product_id, stock)
+
+
+async def get_stock(request: Request) -> JSONResponse:
+    product_id = _product_id(request.path_params["product_id"])
+    stock = await _shop(request).store.get_stock(product_id)
+    if stock is None:
+        raise Problem(404, "unknown-product", f"no product {product_id}; create it with PUT first")
+    return _stock_body(product_id, stock)
+
+
+async def _sell(shop: Shop, product_id: str, quantity: int, token: int | None) -> int:
+    """Read, check, write: correct only while the product's lock is held."""
+    store = shop.store
+    stock = await store.get_stock(product_id)
+    if stock is None:
+        raise Problem(404, "unknown-product", f"no product {product_id}; create it with PUT first")
+    if stock < quantity:
+        raise Problem(409, "out-of-stock", f"product {product_id} has {stock} left, {quantity} asked")
+    if shop.settings.work:
+        await asyncio.sleep(shop.settings.work)
+    written = await store.write_stock(product_id, stock - quantity, token)
+    if written == 0:
+        # Our lease ran out while we were paused and a newer holder has written since:
+        # the fence refused our stale write, so nothing was oversold.
+        raise Problem(409, "stale-fencing-token", "the lock was lost before the write; retry",
+                      {"Retry-After": "1"})
+    if written < 0:
+        raise Problem(404, "unknown-product", f"product {product_id} was removed")
+    return stock - quantity
+
+
+@locked(STOCK_LOCK, wait=LOCK_WAIT)
+async def deduct(request: Request) -> JSONResponse:
+    product_id = _product_id(request.path_params["product_id"])
+    quantity = _int_field(await _json_object(request, optional=True), "quantity", 1, MAX_QUANTITY, default=1)
+    remaining = await _sell(_shop(request), product_id, quantity, _token(request))
+    return _stock_body(product_id, remaining)
+
+
+# -- orders --------------------------------------------------------------
+
+
+def user_principal(request) -> str:
+    """Idempotency keys are scoped to the X-User-Id caller (the demo has no auth)."""
+    return request.headers.get("x-user-id", "")
+
+
+@idempotent(ttl=86400, required=True, principal=user_principal)
+@locked("order:user:{header.x-user-id}", wait=LOCK_WAIT)
+async def create_order(request: Request) -> JSONResponse:
+    user = _user_id(request.headers.get("x-user-id"))
+    body = await _json_object(request)
+    product_id = _product_id(body.get("product_id"))
+    quantity = _int_field(body, "quantity", 1, MAX_QUANTITY, default=1)
+    shop = _shop(request)
+    # The order lock is held; take the product's lock inside it. The core gives
+    # this nested acquire a fresh owner (a different key), so it excludes the
+    # deduct route on every replica.
+    async with shop.product_lock(product_id) as held:
+        remaining = await _sell(shop, product_id, quantity, None if held is None else held.token)
+        order = {"order_id": uuid.uuid4().hex, "user": user, "product_id": product_id,
+                 "quantity": quantity, "replica": shop.settings.replica_name}
+        await shop.store.add_order(user, order)
+    return JSONResponse({**order, "stock_left": remaining}, status_code=201,
+                        headers={"Location": f"/api/orders?user={user}"})
+
+
+async def list_orders(request: Request) -> JSONResponse:
+    user = _user_id(request.query_params.get("user"))
+    return JSONResponse({"orders": await _shop(request).store.orders(user)})
+
+
+# -- job, health ---------------------------------------------------------
+
+
+async def list_jobs(request: Request) -> JSONResponse:
+    return JSONResponse({"runs": await _shop(request).store.runs()})
+
+
+async def healthz(request: Request) -> JSONResponse:
+    """Also answers 'do all replicas use the same Redis and namespace?': compare run_id."""
+    shop = _shop(request)
+    info = await shop.locks.redis.info("server")
+    return JSONResponse({
+        "status": "ok", "replica": shop.settings.replica_name, "namespace": shop.settings.namespace,
+        "locks": shop.settings.locks_enabled,
+        "redis": {"run_id": info.get("run_id"), "version": info.get("redis_version")},
+    })
+
+
+async def redis_unavailable_handler(request: Request, exc: Exception) -> JSONResponse:
+    return problem_response(503, "redis-unavailable", "Redis is not reachable; retry shortly", {"Retry-After": "1"})
+
+
+def create_app(settings: DemoSettings | None = None, locks: LockManager | None = None) -> Starlette:
+    """The shop; `locks` defaults to a manager on `settings.redis_url`."""
+    settings = settings or DemoSettings.from_env()
+    locks = locks or LockManager.from_url(settings.redis_url, namespace=settings.namespace, socket_timeout=2.0)
+    shop = Shop(settings, locks, Store(locks.redis, settings.namespace))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        job = None
+        if settings.job_interval > 0:
+            job_locks = locks if settings.locks_enabled else None
+            job = asyncio.create_task(run_job(job_locks, settings.job_interval,
+                                              lambda tick: shop.store.record_run(tick, settings.replica_name)))
+        try:
+            yield
+        finally:
+            if job is not None:
+                job.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await job
+            await locks.aclose()
+
+    app = Starlette(
+        routes=[
+            Route("/api/stock/{product_id}", put_stock, methods=["PUT"]),
+            Route("/api/stock/{product_id}", get_stock, methods=["GET"]),
+            Route("/api/stock/{product_id}/deduct", deduct, methods=["POST"]),
+            Route("/api/orders", create_order, methods=["POST"]),
+            Route("/api/orders", list_orders, methods=["GET"]),
+            Route("/api/jobs", list_jobs, methods=["GET"]),
+            Route("/healthz", healthz, methods=["GET"]),
+            Route("/metrics", metrics_endpoint, methods=["GET"]),
+        ],
+        exception_handlers={
+            Problem: problem_handler,
+            HTTPException: http_exception_handler,
+            RedisUnavailable: redis_unavailable_handler,
+            RedisConnectionError: redis_unavailable_handler,
+            RedisTimeoutError: redis_unavailable_handler,
+            Exception: unexpected_error_handler,
+        },
+        lifespan=lifespan,
+    )
+    app.state.shop = shop
+    if settings.locks_enabled:
+        app.add_middleware(LockMiddleware, manager=locks)
+    return app

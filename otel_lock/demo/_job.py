@@ -1,0 +1,66 @@
+"""The scheduled job: every replica wakes each tick, exactly one runs it.
+
+A tick is wall-clock time // interval, so all replicas agree on it without
+talking. Each tries `job:tick:<n>` once (`try_lock`, no waiting): the winner
+runs, the others skip. The lock is kept for one more tick before release,
+so a replica that computed tick n just before the boundary cannot take it
+after the winner let go.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Awaitable, Callable
+
+if TYPE_CHECKING:
+    from .. import LockManager
+
+log = logging.getLogger("otel_lock.demo.job")
+
+
+async def run_job(
+    locks: "LockManager | None",
+    interval: float,
+    work: Callable[[int], Awaitable[None]],
+) -> None:
+    """Forever: on each tick boundary try the tick's lock and run `work(tick)` if won.
+
+    `locks=None` (locks disabled) runs on every replica, which is the bug
+    this job exists to show.
+    """
+    kept: deque = deque()
+    last = None
+    while True:
+        tick = int(time.time() // interval)
+        if tick == last:
+            # Woke a hair before the boundary (loop clock vs wall clock). Trying the
+            # same tick again would re-enter our own lock and run it twice.
+            await asyncio.sleep(max(0.001, (tick + 1) * interval - time.time()))
+            continue
+        last, held = tick, None
+        try:
+            if locks is not None:
+                # Fixed lease: a tick's lock must expire by itself even if this replica dies.
+                held = await locks.try_lock(f"job:tick:{tick}", lease=3 * interval, name="job:tick")
+            if locks is None or held is not None:
+                await work(tick)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            # A failed tick is logged and the next one still runs: the job must outlive Redis blips.
+            log.exception("job tick %d failed", tick)
+        if held is not None:
+            kept.append(held)
+        while len(kept) > 1:
+            await _release(kept.popleft())
+        await asyncio.sleep(max(0.0, (tick + 1) * interval - time.time()))
+
+
+async def _release(held) -> None:
+    try:
+        await held.release()
+    except Exception:
+        log.warning("could not release a job lock; its lease expires by itself", exc_info=True)

@@ -1,0 +1,156 @@
+"""The two bursts of `otel-lock demo`: a seckill and a double submit.
+
+Buyers are spread round-robin over the replicas, so the lock has to work
+across processes, not just inside one event loop. Both bursts return plain
+counts; judging them (oversell, duplicates) is the caller's job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable
+
+import httpx
+
+RETRYABLE = {"lock-timeout", "stale-fencing-token", "redis-unavailable"}
+MAX_ATTEMPTS = 20
+
+
+def problem_type(response: httpx.Response) -> str:
+    """The case name of a problem+json answer ('' if the body is not one)."""
+    try:
+        return str(response.json().get("type", "")).rsplit("/", 1)[-1]
+    except (ValueError, AttributeError):
+        return ""
+
+
+def retry_after(response: httpx.Response) -> float:
+    try:
+        return min(float(response.headers.get("retry-after", "1")), 1.0)
+    except ValueError:
+        return 1.0
+
+
+@dataclass
+class SeckillResult:
+    buyers: int
+    items: int
+    sold: int = 0
+    out_of_stock: int = 0
+    retries: int = 0
+    failed: Counter = field(default_factory=Counter)  # anything else, by status or error
+    latencies: list[float] = field(default_factory=list)  # seconds per answered request
+    remaining: list[int] = field(default_factory=list)  # stock left as each sale saw it
+    stock_left: int | None = None
+
+    @property
+    def oversold(self) -> int:
+        """Sales the stock never recorded (lost updates), plus sales beyond the items."""
+        if self.stock_left is None:
+            return 0
+        return max(0, self.sold - (self.items - self.stock_left)) + max(0, -self.stock_left)
+
+
+async def seckill(client: httpx.AsyncClient, urls: list[str], product: str, buyers: int,
+                  on_answer: Callable[[], None] = lambda: None) -> SeckillResult:
+    """`buyers` concurrent buyers, one item each; retries only what the server says to retry."""
+    stock = (await client.get(f"{urls[0]}/api/stock/{product}")).json()["stock"]
+    result = SeckillResult(buyers=buyers, items=stock)
+    start = asyncio.Event()
+
+    async def buyer(index: int) -> None:
+        url = f"{urls[index % len(urls)]}/api/stock/{product}/deduct"
+        await start.wait()  # everyone fires together
+        for _ in range(MAX_ATTEMPTS):
+            began = time.perf_counter()
+            try:
+                response = await client.post(url, json={"quantity": 1})
+            except httpx.HTTPError as exc:
+                result.failed[type(exc).__name__] += 1
+                break
+            result.latencies.append(time.perf_counter() - began)
+            kind = problem_type(response)
+            if response.status_code == 200:
+                result.sold += 1
+                result.remaining.append(response.json()["stock"])
+                break
+            if kind == "out-of-stock":
+                result.out_of_stock += 1
+                break
+            if kind in RETRYABLE:
+                result.retries += 1
+                await asyncio.sleep(retry_after(response) * random.uniform(0.5, 1.0))
+                continue
+            result.failed[f"{response.status_code} {kind}".strip()] += 1
+            break
+        else:
+            result.failed["gave up after retries"] += 1
+        on_answer()
+
+    tasks = [asyncio.create_task(buyer(i)) for i in range(buyers)]
+    start.set()
+    await asyncio.gather(*tasks)
+    result.stock_left = (await client.get(f"{urls[0]}/api/stock/{product}")).json()["stock"]
+    return result
+
+
+@dataclass
+class DoubleSubmitResult:
+    requests: int
+    created: Counter = field(default_factory=Counter)  # status -> count of first-run answers
+    replayed: int = 0
+    in_flight: int = 0  # 409 while the first one ran
+    other: Counter = field(default_factory=Counter)
+    retry_replayed: bool = False
+    orders_created: int = 0  # what the handler really did, read back from the shop
+
+    @property
+    def duplicates(self) -> int:
+        return max(0, self.orders_created - 1)
+
+
+async def double_submit(client: httpx.AsyncClient, urls: list[str], product: str, user: str, key: str,
+                        requests: int) -> DoubleSubmitResult:
+    """`requests` copies of one order (one Idempotency-Key) at once, then one late retry."""
+    result = DoubleSubmitResult(requests=requests)
+    headers = {"Idempotency-Key": f'"{key}"', "X-User-Id": user}
+    body = {"product_id": product, "quantity": 1}
+    start = asyncio.Event()
+
+    async def submit(index: int) -> None:
+        await start.wait()
+        try:
+            response = await client.post(f"{urls[index % len(urls)]}/api/orders", json=body, headers=headers)
+        except httpx.HTTPError as exc:
+            result.other[type(exc).__name__] += 1
+            return
+        if response.headers.get("idempotent-replayed") == "true":
+            result.replayed += 1
+        elif response.status_code == 201:
+            result.created[201] += 1
+        elif response.status_code == 409:
+            result.in_flight += 1
+        else:
+            result.other[f"{response.status_code} {problem_type(response)}".strip()] += 1
+
+    tasks = [asyncio.create_task(submit(i)) for i in range(requests)]
+    start.set()
+    await asyncio.gather(*tasks)
+    # The user's retry after everything settled must get the stored answer.
+    late = await client.post(f"{urls[-1]}/api/orders", json=body, headers=headers)
+    result.retry_replayed = late.headers.get("idempotent-replayed") == "true"
+    orders = (await client.get(f"{urls[0]}/api/orders", params={"user": user})).json()["orders"]
+    result.orders_created = len(orders)
+    return result
+
+
+def percentiles(values: list[float], qs=(0.5, 0.95, 0.99)) -> list[float | None]:
+    """Nearest-rank percentiles of client-side samples."""
+    if not values:
+        return [None for _ in qs]
+    ordered = sorted(values)
+    return [ordered[min(len(ordered) - 1, max(0, int(q * len(ordered) + 0.5) - 1))] for q in qs]

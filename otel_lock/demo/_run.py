@@ -1,0 +1,160 @@
+"""`otel-lock demo`: Redis + two replicas + two bursts + a summary, then clean up.
+
+Everything it starts (a redis-server, the replica processes) it stops again
+by pid, also on Ctrl-C. The exit status is the verdict: 0 only when nothing
+was oversold and no order was created twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from typing import TextIO
+
+import httpx
+
+from .._redis_server import RedisServer, RedisServerNotFound
+from ._load import DoubleSubmitResult, SeckillResult, double_submit, percentiles, seckill
+from ._metrics import Scrape, scrape
+from ._replicas import Replicas
+
+STOCK_LOCK = "stock:{path.product_id}"
+
+
+@dataclass
+class DemoOptions:
+    redis_url: str | None = None
+    replicas: int = 2
+    buyers: int = 200
+    items: int = 100
+    double_submits: int = 20
+    namespace: str = "otel-lock-demo"
+
+
+class Progress:
+    """`label: n/total` on one rewritten line on a terminal, a few lines otherwise."""
+
+    def __init__(self, label: str, total: int, out: TextIO) -> None:
+        self.label, self.total, self.out, self.done = label, total, out, 0
+        self.tty = out.isatty()
+        self._next_mark = 0.25
+
+    def step(self) -> None:
+        self.done += 1
+        if self.tty:
+            self.out.write(f"\r  {self.label}: {self.done}/{self.total} answered")
+            if self.done == self.total:
+                self.out.write("\n")
+            self.out.flush()
+        elif self.done >= self._next_mark * self.total:
+            self.out.write(f"  {self.label}: {self.done}/{self.total} answered\n")
+            self.out.flush()
+            while self._next_mark * self.total <= self.done:
+                self._next_mark += 0.25
+
+
+def run_demo(options: DemoOptions, out: TextIO = sys.stdout) -> int:
+    """Returns the process exit status."""
+    redis_url = options.redis_url
+    server = None
+    replicas = None
+    try:
+        if redis_url is None:
+            try:
+                server = RedisServer().start()
+            except RedisServerNotFound as exc:
+                print(f"otel-lock demo: {exc}", file=sys.stderr)
+                return 1
+            redis_url = server.url
+            _say(out, f"redis     : started redis-server on {redis_url} (pid {server.process.pid})")
+        else:
+            _say(out, f"redis     : using {_safe_url(redis_url)}")
+        _say(out, f"replicas  : starting {options.replicas} x `otel-lock serve` ...")
+        replicas = Replicas(redis_url, count=options.replicas, namespace=options.namespace).start()
+        _say(out, "replicas  : " + ", ".join(f"{r.name} {r.url} (pid {r.process.pid})" for r in replicas.replicas))
+        return asyncio.run(_bursts(options, replicas.urls, out))
+    except KeyboardInterrupt:
+        print("\notel-lock demo: interrupted, stopping what it started", file=sys.stderr)
+        return 130
+    finally:
+        if replicas is not None:
+            replicas.stop()
+        if server is not None:
+            server.stop()
+
+
+async def _bursts(options: DemoOptions, urls: list[str], out: TextIO) -> int:
+    run = uuid.uuid4().hex[:8]  # a Redis given by the user may hold earlier runs
+    limits = httpx.Limits(max_connections=max(options.buyers, options.double_submits) + 10)
+    async with httpx.AsyncClient(timeout=30.0, limits=limits) as client:
+        product, order_product = f"seckill-{run}", f"gift-{run}"
+        for pid, stock in ((product, options.items), (order_product, options.double_submits)):
+            (await client.put(f"{urls[0]}/api/stock/{pid}", json={"stock": stock})).raise_for_status()
+
+        _say(out, f"\nseckill   : {options.buyers} concurrent buyers, {options.items} items, "
+                  f"round-robin over {len(urls)} replicas")
+        progress = Progress("buyers", options.buyers, sys.stderr)
+        began = time.perf_counter()
+        sale = await seckill(client, urls, product, options.buyers, progress.step)
+        elapsed = time.perf_counter() - began
+
+        _say(out, f"double    : {options.double_submits} concurrent copies of one order "
+                  f"(same Idempotency-Key), then one late retry")
+        dup = await double_submit(client, urls, order_product, f"user-{run}", f"order-{run}",
+                                  options.double_submits)
+        metrics = await scrape(client, urls)
+    _summary(out, sale, elapsed, dup, metrics)
+    return 0 if sale.oversold == 0 and dup.duplicates == 0 else 1
+
+
+def _summary(out: TextIO, sale: SeckillResult, elapsed: float, dup: DoubleSubmitResult, metrics: Scrape) -> None:
+    failed = ", ".join(f"{n} x {what}" for what, n in sale.failed.items()) or "none"
+    lines = [
+        "",
+        "== summary ==",
+        f"sold          {sale.sold} of {sale.items} items ({sale.buyers} buyers, {elapsed:.2f}s)",
+        f"rejected      {sale.out_of_stock} x 409 out-of-stock; {sale.retries} retries after "
+        f"409 lock-timeout/503; other failures: {failed}",
+        f"stock left    {sale.stock_left}",
+        f"oversell      {sale.oversold}" + ("" if sale.oversold == 0 else "   <-- OVERSOLD"),
+        f"orders        {dup.orders_created} created for {dup.requests} copies of one order"
+        + ("" if dup.duplicates == 0 else f"   <-- {dup.duplicates} DUPLICATE(S)"),
+        f"duplicates    {dup.replayed} replayed (Idempotent-Replayed: true), {dup.in_flight} rejected 409 "
+        f"while in flight" + (f", other: {dict(dup.other)}" if dup.other else ""),
+        f"late retry    {'replayed the stored 201' if dup.retry_replayed else 'NOT replayed'}",
+        _quantiles("wait (lock)", metrics.histogram("otel_lock_wait_duration_seconds", STOCK_LOCK)),
+        _quantiles("hold (lock)", metrics.histogram("otel_lock_hold_duration_seconds", STOCK_LOCK)),
+        "              ^ stock lock, from the replicas' /metrics histograms (histogram_quantile)",
+        "request       " + _fmt(percentiles(sale.latencies)) + "   (deduct round trip, measured client-side)",
+        f"renewals      ok {metrics.counter('otel_lock_renewals_total', lock_renewal_outcome='ok'):.0f}, "
+        f"lost {metrics.counter('otel_lock_renewals_total', lock_renewal_outcome='lost'):.0f}, "
+        f"error {metrics.counter('otel_lock_renewals_total', lock_renewal_outcome='error'):.0f}"
+        "   (the watchdog renews a lease every lease/3; short holds need none)",
+        "",
+        "verdict       " + ("OK: no oversell, no duplicate order" if sale.oversold == 0 and dup.duplicates == 0
+                            else "FAILED: the lock or the idempotency key did not hold"),
+    ]
+    _say(out, "\n".join(lines))
+
+
+def _quantiles(label: str, hist) -> str:
+    values = [hist.quantile(q) for q in (0.5, 0.95, 0.99)]
+    return f"{label:<14}" + _fmt(values) + f"   ({hist.count:.0f} samples)"
+
+
+def _fmt(values) -> str:
+    return "  ".join(f"p{q} {'n/a' if v is None else f'{v * 1000:.1f} ms'}" for q, v in zip((50, 95, 99), values))
+
+
+def _safe_url(url: str) -> str:
+    """Never print a password from a Redis URL."""
+    head, sep, tail = url.partition("@")
+    return f"{head.split('://')[0]}://***@{tail}" if sep else url
+
+
+def _say(out: TextIO, text: str) -> None:
+    out.write(text + "\n")
+    out.flush()

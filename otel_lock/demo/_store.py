@@ -1,0 +1,86 @@
+"""The shop's data in Redis: stock with a fenced write, orders, job runs.
+
+Stock is deliberately a plain read-modify-write (HGET, compute in Python,
+write back): without a lock two buyers read the same count and both sell the
+last item. The write carries the lock's fencing token and is refused if a
+newer holder already wrote, which is how a resource protects itself from a
+holder whose lease ran out while it was paused (GC, SIGSTOP, slow network).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import redis.asyncio as aioredis
+
+# KEYS[1] product hash (fields: stock, fence)
+# ARGV[1] new stock; ARGV[2] fencing token as decimal digits ('' = unfenced);
+# ARGV[3] '1' = the product must already exist (a deduct), '0' = create/reset.
+# Returns 1 written, 0 refused (a newer token already wrote), -1 no such product.
+# Tokens are compared as digit strings (length, then lexically) so they may
+# exceed the 2^53 that a Lua number holds exactly.
+FENCED_SET = """
+if ARGV[3] == '1' and redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+local token = ARGV[2]
+if token == '' then
+  redis.call('HSET', KEYS[1], 'stock', ARGV[1])
+  return 1
+end
+local fence = redis.call('HGET', KEYS[1], 'fence') or '0'
+if #token < #fence or (#token == #fence and token < fence) then return 0 end
+redis.call('HSET', KEYS[1], 'stock', ARGV[1], 'fence', token)
+return 1
+"""
+
+_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+MAX_RUNS = 1000
+
+
+def valid_id(value: str) -> bool:
+    """Product and user ids: short, and safe in a Redis key as they are."""
+    return _ID.fullmatch(value) is not None
+
+
+class Store:
+    def __init__(self, redis: aioredis.Redis, namespace: str) -> None:
+        self.redis = redis
+        self.prefix = f"{namespace}:demo"
+        self._set = redis.register_script(FENCED_SET)
+
+    def _product(self, product_id: str) -> str:
+        return f"{self.prefix}:stock:{product_id}"
+
+    async def get_stock(self, product_id: str) -> int | None:
+        value = await self.redis.hget(self._product(product_id), "stock")
+        return None if value is None else int(value)
+
+    async def put_stock(self, product_id: str, stock: int, token: int | None) -> bool:
+        """Create or reset a product; False if a newer lock holder already wrote."""
+        return await self._set(keys=[self._product(product_id)], args=[stock, _digits(token), "0"]) == 1
+
+    async def write_stock(self, product_id: str, stock: int, token: int | None) -> int:
+        """1 written, 0 refused by the fence, -1 unknown product."""
+        return int(await self._set(keys=[self._product(product_id)], args=[stock, _digits(token), "1"]))
+
+    async def add_order(self, user: str, order: dict) -> None:
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.rpush(f"{self.prefix}:orders:{user}", json.dumps(order))
+            pipe.incr(f"{self.prefix}:orders-created")
+            await pipe.execute()
+
+    async def orders(self, user: str) -> list[dict]:
+        return [json.loads(raw) for raw in await self.redis.lrange(f"{self.prefix}:orders:{user}", 0, -1)]
+
+    async def record_run(self, tick: int, replica: str) -> None:
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.rpush(f"{self.prefix}:jobs", json.dumps({"tick": tick, "replica": replica}))
+            pipe.ltrim(f"{self.prefix}:jobs", -MAX_RUNS, -1)
+            await pipe.execute()
+
+    async def runs(self) -> list[dict]:
+        return [json.loads(raw) for raw in await self.redis.lrange(f"{self.prefix}:jobs", 0, -1)]
+
+
+def _digits(token: int | None) -> str:
+    return "" if token is None else str(int(token))

@@ -1,0 +1,121 @@
+"""The `otel-lock` command: demo end to end, locks/unlock on a real Redis, argument errors."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+
+from otel_lock import LockManager
+from otel_lock.cli import _lock_name, main
+
+
+def run_cli(*args: str, env: dict | None = None, timeout: float = 90) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "otel_lock.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def test_demo_end_to_end_starts_its_own_redis_and_passes():
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    result = subprocess.run(
+        [sys.executable, "-m", "otel_lock.cli", "demo", "--buyers", "40", "--items", "20", "--double-submits", "6"],
+        capture_output=True, text=True, timeout=90, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "started redis-server" in out
+    assert "sold          20 of 20 items" in out
+    assert "oversell      0\n" in out
+    assert "orders        1 created for 6 copies" in out
+    assert "late retry    replayed the stored 201" in out
+    assert "wait (lock)" in out and "hold (lock)" in out and "renewals" in out
+    assert "verdict       OK" in out
+    assert "buyers: 40/40 answered" in result.stderr  # progress
+
+
+async def test_locks_lists_a_held_lock(redis_url, capsys):
+    async with LockManager.from_url(redis_url, namespace="cli") as locks:
+        held = await locks.acquire("stock:7", lease=60, wait=0)
+        code = await asyncio.to_thread(main, ["locks", "--redis-url", redis_url, "--namespace", "cli"])
+        await held.release()
+    out = capsys.readouterr().out
+    assert code == 0
+    header, row = out.splitlines()
+    assert header.split() == ["KEY", "OWNER", "DEPTH", "TTL", "TOKEN"]
+    assert row.split() == ["cli:{stock:7}", held.owner, "1", row.split()[3], str(held.token)]
+
+
+async def test_locks_says_when_nothing_is_held(redis_url, capsys):
+    assert await asyncio.to_thread(main, ["locks", "--redis-url", redis_url, "--namespace", "empty"]) == 0
+    assert "no locks held in namespace 'empty'" in capsys.readouterr().out
+
+
+async def test_unlock_force_releases_and_audits(redis_url, redis_client, capsys):
+    async with LockManager.from_url(redis_url, namespace="cli") as locks:
+        held = await locks.acquire("stock:8", lease=60, wait=0)
+        code = await asyncio.to_thread(
+            main, ["unlock", "stock:8", "--redis-url", redis_url, "--namespace", "cli", "--reason", "holder died"])
+        assert code == 0
+        assert await locks.held_locks() == []
+        assert await held.release() is False  # the old holder learns it no longer owned it
+        # Nothing left to release: exit status 1, and the attempt is audited too.
+        again = await asyncio.to_thread(main, ["unlock", "cli:{stock:8}", "--redis-url", redis_url,
+                                               "--namespace", "cli"])
+        assert again == 1
+    entries = await redis_client.xrange("cli:audit")
+    fields = [{k.decode(): v.decode() for k, v in entry.items()} for _, entry in entries]
+    assert [(f["lock"], f["released"]) for f in fields] == [("stock:8", "1"), ("stock:8", "0")]
+    assert fields[0]["reason"] == "holder died" and "@" in fields[0]["by"]
+    assert "forced release of lock 'stock:8'" in capsys.readouterr().err
+
+
+def test_unlock_accepts_the_key_as_locks_prints_it():
+    assert _lock_name("shop:{stock:1001}", "shop") == "stock:1001"
+    assert _lock_name("stock:1001", "shop") == "stock:1001"
+    assert _lock_name("other:{stock:1001}", "shop") == "other:{stock:1001}"
+
+
+def test_unreachable_redis_is_a_clear_error(capsys):
+    from otel_lock._redis_server import free_port
+
+    code = main(["locks", "--redis-url", f"redis://127.0.0.1:{free_port()}/0"])
+    assert code == 1
+    assert "Redis unreachable" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [
+    [], ["nope"], ["serve", "--port", "0"], ["serve", "--port", "http"], ["serve", "--redis-url", "http://x"],
+    ["serve", "--job-interval", "0.01"], ["serve", "--job-interval", "nan"], ["demo", "--buyers", "-1"],
+    ["demo", "--items", "many"], ["unlock"], ["locks", "--namespace", "a{b}"], ["locks", "--bogus"],
+], ids=lambda argv: " ".join(argv) or "no-command")
+def test_bad_arguments_exit_2_with_a_message(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_bad_redis_url_in_environment_exits_2():
+    result = run_cli("locks", env={"REDIS_URL": "localhost:6379"})
+    assert result.returncode == 2
+    assert "not a Redis URL" in result.stderr
+
+
+@pytest.mark.parametrize("command", ["demo", "serve", "locks", "unlock"])
+def test_each_command_has_help(command, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main([command, "--help"])
+    assert exc.value.code == 0
+    assert f"usage: otel-lock {command}" in capsys.readouterr().out
+
+
+def test_stack_passes_every_argument_to_the_local_stack(monkeypatch):
+    seen = []
+    fake = types.ModuleType("otel_lock._local_stack")
+    fake.main = lambda argv: seen.append(argv) or 3
+    monkeypatch.setitem(sys.modules, "otel_lock._local_stack", fake)
+    assert main(["stack", "up", "--help"]) == 3
+    assert seen == [["up", "--help"]]

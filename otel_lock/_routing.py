@@ -78,7 +78,7 @@ class RouteResolver:
 
     def __init__(self, rules: dict[str, Any] | None = None) -> None:
         self.rules = parse_rules(rules)
-        self._cache: dict[tuple[int, str], tuple[Any, dict[str, Any]]] = {}
+        self._cache: dict[tuple[int, str, str], tuple[Any, dict[str, Any]]] = {}
         self._prepared: set[int] = set()
 
     def resolve(self, scope: dict, routes: Iterable[Any]) -> RouteMatch | None:
@@ -93,7 +93,7 @@ class RouteResolver:
                           annotations.get("locked"), annotations.get("idempotent"))
 
     def _annotations(self, route: Any, template: str, method: str) -> dict[str, Any]:
-        key = (id(route), method)
+        key = (id(route), method, template)
         cached = self._cache.get(key)
         if cached is not None and cached[0] is route:
             return cached[1]
@@ -145,6 +145,11 @@ class RouteResolver:
 
 def _walk(routes: Iterable[Any], scope: dict, prefix: str) -> tuple[Any, str, dict] | None:
     for route in routes:
+        if _is_included_router(route):
+            match, child = route.matches(_probe(scope))
+            if match is Match.FULL:
+                return _walk_included(route, scope, prefix)
+            continue
         match, child = route.matches(scope)
         if match is not Match.FULL:
             continue  # PARTIAL (wrong method) is the router's 405, never locked
@@ -158,8 +163,44 @@ def _walk(routes: Iterable[Any], scope: dict, prefix: str) -> tuple[Any, str, di
     return None
 
 
+def _is_included_router(route: Any) -> bool:
+    # FastAPI >= 0.16x keeps `include_router(...)` as a lazy view with a prefix
+    # instead of flattened copies of the routes; its `matches()` says FULL
+    # but not which route, so ask its selector (duck-typed: private API).
+    return hasattr(route, "_match") and hasattr(route, "effective_route_contexts") \
+        and not isinstance(route, (Mount, Host))
+
+
+def _probe(scope: dict) -> dict:
+    """A copy FastAPI may scribble its routing notes on."""
+    probe = dict(scope)
+    if isinstance(probe.get("fastapi"), dict):
+        probe["fastapi"] = dict(probe["fastapi"])
+    return probe
+
+
+def _walk_included(router: Any, scope: dict, prefix: str) -> tuple[Any, str, dict] | None:
+    match, child, route, context = router._match(_probe(scope))
+    if match is not Match.FULL or route is None:
+        return None
+    child_scope = {**scope, **child}
+    child_scope.pop("fastapi", None)
+    if context is None:  # a router included in the included router
+        return _walk([route], child_scope, prefix)
+    starlette_route = getattr(context, "starlette_route", None)
+    children = _child_routes(starlette_route)
+    if children is not None:  # a Mount inside an included router: its path carries the prefix
+        return _walk(children, child_scope, prefix + getattr(starlette_route, "path", ""))
+    path = getattr(context, "path", "") or getattr(starlette_route, "path", "") or getattr(route, "path", "")
+    return route, prefix + path, child_scope
+
+
 def _all_routes(routes: Iterable[Any], prefix: str):
     for route in routes:
+        if _is_included_router(route):
+            for context in route.effective_route_contexts():
+                yield context, prefix + (getattr(context, "path", "") or "")
+            continue
         template = prefix + getattr(route, "path", "")
         children = _child_routes(route)
         if children is None:
@@ -182,6 +223,9 @@ def _add_header_parameter(route: Any, idem: Idempotent) -> None:
     extra["parameters"] = params
     # A new dict: include_router shares one openapi_extra between copies of a route.
     route.openapi_extra = extra
+    original = getattr(route, "original_route", None)  # FastAPI's per-inclusion view of an APIRoute
+    if original is not None and hasattr(original, "openapi_extra"):
+        _add_header_parameter(original, idem)
 
 
 def find_routes(app: Any, scope: dict) -> Any:

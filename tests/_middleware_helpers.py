@@ -1,0 +1,61 @@
+"""Shared by the middleware, routing and idempotency tests: a manager, a client, Redis key names."""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
+
+import httpx
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+from otel_lock import LockManager
+
+NAMESPACE = "mwtest"
+
+
+def lock_key(name: str, namespace: str = NAMESPACE) -> str:
+    """The Redis key of a lock name (the core's `<namespace>:{<name>}`)."""
+    return f"{namespace}:{{{name}}}"
+
+
+@asynccontextmanager
+async def make_manager(url: str, **options) -> AsyncIterator[LockManager]:
+    manager = LockManager.from_url(url, namespace=NAMESPACE, **options)
+    try:
+        yield manager
+    finally:
+        await manager.aclose()
+
+
+@asynccontextmanager
+async def client_for(app, **options) -> AsyncIterator[httpx.AsyncClient]:
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test", **options) as client:
+        yield client
+
+
+def metered() -> tuple[MeterProvider, InMemoryMetricReader]:
+    reader = InMemoryMetricReader()
+    return MeterProvider(metric_readers=[reader]), reader
+
+
+def counter_points(reader: InMemoryMetricReader, name: str) -> dict[tuple, int]:
+    """{sorted attribute items: value} of one counter."""
+    data = reader.get_metrics_data()
+    points: dict[tuple, int] = {}
+    for rm in data.resource_metrics if data else []:
+        for sm in rm.scope_metrics:
+            for metric in sm.metrics:
+                if metric.name == name:
+                    for point in metric.data.data_points:
+                        points[tuple(sorted(point.attributes.items()))] = point.value
+    return points
+
+
+def problem(response: httpx.Response) -> dict:
+    assert response.headers["content-type"] == "application/problem+json", response.text
+    body = response.json()
+    assert body["status"] == response.status_code
+    assert {"type", "title", "status", "detail"} <= body.keys()
+    return body

@@ -1,0 +1,247 @@
+"""`otel-lock stack`: the compose topology without Docker.
+
+Starts a redis-server (or uses --redis-url), two demo replicas (`otel-lock
+serve`), and the Debian/upstream `prometheus` binary with the compose
+stack's scrape config and alert rules rendered for local ports; optionally a
+load loop. Prints the URLs and stops everything by pid on Ctrl-C.
+
+There is no collector here: Prometheus scrapes the replicas' /metrics
+directly (same metric names, no exemplars). Grafana is not started; point a
+local Grafana at the printed Prometheus URL with the datasource uid
+`prometheus` and import dashboards/*.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from ._redis_server import RedisServer, free_port
+
+REPO = Path(__file__).resolve().parent.parent
+DEPLOY = REPO / "deploy" / "prometheus"
+REPLICA_JOB = "otel-lock-replicas"
+
+
+class StackError(RuntimeError):
+    """A part of the local stack could not be found or did not start."""
+
+
+def render_prometheus_config(targets: list[str], rule_files: list[str], *, scrape_interval: str = "5s",
+                             evaluation_interval: str = "15s") -> dict:
+    """deploy/prometheus/prometheus.yml with local targets and rules, minus the collector jobs.
+
+    Without a collector the replicas' own otel_lock_* and http_* series are the
+    only copy, so the replica job keeps them (no drop relabelling).
+    """
+    config = _yaml().safe_load((DEPLOY / "prometheus.yml").read_text())
+    config["global"]["scrape_interval"] = scrape_interval
+    config["global"]["evaluation_interval"] = evaluation_interval
+    config["rule_files"] = rule_files
+    jobs = [job for job in config["scrape_configs"] if job["job_name"] == REPLICA_JOB]
+    if not jobs:
+        raise StackError(f"{DEPLOY / 'prometheus.yml'} has no {REPLICA_JOB!r} job")
+    job = jobs[0]
+    job["static_configs"] = [{"targets": targets}]
+    job.pop("metric_relabel_configs", None)
+    config["scrape_configs"] = [job]
+    return config
+
+
+def _yaml():
+    try:
+        import yaml
+    except ImportError:
+        raise StackError("otel-lock stack reads deploy/prometheus/prometheus.yml and needs PyYAML: "
+                         "pip install pyyaml") from None
+    return yaml
+
+
+class Prometheus:
+    """A prometheus process on a loopback port with a rendered config, stopped by pid."""
+
+    def __init__(self, targets: list[str], *, port: int | None = None, scrape_interval: str = "5s",
+                 evaluation_interval: str = "15s") -> None:
+        self.binary = shutil.which("prometheus")
+        if self.binary is None:
+            raise StackError("prometheus is not on PATH: install it (Debian: apt-get install prometheus; "
+                             "do not start its service) or download it from prometheus.io")
+        if not (DEPLOY / "prometheus.yml").exists():
+            raise StackError(f"{DEPLOY} not found: run `otel-lock stack` from a checkout of otel-lock")
+        self.port = port or free_port()
+        self.targets = targets
+        self.scrape_interval = scrape_interval
+        self.evaluation_interval = evaluation_interval
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> "Prometheus":
+        self._dir = Path(tempfile.mkdtemp(prefix="otel-lock-prometheus-"))
+        rules = []
+        for rule_file in sorted((DEPLOY / "rules").glob("*.yml")):
+            rules.append(str(shutil.copy(rule_file, self._dir / rule_file.name)))
+        config = render_prometheus_config(self.targets, rules, scrape_interval=self.scrape_interval,
+                                          evaluation_interval=self.evaluation_interval)
+        config_path = self._dir / "prometheus.yml"
+        config_path.write_text(_yaml().safe_dump(config, sort_keys=False))
+        self.log_path = self._dir / "prometheus.log"
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(
+                [self.binary, f"--config.file={config_path}", f"--storage.tsdb.path={self._dir / 'data'}",
+                 f"--web.listen-address=127.0.0.1:{self.port}", "--enable-feature=exemplar-storage",
+                 "--web.enable-lifecycle", "--log.level=warn"],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        self._wait_ready(timeout)
+        return self
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        with httpx.Client(timeout=1.0) as client:
+            while True:
+                if self.process.poll() is not None:
+                    raise StackError(f"prometheus exited with code {self.process.returncode}:\n"
+                                     f"{self.log_path.read_text(errors='replace')[-2000:]}")
+                try:
+                    if client.get(self.url + "/-/ready").status_code == 200:
+                        return
+                except httpx.TransportError:
+                    pass
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise StackError(f"prometheus did not become ready on port {self.port} in {timeout}s")
+                time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                os.kill(self.process.pid, signal.SIGKILL)
+                self.process.wait(5)
+        self.process = None
+        shutil.rmtree(getattr(self, "_dir", ""), ignore_errors=True)
+
+    def __enter__(self) -> "Prometheus":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class LocalStack:
+    """Redis + replicas + Prometheus; `extra_targets` are scraped in the replicas' job too."""
+
+    def __init__(self, *, redis_url: str | None = None, replicas: int = 2, prometheus_port: int | None = None,
+                 namespace: str = "otel-lock", job_interval: float = 5.0, scrape_interval: str = "5s",
+                 evaluation_interval: str = "15s", extra_targets: list[str] | None = None) -> None:
+        self.redis_url = redis_url
+        self.replica_count = replicas
+        self.prometheus_port = prometheus_port
+        self.namespace = namespace
+        self.job_interval = job_interval
+        self.scrape_interval = scrape_interval
+        self.evaluation_interval = evaluation_interval
+        self.extra_targets = extra_targets or []
+        self.redis: RedisServer | None = None
+        self.replicas = None
+        self.prometheus: Prometheus | None = None
+
+    def start(self) -> "LocalStack":
+        from .demo._replicas import Replicas
+
+        try:
+            if self.redis_url is None:
+                self.redis = RedisServer().start()
+                self.redis_url = self.redis.url
+            self.replicas = Replicas(self.redis_url, count=self.replica_count, namespace=self.namespace,
+                                     job_interval=self.job_interval).start()
+            targets = [url.removeprefix("http://") for url in self.replicas.urls] + self.extra_targets
+            self.prometheus = Prometheus(targets, port=self.prometheus_port, scrape_interval=self.scrape_interval,
+                                         evaluation_interval=self.evaluation_interval).start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        """Prometheus first (it only reads), then the replicas, then Redis."""
+        for part in (self.prometheus, self.replicas, self.redis):
+            if part is not None:
+                part.stop()
+        self.prometheus = self.replicas = self.redis = None
+
+    def __enter__(self) -> "LocalStack":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="otel-lock stack",
+        description="Run the compose topology without Docker: Redis, two demo replicas and Prometheus "
+                    "(alert rules loaded), optionally a contended load. Ctrl-C stops everything.")
+    parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
+                        help="use this Redis instead of starting a redis-server (default: $REDIS_URL)")
+    parser.add_argument("--replicas", type=int, default=2, help="demo replicas (default: %(default)s)")
+    parser.add_argument("--prometheus-port", type=int, default=9090, help="(default: %(default)s, 0 = any free)")
+    parser.add_argument("--namespace", default="otel-lock", help="lock key prefix (default: %(default)s)")
+    parser.add_argument("--job-interval", type=float, default=5.0, help="background job period in seconds")
+    parser.add_argument("--load", action="store_true", help="also run the contended load loop")
+    args = parser.parse_args(argv)
+    if not 1 <= args.replicas <= 16:
+        parser.error(f"--replicas must be 1-16, got {args.replicas}")
+    if not 0 <= args.prometheus_port < 65536:
+        parser.error(f"--prometheus-port must be 0-65535, got {args.prometheus_port}")
+
+    stack = LocalStack(redis_url=args.redis_url, replicas=args.replicas,
+                       prometheus_port=args.prometheus_port or None, namespace=args.namespace,
+                       job_interval=args.job_interval)
+    try:
+        stack.start()
+    except (StackError, RuntimeError) as exc:
+        print(f"otel-lock stack: {exc}")
+        return 1
+    try:
+        print(f"redis       {stack.redis_url}")
+        for url in stack.replicas.urls:
+            print(f"replica     {url}   (/metrics, /healthz, /api/stock/1001)")
+        print(f"prometheus  {stack.prometheus.url}   (alerts: {stack.prometheus.url}/alerts)")
+        print("grafana     not started: add a Prometheus datasource with uid `prometheus` pointing at the URL "
+              "above and import dashboards/*.json")
+        print("Ctrl-C stops everything.", flush=True)
+        asyncio.run(_run_until_signal(stack.replicas.urls if args.load else None))
+    finally:
+        stack.stop()
+    return 0
+
+
+async def _run_until_signal(load_targets: list[str] | None) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    if load_targets is None:
+        await stop.wait()
+        return
+    from ._load_loop import LoadLoop
+
+    load = LoadLoop(load_targets)
+    task = asyncio.create_task(load.run())
+    await stop.wait()
+    load.stop()
+    await task

@@ -1,0 +1,367 @@
+"""Helpers for the multi-process and fault tests of the lock core.
+
+`Agent` runs this file as a child process with its own event loop and its own
+`LockManager.from_url(url)`. The parent drives it with one JSON command per
+line on stdin and reads one JSON event per line from stdout, so tests
+synchronise on what the child reports (acquired, lost, ...), never on sleeps.
+`TcpProxy` sits between a client and Redis and can stall or cut the traffic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+ROOT = HERE.parent.parent
+
+# Generous bounds: they only turn a hang into a failure, they are not timings.
+DEADLINE = 20.0
+
+
+# -- parent side -------------------------------------------------------------
+
+
+class AgentError(AssertionError):
+    pass
+
+
+class Agent:
+    """A child process holding one LockManager; see `_child_main` for the commands."""
+
+    def __init__(self, name: str, proc: asyncio.subprocess.Process, stderr) -> None:
+        self.name = name
+        self.proc = proc
+        self.pid = proc.pid
+        self._stderr = stderr
+        self._events: list[dict] = []
+
+    @classmethod
+    async def start(cls, name: str, url: str, **options) -> "Agent":
+        stderr = tempfile.TemporaryFile()
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, str(HERE), json.dumps({"url": url, "name": name, "options": options}),
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=stderr, env=env,
+        )
+        agent = cls(name, proc, stderr)
+        await agent.expect("ready")
+        return agent
+
+    async def send(self, op: str, **fields) -> None:
+        self.proc.stdin.write((json.dumps({"op": op, **fields}) + "\n").encode())
+        await self.proc.stdin.drain()
+
+    async def expect(self, ev: str, id: str | None = None, timeout: float = DEADLINE) -> dict:
+        """The first not yet consumed event `ev` (for `id`), reading more lines as needed."""
+        def match(event: dict) -> bool:
+            return event["ev"] == ev and (id is None or event.get("id") == id)
+
+        try:
+            async with asyncio.timeout(timeout):
+                while True:
+                    for event in self._events:
+                        if event["ev"] == "error":
+                            raise AgentError(f"agent {self.name} failed: {event}; stderr:\n{self.stderr()}")
+                        if match(event):
+                            self._events.remove(event)
+                            return event
+                    line = await self.proc.stdout.readline()
+                    if not line:
+                        await self.proc.wait()
+                        raise AgentError(f"agent {self.name} exited ({self.proc.returncode}) while we waited "
+                                         f"for {ev!r}; events {self._events}; stderr:\n{self.stderr()}")
+                    self._events.append(json.loads(line))
+        except TimeoutError:
+            raise AgentError(f"agent {self.name} did not report {ev!r} ({id}) within {timeout}s; "
+                             f"events {self._events}; stderr:\n{self.stderr()}") from None
+
+    def pending_events(self) -> list[dict]:
+        return list(self._events)
+
+    def stderr(self) -> str:
+        self._stderr.seek(0)
+        return self._stderr.read().decode(errors="replace")[-4000:]
+
+    def signal(self, sig: int) -> None:
+        os.kill(self.pid, sig)
+
+    async def close(self) -> None:
+        """Ask politely, then SIGKILL; always reap the process (no ResourceWarning)."""
+        if self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGCONT)
+            with contextlib.suppress(Exception):
+                await self.send("exit")
+            try:
+                async with asyncio.timeout(5):
+                    await self.proc.wait()
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    self.proc.kill()
+                await self.proc.wait()
+        self.proc.stdin.close()
+        with contextlib.suppress(Exception):
+            await self.proc.stdin.wait_closed()
+        self._stderr.close()
+
+
+class Agents:
+    """Starts agents and closes every one of them, whatever the test did."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.all: list[Agent] = []
+
+    async def start(self, name: str, url: str | None = None, **options) -> Agent:
+        agent = await Agent.start(name, url or self.url, **options)
+        self.all.append(agent)
+        return agent
+
+    async def start_many(self, names: list[str], **options) -> list[Agent]:
+        agents = await asyncio.gather(*(Agent.start(n, self.url, **options) for n in names))
+        self.all.extend(agents)
+        return list(agents)
+
+    async def close(self) -> None:
+        await asyncio.gather(*(a.close() for a in self.all))
+
+
+async def until(predicate, what: str, timeout: float = DEADLINE, every: float = 0.005):
+    """Poll an async predicate (Redis state) until it holds; fail instead of hanging."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(every)
+
+
+# -- a TCP proxy that can stall or cut -------------------------------------------
+
+
+class TcpProxy:
+    """Loopback proxy to host:port. `stall()` stops forwarding, `cut()` drops every
+    connection and refuses new ones, `forward()` returns to normal."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.target = (host, port)
+        self._flowing = asyncio.Event()
+        self._flowing.set()
+        self._cut = False
+        self._pairs: set[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = set()
+        self._tasks: set[asyncio.Task] = set()
+        self._server: asyncio.Server | None = None
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    async def start(self) -> "TcpProxy":
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    def stall(self) -> None:
+        self._flowing.clear()
+
+    def forward(self) -> None:
+        self._cut = False
+        self._flowing.set()
+
+    def cut(self) -> None:
+        self._cut = True
+        for pair in list(self._pairs):
+            for writer in pair:
+                writer.transport.abort()
+        self._pairs.clear()
+
+    async def _accept(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        if self._cut:
+            client_w.transport.abort()
+            return
+        try:
+            up_r, up_w = await asyncio.open_connection(*self.target)
+        except OSError:
+            client_w.transport.abort()
+            return
+        pair = (client_w, up_w)
+        self._pairs.add(pair)
+        pipes = [asyncio.create_task(self._pipe(client_r, up_w)), asyncio.create_task(self._pipe(up_r, client_w))]
+        self._tasks.update(pipes)
+        try:
+            await asyncio.wait(pipes, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in pipes:
+                task.cancel()
+            await asyncio.gather(*pipes, return_exceptions=True)
+            self._tasks.difference_update(pipes)
+            self._pairs.discard(pair)
+            for writer in pair:
+                writer.transport.abort()
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(OSError):
+            while data := await reader.read(65536):
+                await self._flowing.wait()  # stalled: hold the bytes, the peer sees silence
+                writer.write(data)
+                await writer.drain()
+
+    async def aclose(self) -> None:
+        self.cut()
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+# -- child side --------------------------------------------------------------
+
+
+def _emit(ev: str, **fields) -> None:
+    sys.stdout.write(json.dumps({"ev": ev, **fields}) + "\n")
+    sys.stdout.flush()
+
+
+def _attempt_recorder():
+    """A span processor that keeps `lock.attempts` of each finished acquire span, by owner."""
+    from opentelemetry.sdk.trace import SpanProcessor
+
+    class AttemptRecorder(SpanProcessor):
+        def __init__(self) -> None:
+            self.attempts: dict[str, int] = {}
+
+        def on_end(self, span) -> None:
+            attrs = span.attributes or {}
+            if span.name.startswith("lock acquire") and "lock.owner" in attrs:
+                self.attempts[attrs["lock.owner"]] = attrs.get("lock.attempts", 0)
+
+    return AttemptRecorder()
+
+
+async def _child(config: dict) -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from otel_lock import LockLost, LockManager, LockTimeout, RedisUnavailable
+
+    recorder = _attempt_recorder()
+    provider = TracerProvider()
+    provider.add_span_processor(recorder)
+    locks = LockManager.from_url(config["url"], tracer_provider=provider, **config["options"])
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    release: dict[str, asyncio.Event] = {}
+    tasks: dict[str, asyncio.Task] = {}
+
+    async def hold(cmd: dict) -> None:
+        ident = cmd["id"]
+        release[ident] = asyncio.Event()
+        options = {k: cmd[k] for k in ("wait", "lease", "cancel_on_lost") if k in cmd}
+        try:
+            async with locks.lock(cmd["key"], **options) as held:
+                _emit("acquired", id=ident, token=held.token, owner=held.owner, t=time.monotonic(),
+                      attempts=recorder.attempts.get(held.owner))
+                watcher = asyncio.create_task(held.lost.wait())
+                done, _ = await asyncio.wait([watcher, asyncio.create_task(release[ident].wait())],
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if watcher in done:
+                    _emit("lost", id=ident, t=time.monotonic())
+                    # keep "holding" (the body still runs) until told to leave
+                    await release[ident].wait()
+                _emit("releasing", id=ident, t=time.monotonic())
+            _emit("exited", id=ident, t=time.monotonic())
+        except LockLost as exc:
+            _emit("locklost", id=ident, message=str(exc), t=time.monotonic())
+        except LockTimeout:
+            _emit("timeout", id=ident)
+        except RedisUnavailable as exc:
+            _emit("unavailable", id=ident, message=str(exc))
+        except asyncio.CancelledError:
+            _emit("cancelled", id=ident)
+            raise
+
+    async def rmw(cmd: dict) -> None:
+        """Non-atomic GET, pause, SET of a counter, under the lock or not."""
+        intervals: list[tuple[float, float]] = []
+
+        async def worker() -> None:
+            for _ in range(cmd["iterations"]):
+                if cmd["use_lock"]:
+                    async with locks.lock(cmd["key"], wait=60):
+                        enter = time.monotonic()
+                        await _bump(locks.redis, cmd["counter"])
+                        intervals.append((enter, time.monotonic()))
+                else:
+                    await _bump(locks.redis, cmd["counter"])
+
+        await asyncio.gather(*(worker() for _ in range(cmd["tasks"])))
+        _emit("rmw_done", id=cmd["id"], intervals=intervals)
+
+    async def fair(cmd: dict) -> None:
+        """Tasks take the lock until `total` acquisitions are logged; the log is the order."""
+        counts = {}
+
+        async def worker(wid: str) -> None:
+            counts[wid] = 0
+            while True:
+                async with locks.lock(cmd["key"], wait=60):
+                    if await locks.redis.llen(cmd["log"]) >= cmd["total"]:
+                        return
+                    await locks.redis.rpush(cmd["log"], wid)
+                    counts[wid] += 1
+
+        await asyncio.gather(*(worker(f"{config['name']}/{i}") for i in range(cmd["tasks"])))
+        _emit("fair_done", id=cmd["id"], counts=counts)
+
+    def run(cmd: dict, coro) -> None:
+        task = tasks[cmd["id"]] = asyncio.create_task(coro)
+        task.add_done_callback(lambda t: t.cancelled() or t.exception() is None
+                               or _emit("error", id=cmd["id"], message=repr(t.exception())))
+
+    _emit("ready", pid=os.getpid())
+    while line := await reader.readline():
+        cmd = json.loads(line)
+        op = cmd["op"]
+        if op == "exit":
+            break
+        if op == "hold":
+            run(cmd, hold(cmd))
+        elif op == "release":
+            release[cmd["id"]].set()
+        elif op == "cancel":
+            tasks[cmd["id"]].cancel()
+        elif op == "rmw":
+            run(cmd, rmw(cmd))
+        elif op == "fair":
+            run(cmd, fair(cmd))
+        else:
+            _emit("error", message=f"unknown op {op!r}")
+    for task in tasks.values():
+        task.cancel()
+    await asyncio.gather(*tasks.values(), return_exceptions=True)
+    await locks.aclose()
+
+
+async def _bump(redis, counter: str) -> None:
+    value = int(await redis.get(counter) or 0)
+    # A real pause between read and write: without the lock, other processes
+    # interleave here and updates are lost.
+    await asyncio.sleep(0.001)
+    await redis.set(counter, value + 1)
+
+
+if __name__ == "__main__":
+    asyncio.run(_child(json.loads(sys.argv[1])))

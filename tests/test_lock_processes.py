@@ -1,0 +1,180 @@
+"""The lock across OS processes: exclusion, fairness, SIGSTOP/SIGKILL, FIFO wake-up.
+
+Each child process (`_proc_helpers.Agent`) has its own event loop and its own
+LockManager.from_url(url); the test talks to it over pipes and synchronises on
+what it reports or on the lock's state in Redis, never on sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import pytest
+import redis.asyncio as aioredis
+
+from _proc_helpers import DEADLINE, Agents, until
+from otel_lock import LockManager
+
+pytestmark = pytest.mark.timeout(90)
+
+NS = "otel-lock"
+
+
+def keys(name: str) -> tuple[str, str, str]:
+    lock = f"{NS}:{{{name}}}"
+    return lock, lock + ":q", lock + ":w"
+
+
+@pytest.fixture
+async def agents(redis_url):
+    group = Agents(redis_url)
+    yield group
+    await group.close()
+
+
+@pytest.fixture
+async def locks(redis_url):
+    manager = LockManager.from_url(redis_url)
+    yield manager
+    await manager.aclose()
+
+
+async def queued(redis: aioredis.Redis, name: str, n: int) -> None:
+    """Wait until `n` callers are in the lock's Redis queue."""
+    await until(lambda: _zcard_is(redis, keys(name)[1], n), f"{n} queued on {name}")
+
+
+async def _zcard_is(redis, key, n):
+    return await redis.zcard(key) == n
+
+
+async def run_rmw(agents: Agents, redis, *, use_lock: bool, procs=4, tasks=2, iterations=25):
+    workers = await agents.start_many([f"p{i}" for i in range(procs)])
+    # Every child is up before any starts, so the workloads overlap.
+    for agent in workers:
+        await agent.send("rmw", id="rmw", key="counter", counter="count", use_lock=use_lock,
+                         tasks=tasks, iterations=iterations)
+    results = [await agent.expect("rmw_done", "rmw", timeout=60) for agent in workers]
+    return int(await redis.get("count")), results, procs * tasks * iterations
+
+
+async def test_mutual_exclusion_across_processes_keeps_the_count_exact(agents, redis_client):
+    count, results, expected = await run_rmw(agents, redis_client, use_lock=True)
+    assert count == expected
+
+    # time.monotonic is one clock for the whole machine (CLOCK_MONOTONIC on Linux).
+    intervals = sorted(tuple(i) for r in results for i in r["intervals"])
+    assert len(intervals) == expected
+    overlaps = [(a, b) for a, b in zip(intervals, intervals[1:]) if b[0] < a[1]]
+    assert overlaps == []
+
+
+async def test_without_the_lock_the_same_workload_loses_updates(agents, redis_client):
+    # The control: proves the workload races, so the exact count above means something.
+    count, _, expected = await run_rmw(agents, redis_client, use_lock=False)
+    assert count < expected
+
+
+async def test_busy_lock_changes_hands_and_no_worker_starves(agents, redis_client, record_property):
+    total = 400
+    workers = await agents.start_many([f"p{i}" for i in range(4)])
+    for agent in workers:
+        await agent.send("fair", id="fair", key="fair", log="log", total=total, tasks=2)
+    for agent in workers:
+        await agent.expect("fair_done", "fair", timeout=60)
+
+    order = [w.decode() for w in await redis_client.lrange("log", 0, -1)]
+    assert len(order) == total
+    handoffs = sum(a != b for a, b in zip(order, order[1:]))
+    busiest = max(order.count(w) for w in set(order)) / total
+    record_property("handoff_ratio", round(handoffs / (total - 1), 3))
+    record_property("busiest_share", round(busiest, 3))
+    print(f"handoffs {handoffs}/{total - 1}, busiest worker {busiest:.1%}, workers {len(set(order))}")
+    assert len(set(order)) == 8
+    assert handoffs >= (total - 1) // 2
+    assert busiest <= 0.40
+
+
+@pytest.mark.parametrize("cancel_on_lost", [False, True], ids=["lost-event", "LockLost"])
+async def test_holder_stopped_past_its_lease_loses_it_to_a_larger_token(agents, locks, redis_client, cancel_on_lost):
+    holder = await agents.start("holder", lease=1.0)
+    await holder.send("hold", id="h", key="stopped", cancel_on_lost=cancel_on_lost)
+    first = await holder.expect("acquired", "h")
+
+    holder.signal(signal.SIGSTOP)
+    try:
+        # Its watchdog cannot renew: the lease runs out and we get the lock.
+        async with locks.lock("stopped", wait=DEADLINE, lease=30.0) as held:
+            assert held.token > first["token"]
+            holder.signal(signal.SIGCONT)
+            if cancel_on_lost:
+                await holder.expect("locklost", "h")
+            else:
+                await holder.expect("lost", "h")
+                await holder.send("release", id="h")
+                await holder.expect("exited", "h")
+            # The late holder's release is owner-checked: our lock survives it.
+            assert (await redis_client.hget(held.key, "owner")).decode() == held.owner
+    finally:
+        holder.signal(signal.SIGCONT)
+
+
+async def test_killed_queued_waiter_does_not_strand_the_lock(agents, redis_client, record_property):
+    holder, doomed, patient = await agents.start_many(["holder", "doomed", "patient"], lease=30.0)
+    await holder.send("hold", id="h", key="k")
+    h = await holder.expect("acquired", "h")
+    await doomed.send("hold", id="w", key="k", wait=30.0)
+    await queued(redis_client, "k", 1)
+    await patient.send("hold", id="x", key="k", wait=30.0)
+    await queued(redis_client, "k", 2)
+
+    doomed.signal(signal.SIGKILL)
+    await doomed.proc.wait()
+    await holder.send("release", id="h")
+    released = await holder.expect("releasing", "h")
+    # A liveness bound far below the 30 s lease the dead waiter asked for.
+    x = await patient.expect("acquired", "x", timeout=10.0)
+
+    delay = x["t"] - released["t"]
+    record_property("dead_waiter_delay_s", round(delay, 3))
+    print(f"lock reached the next live waiter {delay * 1000:.0f} ms after the release")
+    assert x["token"] > h["token"]
+    assert await redis_client.zcard(keys("k")[1]) == 0
+
+
+async def test_release_wakes_exactly_the_next_waiter_in_queue_order(agents, redis_client):
+    # poll_cap and grace beyond the test's duration: any Redis call a waiter
+    # makes after queueing is a wake-up, not a fallback poll or a lease top-up.
+    quiet = dict(lease=30.0, poll_cap=60.0, grace=60.0)
+    holder, *hosts = await agents.start_many(["holder", "p1", "p2", "p3"], **quiet)
+    await holder.send("hold", id="h", key="fifo", lease=30.0)
+    await holder.expect("acquired", "h")
+    waiters = []
+    for i in range(6):
+        host = hosts[i % len(hosts)]
+        await host.send("hold", id=f"w{i}", key="fifo", wait=DEADLINE, lease=30.0)
+        await queued(redis_client, "fifo", i + 1)
+        waiters.append((host, f"w{i}"))
+
+    current = (holder, "h")
+    for host, ident in waiters:
+        before = await _script_calls(redis_client)
+        await current[0].send("release", id=current[1])
+        event = await host.expect("acquired", ident)
+        after = await _script_calls(redis_client)
+        # One release script and one message; the woken waiter needed no round trip.
+        assert (after["evalsha"] - before["evalsha"], after["publish"] - before["publish"]) == (1, 1), ident
+        others = [e for a in [holder, *hosts] for e in a.pending_events() if e["ev"] == "acquired"]
+        assert others == [], f"{ident} was handed the lock but others also woke: {others}"
+        assert event["attempts"] in (1, 2)  # queued on its first or second call, never polled
+        current = (host, ident)
+    await current[0].send("release", id=current[1])
+    await current[0].expect("exited", current[1])
+    lock, queue, waiting = keys("fifo")
+    assert await redis_client.exists(lock, queue, waiting) == 0
+
+
+async def _script_calls(redis) -> dict[str, int]:
+    stats = await redis.info("commandstats")
+    return {name: stats.get(f"cmdstat_{name}", {}).get("calls", 0) for name in ("evalsha", "publish")}

@@ -30,7 +30,7 @@ from typing import Any, Awaitable, Callable
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from ._annotations import Idempotent
 from ._errors import LockTimeout, RedisUnavailable
@@ -344,7 +344,10 @@ class _Flow:
                     })
                 self.gate.count(self.route, "stored")
                 return
-            failed = isinstance(error, Exception) or (capture.finished and capture.status >= 500)
+            # A client that went away (disconnect message, or the server's send
+            # raising) is not a failure of the handler: 409, like a crash.
+            gone = isinstance(error, (OSError, ClientDisconnect))
+            failed = (isinstance(error, Exception) and not gone) or (capture.finished and capture.status >= 500)
             if failed and self.idem.retry_on_5xx:
                 await self._forget()
                 return

@@ -400,3 +400,48 @@ async def test_arbitrary_keys_and_bodies_never_give_5xx(redis_url, keys, body, r
             for _ in range(2 if repeat else 1):
                 response = await asyncio.wait_for(client.post("/e", content=body, headers=headers), 10)
                 assert response.status_code < 500, response.text
+
+
+@pytest.mark.parametrize("spec", ["2.3", "2.4"], ids=["disconnect-message", "send-raises"])
+async def test_client_gone_mid_response_is_outcome_unknown(redis_url, spec):
+    streaming, gone = asyncio.Event(), asyncio.Event()
+    runs = 0
+
+    async def endless(request):
+        nonlocal runs
+        runs += 1
+
+        async def body():
+            while True:
+                yield b"tick"
+                streaming.set()
+                await asyncio.sleep(0.01)
+        return StreamingResponse(body())
+
+    requested = False
+
+    async def receive():
+        nonlocal requested
+        if not requested:
+            requested = True
+            return {"type": "http.request", "body": b"{}", "more_body": False}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        if spec == "2.4" and gone.is_set():
+            raise OSError("connection reset by peer")
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": spec}, "method": "POST", "path": "/orders",
+             "root_path": "", "query_string": b"", "headers": [(b"idempotency-key", b'"order-1"')],
+             "client": ("127.0.0.1", 5000), "scheme": "http", "http_version": "1.1"}
+    async with make_manager(redis_url) as manager:
+        app = app_for(manager, endless)
+        call = asyncio.create_task(app(scope, receive, send))
+        await streaming.wait()
+        gone.set()
+        await asyncio.gather(asyncio.wait_for(call, 10), return_exceptions=True)
+        async with client_for(app) as client:
+            retry = await client.post("/orders", content=b"{}", headers=KEY)
+    assert runs == 1
+    assert retry.status_code == 409 and problem(retry)["type"] == "idempotency-outcome-unknown"

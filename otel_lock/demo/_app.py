@@ -36,6 +36,7 @@ MAX_QUANTITY = 1000
 MAX_STOCK = 1_000_000_000
 LOCK_WAIT = 2.0  # seconds a buyer queues for a product before 409 lock-timeout
 STOCK_LOCK = "stock:{path.product_id}"
+MAX_REDIS_CONNECTIONS = 1000
 
 
 @dataclass(frozen=True)
@@ -242,7 +243,10 @@ async def redis_unavailable_handler(request: Request, exc: Exception) -> JSONRes
 def create_app(settings: DemoSettings | None = None, locks: LockManager | None = None) -> Starlette:
     """The shop; `locks` defaults to a manager on `settings.redis_url`."""
     settings = settings or DemoSettings.from_env()
-    locks = locks or LockManager.from_url(settings.redis_url, namespace=settings.namespace, socket_timeout=2.0)
+    # redis-py's pool refuses a 101st concurrent connection ("Too many connections"),
+    # and a seckill burst queues a few hundred requests per replica at once.
+    locks = locks or LockManager.from_url(settings.redis_url, namespace=settings.namespace, socket_timeout=2.0,
+                                          max_connections=MAX_REDIS_CONNECTIONS)
     shop = Shop(settings, locks, Store(locks.redis, settings.namespace))
 
     @contextlib.asynccontextmanager

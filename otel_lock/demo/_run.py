@@ -17,7 +17,8 @@ from typing import TextIO
 import httpx
 
 from .._redis_server import RedisServer, RedisServerNotFound
-from ._load import DoubleSubmitResult, SeckillResult, double_submit, percentiles, seckill
+from ._load import (DoubleSubmitResult, SeckillResult, cache_missing_sniffio, clients, double_submit, percentiles,
+                    seckill)
 from ._metrics import Scrape, scrape
 from ._replicas import Replicas
 
@@ -88,8 +89,9 @@ def run_demo(options: DemoOptions, out: TextIO = sys.stdout) -> int:
 
 async def _bursts(options: DemoOptions, urls: list[str], out: TextIO) -> int:
     run = uuid.uuid4().hex[:8]  # a Redis given by the user may hold earlier runs
-    limits = httpx.Limits(max_connections=max(options.buyers, options.double_submits) + 10)
-    async with httpx.AsyncClient(timeout=30.0, limits=limits) as client:
+    cache_missing_sniffio()
+    async with clients(max(options.buyers, options.double_submits)) as pool:
+        client = pool[0]
         product, order_product = f"seckill-{run}", f"gift-{run}"
         for pid, stock in ((product, options.items), (order_product, options.double_submits)):
             (await client.put(f"{urls[0]}/api/stock/{pid}", json={"stock": stock})).raise_for_status()
@@ -98,12 +100,12 @@ async def _bursts(options: DemoOptions, urls: list[str], out: TextIO) -> int:
                   f"round-robin over {len(urls)} replicas")
         progress = Progress("buyers", options.buyers, sys.stderr)
         began = time.perf_counter()
-        sale = await seckill(client, urls, product, options.buyers, progress.step)
+        sale = await seckill(pool, urls, product, options.buyers, progress.step)
         elapsed = time.perf_counter() - began
 
         _say(out, f"double    : {options.double_submits} concurrent copies of one order "
                   f"(same Idempotency-Key), then one late retry")
-        dup = await double_submit(client, urls, order_product, f"user-{run}", f"order-{run}",
+        dup = await double_submit(pool, urls, order_product, f"user-{run}", f"order-{run}",
                                   options.double_submits)
         metrics = await scrape(client, urls)
     _summary(out, sale, elapsed, dup, metrics)
@@ -112,12 +114,12 @@ async def _bursts(options: DemoOptions, urls: list[str], out: TextIO) -> int:
 
 def _summary(out: TextIO, sale: SeckillResult, elapsed: float, dup: DoubleSubmitResult, metrics: Scrape) -> None:
     failed = ", ".join(f"{n} x {what}" for what, n in sale.failed.items()) or "none"
+    retried = ", ".join(f"{n} x {what}" for what, n in sale.retries.items()) or "none"
     lines = [
         "",
         "== summary ==",
         f"sold          {sale.sold} of {sale.items} items ({sale.buyers} buyers, {elapsed:.2f}s)",
-        f"rejected      {sale.out_of_stock} x 409 out-of-stock; {sale.retries} retries after "
-        f"409 lock-timeout/503; other failures: {failed}",
+        f"rejected      {sale.out_of_stock} x 409 out-of-stock; retried: {retried}; other failures: {failed}",
         f"stock left    {sale.stock_left}",
         f"oversell      {sale.oversold}" + ("" if sale.oversold == 0 else "   <-- OVERSOLD"),
         f"orders        {dup.orders_created} created for {dup.requests} copies of one order"

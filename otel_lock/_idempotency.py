@@ -214,6 +214,10 @@ class _Flow:
             if self.response_started:
                 raise
             log.warning("otel-lock: idempotency store unavailable: %s", error)
+            if not isinstance(error, RedisUnavailable):  # the manager counts its own
+                self.gate.manager.telemetry.errors.add(1, {
+                    "lock.name": f"idempotency {self.route}", "lock.operation": "acquire",
+                    "error.type": "redis_unavailable"})
             await send_problem(self.send, 503, "redis-unavailable", "the idempotency store is unavailable",
                                retry_after=self.idem.retry_after)
 
@@ -223,8 +227,8 @@ class _Flow:
         value = self.idem.principal(Request(self.scope))
         if inspect.isawaitable(value):
             value = await value
-        # None means "no opinion": fall back to the default rather than merge all callers.
-        return default_principal(Request(self.scope)) if value is None else "p:" + str(value)
+        # None or "" means "no opinion": fall back to the default rather than merge all callers.
+        return default_principal(Request(self.scope)) if value is None or value == "" else "p:" + str(value)
 
     async def _gate(self, inner: Inner) -> None:
         record = await self._load()

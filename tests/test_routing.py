@@ -253,3 +253,15 @@ async def test_fastapi_openapi_shows_idempotency_key_header(redis_url):
     assert len(header("/payments")) == 1 and header("/payments")[0]["required"] is False
     assert header("/plain") == []
     assert len(header("/v1/refunds")) == 1
+
+
+def test_annotating_an_http_endpoint_class_covers_every_method():
+    @locked("items:{path.item_id}")
+    class Items(HTTPEndpoint):
+        async def get(self, request): ...
+
+        async def put(self, request): ...
+
+    routes = [Route("/items/{item_id}", Items)]
+    for method in ("GET", "HEAD", "PUT"):
+        assert RouteResolver().resolve(scope(method, "/items/1"), routes).locked is not None

@@ -138,8 +138,9 @@ def test_prometheus_rule_files_exist_through_the_mount():
 def test_prometheus_scrapes_replicas_and_collector():
     targets = {target for job in PROMETHEUS["scrape_configs"]
                for config in job["static_configs"] for target in config["targets"]}
-    collector_ports = {COLLECTOR["exporters"]["prometheus"]["endpoint"].rsplit(":", 1)[1],
-                       COLLECTOR["service"]["telemetry"]["metrics"]["address"].rsplit(":", 1)[1]}
+    own = [reader["pull"]["exporter"]["prometheus"]["port"]
+           for reader in COLLECTOR["service"]["telemetry"]["metrics"]["readers"]]
+    collector_ports = {COLLECTOR["exporters"]["prometheus"]["endpoint"].rsplit(":", 1)[1], *map(str, own)}
     assert {f"otel-collector:{port}" for port in collector_ports} <= targets
     replica_ports = {service["command"][service["command"].index("--port") + 1]
                      for service in SERVICES.values() if service.get("command", [])[:2] == ["otel-lock", "serve"]}

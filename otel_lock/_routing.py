@@ -8,10 +8,11 @@ router would. The annotations of a route are looked up once and cached.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from starlette.routing import Host, Match, Mount, compile_path
+from starlette.routing import Host, Match, Mount, Route, compile_path
 
 from ._annotations import Idempotent, Locked, annotations_of
 
@@ -143,8 +144,33 @@ class RouteResolver:
                     break
 
 
+def _route_path(scope: dict) -> str:
+    """The path the routes see below a Mount (Starlette's own rule, which is private)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if not root or not path.startswith(root):
+        return path
+    if path == root:
+        return ""
+    return path[len(root):] if path[len(root)] == "/" else path
+
+
+def _plain_match_classes() -> tuple[type, ...]:
+    """Route classes whose matches() is their path regex plus a method check."""
+    classes: list[type] = [Route, Mount]
+    fastapi_routing = sys.modules.get("fastapi.routing")
+    if fastapi_routing is not None and hasattr(fastapi_routing, "APIRoute"):
+        classes.append(fastapi_routing.APIRoute)
+    return tuple(classes)
+
+
 def _walk(routes: Iterable[Any], scope: dict, prefix: str) -> tuple[Any, str, dict] | None:
+    # A regex pre-check skips most routes without building a child scope;
+    # matches() still decides for the ones that pass (as the router will).
+    route_path = _route_path(scope)
+    plain = _plain_match_classes() if "fastapi" not in scope else ()
     for route in routes:
+        if type(route) in plain and not route.path_regex.match(route_path):
+            continue
         if _is_included_router(route):
             match, child = route.matches(_probe(scope))
             if match is Match.FULL:

@@ -1,0 +1,241 @@
+"""The demo shop in-process (httpx ASGITransport, real Redis): answers, fencing, bad input."""
+
+from __future__ import annotations
+
+import json
+from urllib.parse import quote
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from otel_lock import LockManager
+from otel_lock.demo import DemoSettings, create_app
+from otel_lock.demo import _app
+from otel_lock.demo._store import Store
+
+USER = {"X-User-Id": "alice"}
+
+
+def shop(redis_url: str, **options) -> tuple:
+    app = create_app(DemoSettings(redis_url=redis_url, namespace="t", job_interval=0, **options))
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://shop")
+    return app, client
+
+
+@pytest.fixture
+async def client(redis_url):
+    app, http = shop(redis_url)
+    async with http:
+        yield http
+    await app.state.shop.locks.aclose()
+
+
+def kind(response: httpx.Response) -> str:
+    assert response.headers["content-type"] == "application/problem+json", response.text
+    return response.json()["type"]
+
+
+async def test_stock_put_get_deduct_and_sold_out(client):
+    assert (await client.put("/api/stock/p1", json={"stock": 3})).json() == {"product_id": "p1", "stock": 3}
+    assert (await client.get("/api/stock/p1")).json() == {"product_id": "p1", "stock": 3}
+    assert (await client.post("/api/stock/p1/deduct")).json()["stock"] == 2
+    assert (await client.post("/api/stock/p1/deduct", json={"quantity": 2})).json()["stock"] == 0
+    sold_out = await client.post("/api/stock/p1/deduct")
+    assert sold_out.status_code == 409 and kind(sold_out) == "out-of-stock"
+    assert (await client.get("/api/stock/p1")).json()["stock"] == 0
+
+
+async def test_order_is_created_once_and_listed(client):
+    await client.put("/api/stock/p1", json={"stock": 5})
+    headers = {**USER, "Idempotency-Key": '"k-1"'}
+    first = await client.post("/api/orders", json={"product_id": "p1", "quantity": 2}, headers=headers)
+    assert first.status_code == 201
+    order = first.json()
+    assert order["user"] == "alice" and order["stock_left"] == 3
+    again = await client.post("/api/orders", json={"quantity": 2, "product_id": "p1"}, headers=headers)
+    assert again.headers["idempotent-replayed"] == "true" and again.json() == order
+    listed = (await client.get("/api/orders", params={"user": "alice"})).json()["orders"]
+    assert [o["order_id"] for o in listed] == [order["order_id"]]
+    assert (await client.get("/api/stock/p1")).json()["stock"] == 3
+
+
+@pytest.mark.parametrize("method, path, kwargs, status, problem", [
+    ("GET", "/api/stock/nope", {}, 404, "unknown-product"),
+    ("POST", "/api/stock/nope/deduct", {}, 404, "unknown-product"),
+    ("PUT", "/api/stock/p1", {"content": b"{not json"}, 400, "invalid-json"),
+    ("PUT", "/api/stock/p1", {"json": [1]}, 400, "invalid-body"),
+    ("PUT", "/api/stock/p1", {"json": {"stock": -1}}, 400, "invalid-body"),
+    ("PUT", "/api/stock/p1", {"json": {"stock": "100"}}, 400, "invalid-body"),
+    ("PUT", "/api/stock/p1", {"json": {"stock": True}}, 400, "invalid-body"),
+    ("PUT", "/api/stock/p1", {"json": {"stock": 1.5}}, 400, "invalid-body"),
+    ("PUT", "/api/stock/p1", {"json": {}}, 400, "invalid-body"),
+    ("PUT", "/api/stock/a%3Ab", {"json": {"stock": 1}}, 400, "invalid-product-id"),
+    ("POST", "/api/stock/p1/deduct", {"json": {"quantity": 0}}, 400, "invalid-body"),
+    ("POST", "/api/stock/p1/deduct", {"content": b"\xff\xfe"}, 400, "invalid-json"),
+    ("POST", "/api/stock/p1/deduct", {"content": b"x" * (70 * 1024)}, 413, "request-too-large"),
+    ("GET", "/api/orders", {}, 400, "invalid-user-id"),
+    ("GET", "/api/orders?user=a%20b", {}, 400, "invalid-user-id"),
+    ("POST", "/api/orders", {"json": {"product_id": "p1"}, "headers": USER}, 400, "idempotency-key-missing"),
+    ("POST", "/api/orders", {"json": {"product_id": "p1"}, "headers": {"Idempotency-Key": '"k"'}},
+     400, "lock-key-invalid"),
+    ("POST", "/api/orders", {"json": {"product_id": 7}, "headers": {**USER, "Idempotency-Key": '"k"'}},
+     400, "invalid-product-id"),
+    ("POST", "/api/orders", {"json": {"product_id": "nope"}, "headers": {**USER, "Idempotency-Key": '"k"'}},
+     404, "unknown-product"),
+    ("DELETE", "/api/stock/p1", {}, 405, "method-not-allowed"),
+    ("GET", "/api/nothing", {}, 404, "not-found"),
+], ids=lambda v: v if isinstance(v, str) else None)
+async def test_bad_input_gets_a_named_4xx(client, method, path, kwargs, status, problem):
+    await client.put("/api/stock/p1", json={"stock": 10})
+    response = await client.request(method, path, **kwargs)
+    assert response.status_code == status, response.text
+    assert kind(response).endswith(problem)
+    assert (await client.get("/api/stock/p1")).json()["stock"] == 10
+
+
+async def test_a_stale_fencing_token_cannot_write(redis_url, redis_client):
+    async with LockManager(redis_client, namespace="t") as locks, LockManager(redis_client, namespace="t") as later:
+        store = Store(redis_client, "t")
+        old = await locks.acquire("stock:p1", lease=60, wait=0)
+        await locks.force_release("stock:p1")  # as if its lease had run out during a pause
+        new = await later.acquire("stock:p1", lease=60, wait=0)  # another replica takes over
+        assert new.token > old.token
+        assert await store.put_stock("p1", 10, new.token)
+        assert await store.write_stock("p1", 9, new.token) == 1
+        assert await store.write_stock("p1", 5, old.token) == 0  # the late writer is refused
+        assert await store.get_stock("p1") == 9
+        assert await store.write_stock("p2", 5, new.token) == -1
+        await new.release()
+
+
+async def test_tokens_beyond_float_precision_are_compared_exactly(redis_client):
+    store = Store(redis_client, "t")
+    big = 2**60
+    assert await store.put_stock("p1", 10, big + 1)
+    assert await store.write_stock("p1", 9, big) == 0
+    assert await store.write_stock("p1", 9, big + 2) == 1
+
+
+async def test_deduct_refused_by_the_fence_answers_409_and_keeps_stock(client, redis_client):
+    await client.put("/api/stock/p1", json={"stock": 10})
+    # A holder from the future has written: our request's token is older than the fence.
+    await redis_client.hset("t:demo:stock:p1", "fence", str(10**30))
+    response = await client.post("/api/stock/p1/deduct")
+    assert response.status_code == 409 and kind(response) == "stale-fencing-token"
+    assert (await client.get("/api/stock/p1")).json()["stock"] == 10
+
+
+async def test_an_order_waits_for_the_same_product_lock_as_deduct(client, redis_client, monkeypatch):
+    monkeypatch.setattr(_app, "LOCK_WAIT", 0.05)
+    await client.put("/api/stock/p1", json={"stock": 10})
+    async with LockManager(redis_client, namespace="t") as other:
+        # Another replica deducting p1 right now, under the route's lock.
+        async with other.lock("stock:p1", wait=0):
+            busy = await client.post("/api/orders", json={"product_id": "p1"},
+                                     headers={**USER, "Idempotency-Key": '"busy-1"'})
+    assert busy.status_code == 409 and kind(busy) == "lock-timeout"
+    assert busy.headers["retry-after"] == "1"
+    assert (await client.get("/api/stock/p1")).json()["stock"] == 10
+
+
+async def test_disabled_locks_take_no_lock(redis_url, monkeypatch):
+    monkeypatch.setenv("OTEL_LOCK_DEMO_DISABLE_LOCKS", "1")
+    monkeypatch.setenv("OTEL_LOCK_DEMO_WORK_MS", "2")
+    settings = DemoSettings.from_env(redis_url=redis_url, namespace="t", job_interval=0)
+    assert not settings.locks_enabled and settings.work == 0.002
+    app, client = shop(redis_url, locks_enabled=False)
+    async with client, LockManager.from_url(redis_url, namespace="t") as other:
+        await client.put("/api/stock/p1", json={"stock": 2})
+        async with other.lock("stock:p1", wait=0):  # would block a locked shop
+            assert (await client.post("/api/stock/p1/deduct")).status_code == 200
+    await app.state.shop.locks.aclose()
+
+
+def test_bad_work_setting_is_named(monkeypatch):
+    monkeypatch.setenv("OTEL_LOCK_DEMO_WORK_MS", "slow")
+    with pytest.raises(ValueError, match="OTEL_LOCK_DEMO_WORK_MS"):
+        DemoSettings.from_env()
+
+
+async def test_healthz_and_metrics(client):
+    health = (await client.get("/healthz")).json()
+    assert health["status"] == "ok" and health["namespace"] == "t" and health["redis"]["run_id"]
+    metrics = await client.get("/metrics")
+    assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain")
+
+
+async def test_redis_down_answers_503_then_recovers(fresh_redis):
+    app, client = shop(fresh_redis.url)
+    async with client:
+        assert (await client.put("/api/stock/p1", json={"stock": 1})).status_code == 200
+        fresh_redis.stop()
+        for response in (await client.get("/healthz"), await client.get("/api/stock/p1"),
+                         await client.post("/api/stock/p1/deduct")):
+            assert response.status_code == 503, response.text
+            assert kind(response) == "redis-unavailable" and response.headers["retry-after"]
+        fresh_redis.start()
+        assert (await client.put("/api/stock/p1", json={"stock": 1})).status_code == 200
+        assert (await client.post("/api/stock/p1/deduct")).status_code == 200
+    await app.state.shop.locks.aclose()
+
+
+# -- hypothesis: whatever arrives, the answer is never a 5xx --------------
+
+ascii_text = st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=80)
+ids = st.one_of(st.sampled_from(["p1", "nope", "", "-", "a" * 65]), st.text(max_size=40))
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
+    max_leaves=10,
+)
+bodies = st.one_of(
+    st.none(), st.binary(max_size=200),
+    st.fixed_dictionaries({}, optional={"stock": json_values, "quantity": json_values, "product_id": json_values}),
+    json_values,
+)
+
+
+ROUTES = [
+    ("PUT", "/api/stock/{id}"), ("GET", "/api/stock/{id}"), ("POST", "/api/stock/{id}/deduct"),
+    ("POST", "/api/orders"), ("GET", "/api/orders?user={id}"), ("GET", "/api/jobs"), ("GET", "/healthz"),
+]
+METHODS = ["GET", "PUT", "POST", "DELETE", "PATCH", "HEAD", "OPTIONS"]
+header_values = {
+    "Idempotency-Key": st.one_of(st.sampled_from(['"k1"', '"k2"', "k1", '"k1", "k2"', '""']), ascii_text),
+    "X-User-Id": st.one_of(st.sampled_from(["alice", "bob", "", "a:b", "a" * 65]), ascii_text),
+    "Content-Type": st.one_of(st.sampled_from(["application/json", "text/plain"]), ascii_text),
+}
+
+
+@st.composite
+def requests(draw):
+    pid = quote(draw(ids), safe="")
+    # Mostly real routes with their own method, so requests get past routing into the handlers.
+    method, template = draw(st.one_of(
+        st.sampled_from(ROUTES),
+        st.tuples(st.sampled_from(METHODS), st.sampled_from([t for _, t in ROUTES] + ["/{id}"])),
+    ))
+    headers = {}
+    for name, values in header_values.items():
+        value = draw(st.one_of(st.none(), values))
+        if value is not None:
+            headers[name] = value
+    body = draw(bodies)
+    content = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
+    return method, template.format(id=pid), headers, content
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(request=requests())
+async def test_no_input_gets_a_5xx(client, request):
+    method, path, headers, content = request
+    if not getattr(client, "_seeded", False):
+        await client.put("/api/stock/p1", json={"stock": 1000})
+        client._seeded = True
+    response = await client.request(method, path, headers=headers, content=content)
+    event(f"{response.status_code} {path.split('?')[0].rsplit('/', 1)[-1][:8]}")
+    assert response.status_code < 500, (response.status_code, response.text)
+    if response.status_code >= 400 and method != "HEAD":
+        assert response.headers["content-type"] == "application/problem+json"

@@ -33,6 +33,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.requests import ClientDisconnect, Request
 
 from ._annotations import Idempotent
+from ._asgi import Message, Receive, ResponseEnd, Scope, Send
 from ._errors import LockTimeout, RedisUnavailable
 from ._problem import send_problem
 
@@ -52,10 +53,6 @@ _REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, OSError, RedisUnavailabl
 
 STARTED, DONE, UNKNOWN, TOMBSTONE = "started", "done", "unknown", "tombstone"
 
-Scope = dict[str, Any]
-Message = dict[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
 # Runs the business lock and the app; returns whether the handler was entered.
 Inner = Callable[[Scope, Receive, Send], Awaitable[bool]]
 
@@ -307,18 +304,22 @@ class _Flow:
         await self._store({"state": STARTED, "fp": self.fp, "route": self.route})
         capture = _Capture(self.idem.max_body)
         entered = {"handler": False}
+        end = ResponseEnd()
 
         async def send(message: Message) -> None:
-            if message["type"] == "http.response.start":
+            kind = message["type"]
+            if kind == "http.response.start":
                 self.response_started = True
                 capture.start(message)
-            elif message["type"] == "http.response.body":
+            elif kind == "http.response.body":
                 capture.body(message)
-                if not message.get("more_body", False) and not capture.finished:
-                    capture.finished = True
-                    # Stored before the last byte goes out, so a client that
-                    # retries at once finds the outcome, not an in-flight claim.
-                    await self._settle(held, capture, None)
+            elif kind.startswith("http.response."):
+                capture.chunks = None  # pathsend, zerocopysend, trailers: not replayable
+            if end.is_last(message):
+                capture.finished = True
+                # Stored before the last byte goes out, so a client that
+                # retries at once finds the outcome, not an in-flight claim.
+                await self._settle(held, capture, None)
             await self.send(message)
 
         try:

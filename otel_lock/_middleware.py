@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Awaitable, Callable
+from typing import Any
 from urllib.parse import parse_qsl
 
 from ._annotations import MIB, Locked
+from ._asgi import ASGIApp, Message, Receive, ResponseEnd, Scope, Send
 from ._errors import LockLost, LockTimeout, RedisUnavailable
 from ._idempotency import IdempotencyGate
 from ._keys import Part, TemplateValueError, json_value, resolve_secret
@@ -22,11 +23,6 @@ from ._routing import RouteMatch, RouteResolver, find_routes
 
 log = logging.getLogger("otel_lock.middleware")
 
-Scope = dict[str, Any]
-Message = dict[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 class LockMiddleware:
@@ -156,13 +152,15 @@ class _Locked:
             return True
         held: Any = None
         started = entered = app_done = False
+        end = ResponseEnd()
 
         async def release_after_last_body(message: Message) -> None:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
+            last = end.is_last(message)
             await send(message)
-            if message["type"] == "http.response.body" and not message.get("more_body", False):
+            if last:
                 # The response is out: let the next request in now, not after
                 # background tasks. release() is idempotent; the exit releases too.
                 await _release_quietly(held)

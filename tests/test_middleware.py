@@ -11,7 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.background import BackgroundTask
+from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
 from otel_lock import LockLost, LockMiddleware, locked
@@ -358,3 +359,44 @@ async def test_arbitrary_input_never_gives_5xx(redis_url, pid, user, body):
             except UnicodeEncodeError:
                 return  # httpx refuses this header value: nothing reaches the app
     assert response.status_code < 500, response.text
+
+
+@pytest.mark.parametrize("kind", ["body", "pathsend"])
+async def test_lock_is_released_when_the_response_is_out_before_background_tasks(redis_url, redis_client,
+                                                                                   tmp_path, kind):
+    in_background, finish = asyncio.Event(), asyncio.Event()
+    seen_during_background = []
+
+    async def background():
+        seen_during_background.append(await owner_of(redis_client, "bg"))
+        in_background.set()
+        await finish.wait()
+
+    file = tmp_path / "f.txt"
+    file.write_bytes(b"file body")
+
+    async def handler(request):
+        tasks = BackgroundTask(background)
+        if kind == "pathsend":
+            return FileResponse(file, background=tasks)
+        return PlainTextResponse("body", background=tasks)
+
+    sent = []
+
+    async def receive():
+        await asyncio.Event().wait()
+
+    async def send(message):
+        sent.append(message["type"])
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "method": "GET", "path": "/bg",
+             "root_path": "", "query_string": b"", "headers": [], "scheme": "http", "http_version": "1.1",
+             "extensions": {"http.response.pathsend": {}} if kind == "pathsend" else {}}
+    async with make_manager(redis_url) as manager:
+        app = LockMiddleware(Starlette(routes=[Route("/bg", locked("bg")(handler))]), manager=manager)
+        call = asyncio.create_task(app(scope, receive, send))
+        await in_background.wait()
+        finish.set()
+        await call
+    assert seen_during_background == [None]
+    assert sent[-1] == ("http.response.pathsend" if kind == "pathsend" else "http.response.body")

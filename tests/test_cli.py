@@ -119,3 +119,38 @@ def test_stack_passes_every_argument_to_the_local_stack(monkeypatch):
     monkeypatch.setitem(sys.modules, "otel_lock._local_stack", fake)
     assert main(["stack", "up", "--help"]) == 3
     assert seen == [["up", "--help"]]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has stopped
+    except FileNotFoundError:
+        return False
+
+
+def test_demo_ctrl_c_stops_everything_it_started():
+    import re
+    import signal
+
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    demo = subprocess.Popen([sys.executable, "-m", "otel_lock.cli", "demo", "--buyers", "2000", "--items", "1000"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        lines = []
+        for line in demo.stdout:  # wait until the replicas are up: their line lists the pids
+            lines.append(line)
+            if line.startswith("replicas  : replica-"):
+                break
+        pids = [int(pid) for pid in re.findall(r"\(pid (\d+)\)", "".join(lines))]
+        assert len(pids) == 3, lines  # redis-server and two replicas
+        demo.send_signal(signal.SIGINT)
+        assert demo.wait(30) == 130
+        assert "interrupted, stopping what it started" in demo.stderr.read()
+        assert [pid for pid in pids if _alive(pid)] == []
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait()
+        demo.stdout.close()
+        demo.stderr.close()

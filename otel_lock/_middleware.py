@@ -24,8 +24,9 @@ from ._routing import RouteMatch, RouteResolver, find_routes
 log = logging.getLogger("otel_lock.middleware")
 
 
-
 class LockMiddleware:
+    """Takes each annotated route's lock before the app runs; see docs/middleware.md."""
+
     def __init__(self, app: ASGIApp, manager: Any, rules: dict[str, Any] | None = None,
                  hash_secret: str | bytes | None = None, max_body: int = MIB) -> None:
         if manager is None:

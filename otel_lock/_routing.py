@@ -8,6 +8,7 @@ router would. The annotations of a route are looked up once and cached.
 
 from __future__ import annotations
 
+import logging
 import sys
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -17,6 +18,7 @@ from starlette.routing import Host, Match, Mount, Route, compile_path
 from ._annotations import Idempotent, Locked, annotations_of
 
 IDEMPOTENCY_HEADER = "Idempotency-Key"
+log = logging.getLogger("otel_lock.middleware")
 
 
 @dataclass(frozen=True)
@@ -83,9 +85,11 @@ class RouteResolver:
         self._prepared: set[int] = set()
 
     def resolve(self, scope: dict, routes: Iterable[Any]) -> RouteMatch | None:
+        routes = routes if isinstance(routes, list) else list(routes)
         found = _walk(routes, scope, "")
         if found is None:
-            return self._rule_only(scope)
+            # No route: a 404 or 405 for a routed app; for a plain ASGI app the rules are the routes.
+            return None if routes else self._rule_only(scope)
         route, template, child_scope = found
         annotations = self._annotations(route, template, scope["method"])
         if not annotations:
@@ -109,10 +113,7 @@ class RouteResolver:
 
     def _rule_only(self, scope: dict) -> RouteMatch | None:
         """Apps without Starlette routes (plain ASGI): match the rules' own paths."""
-        path = scope.get("path", "")
-        root = scope.get("root_path", "")
-        if root and path.startswith(root):
-            path = path[len(root):]
+        path = _route_path(scope)
         for rule in self.rules:
             if rule.methods is not None and scope["method"] not in rule.methods:
                 continue
@@ -133,7 +134,9 @@ class RouteResolver:
         if id(routes) in self._prepared:
             return
         self._prepared.add(id(routes))
+        templates = set()
         for route, template in _all_routes(routes, ""):
+            templates.add(_format(template))
             if not hasattr(route, "openapi_extra"):
                 continue
             methods = sorted(getattr(route, "methods", None) or ["POST"])
@@ -142,6 +145,9 @@ class RouteResolver:
                 if idem is not None:
                     _add_header_parameter(route, idem)
                     break
+        for rule in self.rules:
+            if templates and rule.path_format not in templates:
+                log.warning("otel-lock: rule for %s matches no route of the app (typo?)", rule.path_format)
 
 
 def _route_path(scope: dict) -> str:

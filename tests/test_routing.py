@@ -265,3 +265,18 @@ def test_annotating_an_http_endpoint_class_covers_every_method():
     routes = [Route("/items/{item_id}", Items)]
     for method in ("GET", "HEAD", "PUT"):
         assert RouteResolver().resolve(scope(method, "/items/1"), routes).locked is not None
+
+
+def test_rules_do_not_lock_404_or_405_of_a_routed_app():
+    async def plain(request): ...
+    resolver = RouteResolver({"/x": locked("x"), "/nowhere": locked("n")})
+    routes = [Route("/x", plain, methods=["GET"])]
+    assert resolver.resolve(scope("GET", "/x"), routes) is not None
+    assert resolver.resolve(scope("POST", "/x"), routes) is None
+    assert resolver.resolve(scope("GET", "/nowhere"), routes) is None
+
+
+def test_a_rule_for_no_route_is_reported(caplog):
+    async def plain(request): ...
+    RouteResolver({"POST /typo": locked("t")}).prepare_openapi([Route("/real", plain)])
+    assert "matches no route" in caplog.text

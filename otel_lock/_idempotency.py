@@ -185,6 +185,7 @@ class _Flow:
         self.scope, self.receive, self.send = scope, receive, send
         self.redis = gate.manager.redis
         self.response_started = False
+        self.handler_called = False
 
     async def run(self, body: bytes, inner: Inner) -> None:
         try:
@@ -200,7 +201,8 @@ class _Flow:
             await inner(self.scope, self.receive, self.send)
             return
         principal = await self._principal()
-        scope_id = hmac.new(self.gate.secret, f"{principal}\0{key}".encode(), hashlib.sha256).hexdigest()[:32]
+        scoped = f"{principal}\0{key}".encode("utf-8", "surrogatepass")
+        scope_id = hmac.new(self.gate.secret, scoped, hashlib.sha256).hexdigest()[:32]
         self.lock_key = f"idem:{scope_id}"
         self.record_key = f"{self.gate.manager.namespace}:{{{self.lock_key}}}{RECORD_SUFFIX}"
         content_type = _header(self.scope, b"content-type")
@@ -208,8 +210,8 @@ class _Flow:
         try:
             await self._gate(inner)
         except _REDIS_DOWN as error:
-            if self.response_started:
-                raise
+            if self.response_started or self.handler_called:
+                raise  # the app's own error (an OSError from a file, say), not the store's
             log.warning("otel-lock: idempotency store unavailable: %s", error)
             if not isinstance(error, RedisUnavailable):  # the manager counts its own
                 self.gate.manager.telemetry.errors.add(1, {
@@ -322,6 +324,7 @@ class _Flow:
                 await self._settle(held, capture, None)
             await self.send(message)
 
+        self.handler_called = True
         try:
             entered["handler"] = await inner(self.scope, self.receive, send)
         except BaseException as error:

@@ -445,3 +445,16 @@ async def test_client_gone_mid_response_is_outcome_unknown(redis_url, spec):
             retry = await client.post("/orders", content=b"{}", headers=KEY)
     assert runs == 1
     assert retry.status_code == 409 and problem(retry)["type"] == "idempotency-outcome-unknown"
+
+
+async def test_an_oserror_from_the_handler_is_not_mistaken_for_redis(redis_url):
+    async def missing_file(request):
+        raise FileNotFoundError("/data/report.pdf")
+
+    async with make_manager(redis_url) as manager:
+        app = app_for(manager, missing_file)
+        async with client_for(app) as client:
+            response = await client.post("/orders", json={}, headers=KEY)
+            retry = await client.post("/orders", json={}, headers=KEY)
+    assert response.status_code == 500 and "redis" not in response.text
+    assert problem(retry)["type"] == "idempotency-outcome-unknown"

@@ -26,7 +26,7 @@ import os
 import socket
 import threading
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 from opentelemetry import metrics, trace
@@ -59,7 +59,6 @@ class TelemetrySetup:
     resource: Any = None
     installed: bool = True
     otlp: bool = False
-    _instrumented: list = field(default_factory=list, repr=False, compare=False)
 
     def instrument_app(self, app, excluded_urls: str = DEFAULT_EXCLUDED_URLS):
         """Wrap an ASGI app with the OpenTelemetry ASGI middleware (HTTP server spans
@@ -110,6 +109,12 @@ def setup(
     explicit one.
     """
     global _current
+    if not isinstance(service_name, str) or not service_name.strip():
+        raise ValueError(f"service_name must be a non-empty string, not {service_name!r}")
+    if service_instance_id is not None and (not isinstance(service_instance_id, str) or not service_instance_id):
+        raise ValueError(f"service_instance_id must be a non-empty string or None, not {service_instance_id!r}")
+    if resource_attributes is not None and not isinstance(resource_attributes, Mapping):
+        raise ValueError(f"resource_attributes must be a mapping, not {type(resource_attributes).__name__}")
     with _lock:
         if _current is not None:
             return _current

@@ -55,6 +55,18 @@ def test_instance_id_from_otel_resource_attributes_is_kept(monkeypatch):
     assert telemetry.setup().resource.attributes["service.instance.id"] == "pod-7"
 
 
+@pytest.mark.parametrize("kwargs, problem", [
+    ({"service_name": ""}, "service_name"),
+    ({"service_name": None}, "service_name"),
+    ({"service_instance_id": ""}, "service_instance_id"),
+    ({"resource_attributes": ["a"]}, "resource_attributes"),
+])
+def test_bad_arguments_are_named(kwargs, problem):
+    with pytest.raises(ValueError, match=problem):
+        telemetry.setup(**kwargs)
+    assert telemetry.current() is None
+
+
 def test_setup_twice_returns_the_first_result():
     first = telemetry.setup("shop")
     second = telemetry.setup("other", prometheus=False)

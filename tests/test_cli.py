@@ -14,16 +14,15 @@ from otel_lock import LockManager
 from otel_lock.cli import _lock_name, main
 
 
-def run_cli(*args: str, env: dict | None = None, timeout: float = 90) -> subprocess.CompletedProcess:
+def run_cli(*args: str, env: dict, timeout: float = 90) -> subprocess.CompletedProcess:
+    """`otel-lock ...` in a subprocess with exactly `env` as its environment."""
     return subprocess.run([sys.executable, "-m", "otel_lock.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
+                          timeout=timeout, env=env)
 
 
 def test_demo_end_to_end_starts_its_own_redis_and_passes():
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
-    result = subprocess.run(
-        [sys.executable, "-m", "otel_lock.cli", "demo", "--buyers", "40", "--items", "20", "--double-submits", "6"],
-        capture_output=True, text=True, timeout=90, env=env)
+    result = run_cli("demo", "--buyers", "40", "--items", "20", "--double-submits", "6", env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
     assert "started redis-server" in out
@@ -99,7 +98,7 @@ def test_bad_arguments_exit_2_with_a_message(argv, capsys):
 
 
 def test_bad_redis_url_in_environment_exits_2():
-    result = run_cli("locks", env={"REDIS_URL": "localhost:6379"})
+    result = run_cli("locks", env={**os.environ, "REDIS_URL": "localhost:6379"})
     assert result.returncode == 2
     assert "not a Redis URL" in result.stderr
 
@@ -154,3 +153,11 @@ def test_demo_ctrl_c_stops_everything_it_started():
             demo.wait()
         demo.stdout.close()
         demo.stderr.close()
+
+
+def test_demo_without_redis_says_how_to_get_one():
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    env["PATH"] = "/nonexistent"
+    result = run_cli("demo", env=env)
+    assert result.returncode == 1
+    assert "redis-server is not on PATH" in result.stderr and "REDIS_URL" in result.stderr

@@ -150,14 +150,16 @@ async def until(predicate, what: str, timeout: float = DEADLINE, every: float = 
 
 
 class TcpProxy:
-    """Loopback proxy to host:port. `stall()` stops forwarding, `cut()` drops every
-    connection and refuses new ones, `forward()` returns to normal."""
+    """Loopback proxy to host:port. `stall()` stops forwarding, `stall_replies()`
+    forwards requests but holds Redis's replies (the command runs, the caller
+    never hears of it), `cut()` drops every connection and refuses new ones,
+    `forward()` returns to normal."""
 
     def __init__(self, host: str, port: int) -> None:
         self.target = (host, port)
-        self._flowing = asyncio.Event()
-        self._flowing.set()
-        self._cut = False
+        self._requests = asyncio.Event()
+        self._replies = asyncio.Event()
+        self.forward()
         self._pairs: set[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = set()
         self._tasks: set[asyncio.Task] = set()
         self._server: asyncio.Server | None = None
@@ -173,11 +175,16 @@ class TcpProxy:
         return self
 
     def stall(self) -> None:
-        self._flowing.clear()
+        self._requests.clear()
+        self._replies.clear()
+
+    def stall_replies(self) -> None:
+        self._replies.clear()
 
     def forward(self) -> None:
         self._cut = False
-        self._flowing.set()
+        self._requests.set()
+        self._replies.set()
 
     def cut(self) -> None:
         self._cut = True
@@ -197,7 +204,8 @@ class TcpProxy:
             return
         pair = (client_w, up_w)
         self._pairs.add(pair)
-        pipes = [asyncio.create_task(self._pipe(client_r, up_w)), asyncio.create_task(self._pipe(up_r, client_w))]
+        pipes = [asyncio.create_task(self._pipe(client_r, up_w, self._requests)),
+                 asyncio.create_task(self._pipe(up_r, client_w, self._replies))]
         self._tasks.update(pipes)
         try:
             await asyncio.wait(pipes, return_when=asyncio.FIRST_COMPLETED)
@@ -210,10 +218,10 @@ class TcpProxy:
             for writer in pair:
                 writer.transport.abort()
 
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, flowing: asyncio.Event) -> None:
         with contextlib.suppress(OSError):
             while data := await reader.read(65536):
-                await self._flowing.wait()  # stalled: hold the bytes, the peer sees silence
+                await flowing.wait()  # stalled: hold the bytes, the peer sees silence
                 writer.write(data)
                 await writer.drain()
 

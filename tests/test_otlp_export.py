@@ -46,6 +46,10 @@ async def test_lock_spans_and_metrics_arrive_over_otlp(receiver, redis_client):
     attributes = {a.key: a.value.string_value for a in point.attributes}
     assert attributes["lock.name"] == "stock:{id}"
     assert attributes["lock.outcome"] == "acquired"
+    # Exemplars travel by OTLP (the Prometheus reader drops them): the wait was
+    # recorded inside the acquire span, so its exemplar carries that trace id.
+    acquire = next(span for span in receiver.spans if span.name == "lock acquire stock:{id}")
+    assert [exemplar.trace_id for exemplar in point.exemplars] == [acquire.trace_id]
     resource = {a.key: a.value.string_value for a in receiver.resources[0].attributes}
     assert resource["service.name"] == "shop"
     assert resource["service.instance.id"] == "replica-a"

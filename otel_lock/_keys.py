@@ -52,7 +52,7 @@ def keyed_hash(secret: bytes, value: str) -> str:
 
 
 def resolve_secret(explicit: str | bytes | None, fallback: str) -> bytes:
-    """The HMAC secret: explicit option, else $OTEL_LOCK_HASH_SECRET, else a per-namespace salt.
+    """The HMAC secret: explicit option (middleware, then manager), else $OTEL_LOCK_HASH_SECRET, else a salt.
 
     The fallback must be the same on every replica (a random one would give
     each replica different keys for one value, and no exclusion), so it is

@@ -36,6 +36,8 @@ class LockMiddleware:
         self.app = app
         self.manager = manager
         self.resolver = RouteResolver(rules)
+        if hash_secret is None:
+            hash_secret = getattr(manager, "hash_secret", None)
         self.secret = resolve_secret(hash_secret, getattr(manager, "namespace", "otel-lock"))
         self.max_body = max_body
         self.gate = IdempotencyGate(manager, self.secret)

@@ -109,3 +109,15 @@ def test_distinct_value_tuples_never_give_the_same_key(template, first, second, 
     else:
         assert key(first) == key(second)
     assert "{" not in key(first) and "}" not in key(first) and len(key(first)) <= MAX_NAME
+
+
+def test_secret_resolution(monkeypatch):
+    from otel_lock._keys import SECRET_ENV, resolve_secret
+
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    assert resolve_secret("explicit", "ns") == b"explicit"
+    salt = resolve_secret(None, "ns")
+    assert salt == resolve_secret(None, "ns") != resolve_secret(None, "other")  # same on every replica
+    monkeypatch.setenv(SECRET_ENV, "from-env")
+    assert resolve_secret(None, "ns") == b"from-env"
+    assert resolve_secret(b"bytes", "ns") == b"bytes"

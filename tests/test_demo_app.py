@@ -239,3 +239,32 @@ async def test_no_input_gets_a_5xx(client, request):
     assert response.status_code < 500, (response.status_code, response.text)
     if response.status_code >= 400 and method != "HEAD":
         assert response.headers["content-type"] == "application/problem+json"
+
+
+async def test_a_lost_product_lock_answers_503_not_500(redis_url, redis_client):
+    import asyncio
+
+    # Short leases so the watchdog notices the loss quickly; long work so the loss lands inside it.
+    locks = LockManager(redis_client, namespace="t", lease=0.3)
+    app = create_app(DemoSettings(redis_url=redis_url, namespace="t", job_interval=0, work=5.0), locks=locks)
+    store = app.state.shop.store
+    await store.put_stock("p1", 10, None)
+    reading = asyncio.Event()
+    get_stock = store.get_stock
+
+    async def get_stock_then_signal(product_id):
+        value = await get_stock(product_id)
+        reading.set()
+        return value
+
+    store.get_stock = get_stock_then_signal
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://shop") as client, \
+            LockManager(redis_client, namespace="t") as operator:
+        order = asyncio.create_task(client.post("/api/orders", json={"product_id": "p1"},
+                                                headers={**USER, "Idempotency-Key": '"lost-1"'}))
+        await reading.wait()  # inside the product lock, before the write
+        assert await operator.force_release("stock:p1")
+        response = await order
+    assert response.status_code == 503 and kind(response) == "lock-lost", response.text
+    assert await get_stock("p1") == 10
+    await locks.aclose()

@@ -21,10 +21,10 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from .. import LockManager, LockMiddleware, LockTimeout, RedisUnavailable, idempotent, locked
+from .. import LockLost, LockManager, LockMiddleware, LockTimeout, RedisUnavailable, idempotent, locked
 from .._keys import escape
 from ..telemetry import metrics_endpoint
 from ._job import run_job
@@ -72,12 +72,17 @@ class Shop:
         if not self.settings.locks_enabled:
             yield None
             return
+        # escape() is what the middleware applies to `{path.product_id}`: same key, same lock.
+        key = f"stock:{escape(product_id)}"
+        entered = False
         try:
-            # escape() is what the middleware applies to `{path.product_id}`: same key, same lock.
-            key = f"stock:{escape(product_id)}"
-            async with self.locks.lock(key, wait=LOCK_WAIT, name=STOCK_LOCK) as held:
+            # cancel_on_lost: if the lease is lost mid-way, stop at once (LockLost -> 503).
+            async with self.locks.lock(key, wait=LOCK_WAIT, name=STOCK_LOCK, cancel_on_lost=True) as held:
+                entered = True
                 yield held
         except LockTimeout:
+            if entered:
+                raise  # raised by the body, not by our acquire
             raise Problem(409, "lock-timeout", f"product {product_id} is busy, retry shortly",
                           {"Retry-After": "1"}) from None
 
@@ -236,8 +241,14 @@ async def healthz(request: Request) -> JSONResponse:
     })
 
 
-async def redis_unavailable_handler(request: Request, exc: Exception) -> JSONResponse:
+async def redis_unavailable_handler(request: Request, exc: Exception) -> Response:
     return problem_response(503, "redis-unavailable", "Redis is not reachable; retry shortly", {"Retry-After": "1"})
+
+
+async def lock_lost_handler(request: Request, exc: Exception) -> Response:
+    # A lock the handler took itself lost its lease; the fenced write refused anything stale.
+    return problem_response(503, "lock-lost", "a lock was lost while the request ran; retry",
+                            {"Retry-After": "1"})
 
 
 def create_app(settings: DemoSettings | None = None, locks: LockManager | None = None) -> Starlette:
@@ -280,6 +291,7 @@ def create_app(settings: DemoSettings | None = None, locks: LockManager | None =
             Problem: problem_handler,
             HTTPException: http_exception_handler,
             RedisUnavailable: redis_unavailable_handler,
+            LockLost: lock_lost_handler,
             RedisConnectionError: redis_unavailable_handler,
             RedisTimeoutError: redis_unavailable_handler,
             Exception: unexpected_error_handler,

@@ -15,6 +15,10 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Awaitable, Callable
 
+from redis.exceptions import RedisError
+
+from .._errors import RedisUnavailable
+
 if TYPE_CHECKING:
     from .. import LockManager
 
@@ -47,10 +51,11 @@ async def run_job(
                 held = await locks.try_lock(f"job:tick:{tick}", lease=3 * interval, name="job:tick")
             if locks is None or held is not None:
                 await work(tick)
-        except asyncio.CancelledError:
-            raise
+        except (RedisUnavailable, RedisError) as error:
+            # Fail closed: without Redis nobody can know whether another replica runs this tick.
+            log.warning("job tick %d not run: Redis unavailable (%s)", tick, error)
         except Exception:
-            # A failed tick is logged and the next one still runs: the job must outlive Redis blips.
+            # A failed tick is logged and the next one still runs.
             log.exception("job tick %d failed", tick)
         if held is not None:
             kept.append(held)

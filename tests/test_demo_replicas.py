@@ -136,3 +136,20 @@ async def test_job_runs_once_per_tick_on_three_replicas(replicas, client):
 async def test_without_locks_the_job_runs_on_every_replica(unlocked_replicas, client):
     ticks, _ = await job_ticks(client, unlocked_replicas[0], 3)
     assert set(ticks.values()) == {2}, "the unlocked job did not run twice per tick: the check above could not fail"
+
+
+def test_replica_whose_port_was_taken_is_respawned_on_another(redis, monkeypatch):
+    import socket
+
+    from otel_lock.demo import _replicas
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        ports = iter([taken])
+        real = _replicas.free_port
+        monkeypatch.setattr(_replicas, "free_port", lambda: next(ports, None) or real())
+        with Replicas(redis.url, count=1, namespace="ports") as started:
+            assert started.replicas[0].port != taken
+            assert httpx.get(started.urls[0] + "/healthz").status_code == 200

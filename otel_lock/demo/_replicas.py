@@ -68,8 +68,14 @@ class Replicas:
             for index in range(1, self.count + 1):
                 self.replicas.append(self._spawn(f"{self.name_prefix}-{index}"))
             deadline = time.monotonic() + self.startup_timeout
-            for replica in self.replicas:
-                _wait_healthy(replica, deadline)
+            for index, replica in enumerate(self.replicas):
+                for _ in range(3):
+                    if _wait_healthy(replica, deadline):
+                        break
+                    # The free port was taken between our probe and uvicorn's bind: new port.
+                    replica = self.replicas[index] = self._spawn(replica.name)
+                else:
+                    raise ReplicaFailed(f"{replica.name}: no free port after 3 attempts")
         except BaseException:
             self.stop()
             raise
@@ -111,15 +117,18 @@ class Replicas:
         self.stop()
 
 
-def _wait_healthy(replica: Replica, deadline: float) -> None:
+def _wait_healthy(replica: Replica, deadline: float) -> bool:
+    """True once /healthz answers 200; False if the port was already in use."""
     with httpx.Client(timeout=1.0) as client:
         while True:
             if replica.process.poll() is not None:
+                if "address already in use" in replica.log_tail().lower():
+                    return False
                 raise ReplicaFailed(f"{replica.name} exited with code {replica.process.returncode}:\n"
                                     f"{replica.log_tail()}")
             try:
                 if client.get(replica.url + "/healthz").status_code == 200:
-                    return
+                    return True
             except httpx.TransportError:
                 pass
             if time.monotonic() > deadline:

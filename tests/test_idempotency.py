@@ -458,3 +458,24 @@ async def test_an_oserror_from_the_handler_is_not_mistaken_for_redis(redis_url):
             retry = await client.post("/orders", json={}, headers=KEY)
     assert response.status_code == 500 and "redis" not in response.text
     assert problem(retry)["type"] == "idempotency-outcome-unknown"
+
+
+async def test_no_key_or_principal_on_spans(redis_url):
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(SimpleSpanProcessor(exporter))
+    secret_key = "key-4711-secret"
+    async with make_manager(redis_url, tracer_provider=tracer_provider) as manager:
+        app = app_for(manager, Orders().fn, idempotent(principal=lambda r: r.headers.get("x-user-id")))
+        async with client_for(app) as client:
+            headers = {"idempotency-key": f'"{secret_key}"', "x-user-id": "alice@example.com"}
+            await client.post("/orders", json={}, headers=headers)
+            await client.post("/orders", json={}, headers=headers)
+    spans = exporter.get_finished_spans()
+    assert spans, "the idempotency lock is traced"
+    text = repr([(s.name, dict(s.attributes), [(e.name, dict(e.attributes)) for e in s.events]) for s in spans])
+    assert secret_key not in text and "alice" not in text

@@ -404,3 +404,16 @@ async def test_lock_is_released_when_the_response_is_out_before_background_tasks
         await call
     assert seen_during_background == [None]
     assert sent[-1] == ("http.response.pathsend" if kind == "pathsend" else "http.response.body")
+
+
+async def test_a_handler_relocking_the_same_key_reenters(redis_url):
+    async with make_manager(redis_url) as manager:
+        async def nested(request):
+            async with manager.lock("stock:9") as inner:
+                outer = request.state.lock
+                return JSONResponse({"depth": inner.depth, "same_token": inner.token == outer.token})
+
+        app = app_with(manager, Route("/s/{pid}", locked("stock:{path.pid}")(nested), methods=["POST"]))
+        async with client_for(app) as client:
+            response = await client.post("/s/9")
+    assert response.json() == {"depth": 2, "same_token": True}

@@ -186,8 +186,17 @@ async def test_fastapi_routes_in_either_decorator_order_and_router_prefix(redis_
         async def orders(request: Request):
             return {"key": request.state.lock.key}
 
+        nested = APIRouter(prefix="/nested/{shop}")
+
+        @nested.put("/items/{item_id}")
+        @locked("nested:{path.shop}:{path.item_id}")
+        async def nested_item(shop: str, item_id: int, request: Request):
+            return {"key": request.state.lock.key}
+
+        router.include_router(nested)
         app.include_router(router)
         app.add_middleware(LockMiddleware, manager=manager)
+        await assert_locked(app, "PUT", "/api/v1/nested/acme/items/3", "nested:acme:3", manager)
         await assert_locked(app, "POST", "/below/1", "below:1", manager)
         await assert_locked(app, "POST", "/above/2", "above:2", manager)
         await assert_locked(app, "POST", "/api/v1/users/orders", "orders:u1", manager)

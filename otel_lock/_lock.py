@@ -16,6 +16,7 @@ import random
 import uuid
 from contextvars import ContextVar
 from dataclasses import dataclass
+from functools import partial
 from types import MappingProxyType
 from typing import Any, Mapping
 from urllib.parse import urlsplit
@@ -29,6 +30,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from . import _scripts
+from ._connection import Connection
 from ._errors import LockError, LockLost, LockTimeout, RedisUnavailable
 from ._telemetry import Telemetry, current_traceparent, get_telemetry, suppressed
 from ._waiting import PROMOTED, Waiting
@@ -196,7 +198,12 @@ class LockManager:
         self.telemetry: Telemetry = get_telemetry(tracer_provider, meter_provider)
         self.id = uuid.uuid4().hex[:12]
         self._ids = itertools.count(1)
-        self._waiting = Waiting(redis, f"{namespace}:wake:{self.id}")
+        # The hot path (scripts, renewals, the subscriber) uses a lean pipelined
+        # connection to the same server when the client allows; else redis-py.
+        self._direct = Connection.for_client(redis)
+        self._client = self._direct or redis
+        subscriber = partial(Connection.for_client, redis) if self._direct else None
+        self._waiting = Waiting(redis, f"{namespace}:wake:{self.id}", subscriber)
         self._watchdog = Watchdog(self)
         self._owns_client = False
 
@@ -284,6 +291,8 @@ class LockManager:
         """Stop the watchdog and subscriber; locks still held expire after their lease."""
         await self._watchdog.aclose()
         await self._waiting.aclose()
+        if self._direct is not None:
+            await self._direct.aclose()
         if self._owns_client:
             await self.redis.aclose()
 
@@ -428,7 +437,7 @@ class LockManager:
                 timeout = remaining
                 if self._waiting.is_first(waiter):
                     timeout = min(timeout, self._poll_delay(pttl))
-                value = await waiter.next(timeout)
+                value = await waiter.next(None if math.isinf(timeout) else timeout)
                 if isinstance(value, int):
                     return [1, value, 1], self.grace_ms / 1000, attempts
                 if value == PROMOTED or (value is None and deadline <= loop.time()):
@@ -546,7 +555,7 @@ class LockManager:
     async def _call(self, script: _scripts.Script, keys, args, operation: str, name: str):
         try:
             with suppressed():
-                return await script(self.redis, keys, args)
+                return await script(self._client, keys, args)
         except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
             self.telemetry.errors.add(1, {"lock.name": name, "lock.operation": operation,
                                           "error.type": "redis_unavailable"})

@@ -16,61 +16,75 @@ import contextlib
 import logging
 from collections import OrderedDict
 
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import RedisError
 
 log = logging.getLogger("otel_lock")
 
 POLL = "poll"          # look at Redis now
 PROMOTED = "promoted"  # became the first local waiter: start the fallback poll
+RECONNECT_DELAY = 0.2
+EARLY_LIMIT = 1024     # grants for waiters not (or no longer) registered, kept briefly
 
 
 class Waiter:
-    """One caller waiting for one lock; `wake` resolves it with a token, POLL or PROMOTED."""
+    """One caller waiting for one lock; resolved with a token, POLL, PROMOTED, or None (timer)."""
 
-    __slots__ = ("id", "key", "_future")
+    __slots__ = ("id", "key", "_future", "_loop")
 
     def __init__(self, waiter_id: str, key: str) -> None:
         self.id = waiter_id
         self.key = key
-        self._future: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._loop = asyncio.get_running_loop()
+        self._future: asyncio.Future = self._loop.create_future()
 
     def wake(self, value: object) -> None:
-        # A token beats a pending POLL/PROMOTED: never overwrite a grant.
-        if self._future.done():
-            if isinstance(value, int) and not isinstance(self._future.result(), int):
-                self._future = asyncio.get_running_loop().create_future()
+        future = self._future
+        if future.done():
+            # A token beats a pending POLL/PROMOTED/timer: never lose a grant.
+            if future.cancelled() or (isinstance(value, int) and not isinstance(future.result(), int)):
+                future = self._future = self._loop.create_future()
             else:
                 return
-        self._future.set_result(value)
+        future.set_result(value)
 
     async def next(self, timeout: float | None) -> object | None:
-        """The next wake-up, or None after `timeout` seconds."""
+        """The next wake-up, or None after `timeout` seconds (one timer, no extra task)."""
         future = self._future
+        handle = None if timeout is None else self._loop.call_later(timeout, _expire, future)
         try:
-            async with asyncio.timeout(timeout):
-                value = await asyncio.shield(future)
-        except TimeoutError:
-            return None
+            value = await future
+        finally:
+            if handle is not None:
+                handle.cancel()
         if self._future is future and not isinstance(value, int):
-            self._future = asyncio.get_running_loop().create_future()
+            self._future = self._loop.create_future()
         return value
 
     def grant(self) -> int | None:
         """The token if the lock was handed to this waiter already."""
-        if self._future.done() and isinstance(self._future.result(), int):
-            return self._future.result()
+        future = self._future
+        if future.done() and not future.cancelled() and isinstance(future.result(), int):
+            return future.result()
         return None
+
+
+def _expire(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 class Waiting:
     """The manager's subscriber and its registry of local waiters."""
 
-    def __init__(self, redis, channel: str) -> None:
+    def __init__(self, redis, channel: str, subscriber=None) -> None:
         self._redis = redis
+        self._subscriber = subscriber  # makes a lean Connection, when the client allows one
         self.channel = channel
         self._waiters: dict[str, Waiter] = {}
         self._by_key: dict[str, OrderedDict[str, Waiter]] = {}
+        # Grants that arrived before their waiter registered: the enqueue
+        # reply and the grant travel on different connections, in any order.
+        self._early: OrderedDict[str, int] = OrderedDict()
         self._task: asyncio.Task | None = None
         self._subscribed: asyncio.Future | None = None
 
@@ -89,6 +103,9 @@ class Waiting:
         """Register a waiter; returns it and whether it is the first local waiter of its key."""
         waiter = Waiter(waiter_id, key)
         self._waiters[waiter_id] = waiter
+        early = self._early.pop(waiter_id, None)
+        if early is not None:
+            waiter.wake(early)
         queue = self._by_key.setdefault(key, OrderedDict())
         queue[waiter_id] = waiter
         return waiter, len(queue) == 1
@@ -114,6 +131,46 @@ class Waiting:
             waiter.wake(POLL)
 
     async def _listen(self) -> None:
+        if self._subscriber is not None:
+            await self._listen_direct()
+        else:
+            await self._listen_redis_py()
+
+    async def _listen_direct(self) -> None:
+        """Subscriber on the lean connection: a reply per message, no timers."""
+        lost = asyncio.Event()
+        first = True
+        while True:
+            connection = self._subscriber(on_push=self._on_push, on_lost=lost.set)
+            try:
+                await connection.execute("SUBSCRIBE", self.channel)
+            except (RedisError, OSError) as exc:
+                await connection.aclose()
+                if first:
+                    self._subscribed.set_exception(exc)
+                    return
+                await asyncio.sleep(RECONNECT_DELAY)
+                continue
+            if first:
+                first = False
+                self._subscribed.set_result(None)
+            else:
+                self._poll_all()  # re-subscribed: grants may have been missed meanwhile
+            try:
+                await lost.wait()
+            finally:
+                await connection.aclose()
+            lost.clear()
+            log.warning("otel-lock subscriber lost its connection; waiters poll until it is back")
+            self._poll_all()
+            await asyncio.sleep(RECONNECT_DELAY)
+
+    def _on_push(self, reply) -> None:
+        if reply[0] == b"message":
+            self._deliver(reply[2])
+
+    async def _listen_redis_py(self) -> None:
+        """Subscriber for clients the lean connection does not cover (TLS, RESP3, ...)."""
         pubsub = self._redis.pubsub()
         first = True
         try:
@@ -122,13 +179,13 @@ class Waiting:
                     if not pubsub.subscribed:
                         await pubsub.subscribe(self.channel)
                     message = await pubsub.get_message(timeout=1.0)
-                except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
-                    if first and self._subscribed is not None and not self._subscribed.done():
+                except (RedisError, OSError) as exc:
+                    if first:
                         self._subscribed.set_exception(exc)
                         return
                     log.warning("otel-lock subscriber lost its connection (%s); waiters poll", exc)
                     self._poll_all()
-                    await asyncio.sleep(0.2)
+                    await asyncio.sleep(RECONNECT_DELAY)
                     with contextlib.suppress(Exception):
                         await pubsub.reset()
                     pubsub = self._redis.pubsub()
@@ -141,7 +198,7 @@ class Waiting:
                         first = False
                         self._subscribed.set_result(None)
                     else:
-                        self._poll_all()  # re-subscribed: grants may have been missed
+                        self._poll_all()
                 elif kind in ("message", b"message"):
                     self._deliver(message["data"])
         finally:
@@ -155,6 +212,10 @@ class Waiting:
         waiter = self._waiters.get(waiter_id)
         if waiter is not None:
             waiter.wake(int(token))
+        else:
+            self._early[waiter_id] = int(token)
+            if len(self._early) > EARLY_LIMIT:
+                self._early.popitem(last=False)
 
     async def aclose(self) -> None:
         if self._task is not None:

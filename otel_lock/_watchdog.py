@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("otel_lock")
 
+NEVER = math.inf
 BATCH = 1000            # keys per script call (the pipeline carries all calls in one round trip)
 RETRY_AFTER_ERROR = 0.5
 
@@ -36,19 +37,21 @@ class Watchdog:
         self._leases: set[Lease] = set()
         self._changed = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._wake_at = NEVER
 
     def add(self, lease: Lease) -> None:
         self._leases.add(lease)
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run(), name="otel-lock watchdog")
-        self._changed.set()
+        elif min(lease.renew_at, lease.expires_at) < self._wake_at:
+            self._changed.set()  # due before the loop's next wake-up
 
     def discard(self, lease: Lease) -> None:
         self._leases.discard(lease)
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
-        while self._leases:
+        while True:
             now = loop.time()
             for lease in [l for l in self._leases if l.expires_at <= now]:
                 reason = "no renewal confirmed the lease in time" if lease.renew else "the fixed lease ran out"
@@ -57,11 +60,13 @@ class Watchdog:
             if any(l.renew_at <= now for l in due):
                 await self._renew(due)
                 continue
-            wake_at = min((min(l.renew_at, l.expires_at) for l in self._leases), default=now)
+            # Sleeping with nothing held costs nothing; an earlier deadline wakes us.
+            self._wake_at = min((min(l.renew_at, l.expires_at) for l in self._leases), default=NEVER)
             self._changed.clear()
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(max(0.0, wake_at - now)):
+                async with asyncio.timeout(None if self._wake_at == NEVER else max(0.0, self._wake_at - now)):
                     await self._changed.wait()
+            self._wake_at = NEVER
 
     async def _renew(self, leases: list[Lease]) -> None:
         manager = self._manager
@@ -87,19 +92,28 @@ class Watchdog:
                 manager._count_renewal(lease, "ok")
 
     async def _send(self, chunks):
-        redis = self._manager.redis
+        manager = self._manager
+        calls = []
+        for chunk in chunks:
+            keys = [l.key for l in chunk]
+            calls.append(("EVALSHA", _scripts.renew.sha, len(keys), *keys,
+                          *[a for l in chunk for a in (l.owner, l.renew_ms)]))
         for attempt in (1, 2):
-            pipe = redis.pipeline(transaction=False)
-            for chunk in chunks:
-                keys = [l.key for l in chunk]
-                args = [a for l in chunk for a in (l.owner, l.renew_ms)]
-                pipe.evalsha(_scripts.renew.sha, len(keys), *keys, *args)
             try:
+                if manager._direct is not None:
+                    results = await manager._direct.execute_many(calls)
+                    errors = [r for r in results if isinstance(r, Exception)]
+                    if errors:
+                        raise errors[0]
+                    return results
+                pipe = manager.redis.pipeline(transaction=False)
+                for call in calls:
+                    pipe.execute_command(*call)
                 return await pipe.execute()
             except NoScriptError:
                 if attempt == 2:
                     raise
-                await redis.script_load(_scripts.renew.source)
+                await manager._client.script_load(_scripts.renew.source)
 
     async def aclose(self) -> None:
         if self._task is not None:
@@ -108,5 +122,3 @@ class Watchdog:
                 await self._task
         self._leases.clear()
 
-
-NEVER = math.inf

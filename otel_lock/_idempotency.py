@@ -8,7 +8,7 @@ by itself. The record says what happened:
     started    the handler was entered; seen while the lock is free, the
                attempt died (crash, lost lease): outcome unknown
     done       status, allow-listed headers and body, replayed to retries
-    unknown    the handler raised, answered 5xx or the client went away
+    unknown    the handler raised, answered 5xx or the client went away (-> 409)
     tombstone  completed, but streamed or larger than max_body: not replayable
 
 The route is stored (it is part of the fingerprint), so a key reused on
@@ -52,6 +52,10 @@ _BARE = re.compile(r"^[A-Za-z0-9\-._~+/=:]+$")
 _REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, OSError, RedisUnavailable)
 
 STARTED, DONE, UNKNOWN, TOMBSTONE = "started", "done", "unknown", "tombstone"
+_UNKNOWN_CAUSES = {
+    "failed": "failed (the handler raised or answered 5xx)",
+    "interrupted": "was interrupted (client gone or replica died)",
+}
 
 # Runs the business lock and the app; returns whether the handler was entered.
 Inner = Callable[[Scope, Receive, Send], Awaitable[bool]]
@@ -268,12 +272,13 @@ class _Flow:
             await self._replay(record)
             return True
         if state == UNKNOWN:
+            # 409, not a replayed 500: clients retry 5xx automatically, and
+            # retrying cannot help here.
             self.gate.count(self.route, "conflict")
-            status = int(record.get("status", 409))
-            await send_problem(self.send, status, "idempotency-outcome-unknown",
-                               "the first request with this Idempotency-Key did not complete normally; "
-                               "its effects are unknown, so it is not run again: check its result, then "
-                               "use a new key")
+            how = _UNKNOWN_CAUSES.get(record.get("cause"), _UNKNOWN_CAUSES["interrupted"])
+            await send_problem(self.send, 409, "idempotency-outcome-unknown",
+                               f"the first request with this Idempotency-Key {how}; its effects are unknown, "
+                               "so it is not run again: check its result, then use a new key")
             return True
         if state == TOMBSTONE:
             self.gate.count(self.route, "conflict")
@@ -299,7 +304,7 @@ class _Flow:
         if record is not None:
             if record.get("state") == STARTED and record.get("fp") == self.fp:
                 # Started, yet nobody holds the lock: that attempt died mid-way.
-                record = {**record, "state": UNKNOWN, "status": 409}
+                record = {**record, "state": UNKNOWN, "cause": "interrupted"}
                 await self._store(record)
             await self._answer_settled(record)
             return
@@ -360,7 +365,7 @@ class _Flow:
                 await self._forget()
                 return
             await self._store({"state": UNKNOWN, "fp": self.fp, "route": self.route,
-                               "status": 500 if failed else 409})
+                               "cause": "failed" if failed else "interrupted"})
             self.gate.count(self.route, "stored")
         except _REDIS_DOWN as exc:
             log.warning("otel-lock: could not store the idempotency outcome (the claim stays 'started', "

@@ -235,7 +235,8 @@ async def test_handler_raised_is_outcome_unknown_and_not_rerun(redis_url):
             retries = [await client.post("/orders", json={}, headers=KEY) for _ in range(2)]
     assert first.status_code == 500 and runs == 1
     for retry in retries:
-        assert retry.status_code == 500 and problem(retry)["type"] == "idempotency-outcome-unknown"
+        assert retry.status_code == 409 and problem(retry)["type"] == "idempotency-outcome-unknown"
+        assert "failed" in problem(retry)["detail"]
 
 
 async def test_5xx_is_outcome_unknown_unless_retry_on_5xx(redis_url):

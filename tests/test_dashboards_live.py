@@ -81,7 +81,7 @@ def stack(fault_target):
 
 async def _cause_rare_events(redis_url: str, meter_provider) -> None:
     """A timeout, a lost lease and a Redis error on the stock lock name, each for real."""
-    holder = LockManager.from_url(redis_url, namespace="faults", lease=0.6, meter_provider=meter_provider)
+    holder = LockManager.from_url(redis_url, namespace="faults", lease=3.0, meter_provider=meter_provider)
     other = LockManager.from_url(redis_url, namespace="faults", meter_provider=meter_provider)
     try:
         async with holder.lock("stock:fault-timeout", name=STOCK_LOCK):

@@ -1,0 +1,165 @@
+"""One adapter per library, so every scenario drives each lock the same way.
+
+`lock(key, wait)` returns the library's own context manager where it has one
+that takes a wait bound (otel-lock, redis-py), so the timed path is exactly
+what a user writes; the sync peers get a thin wrapper. A lock that is not
+acquired within `wait` raises one of `adapter.timeouts`.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+
+LEASE = 30.0  # fixed lease of the peers (seconds); otel-lock uses lease=None + watchdog
+
+
+class NotAcquired(Exception):
+    pass
+
+
+class OtelLock:
+    name = "otel-lock"
+    sync = False
+
+    def __init__(self, url: str, lease: float | None = None, **options) -> None:
+        self.url, self.lease, self.options = url, lease, options
+
+    async def open(self) -> None:
+        from otel_lock import LockManager, LockTimeout
+
+        self.timeouts = (LockTimeout,)
+        self.manager = LockManager.from_url(self.url, namespace="bench", **self.options)
+
+    def lock(self, key: str, wait: float):
+        return self.manager.lock(key, wait=wait, lease=self.lease, name="bench")
+
+    async def close(self) -> None:
+        await self.manager.aclose()
+
+
+class OtelLockFixedLease(OtelLock):
+    name = "otel-lock (lease=30)"
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url, lease=LEASE)
+
+
+class RedisPy:
+    """redis.asyncio.lock.Lock: SET NX PX, then a sleep(`sleep`) polling loop."""
+
+    sync = False
+    sleep = 0.1
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    @property
+    def name(self) -> str:
+        return "redis-py asyncio Lock" + (" (sleep=0.1, default)" if self.sleep == 0.1 else f" (sleep={self.sleep})")
+
+    async def open(self) -> None:
+        import redis.asyncio as aioredis
+        from redis.exceptions import LockError
+
+        self.timeouts = (LockError,)
+        self.client = aioredis.Redis.from_url(self.url)
+
+    def lock(self, key: str, wait: float):
+        return self.client.lock(key, timeout=LEASE, sleep=self.sleep, blocking_timeout=wait)
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+
+class RedisPyFast(RedisPy):
+    sleep = 0.001
+
+
+class PythonRedisLock:
+    """python-redis-lock: SET NX, BLPOP on a signal list that release pushes to. Sync only."""
+
+    name = "python-redis-lock"
+    sync = True
+    timeouts = (NotAcquired,)
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def open(self) -> None:
+        import redis
+
+        self.client = redis.Redis.from_url(self.url)
+
+    @contextmanager
+    def lock(self, key: str, wait: float):
+        import redis_lock
+
+        held = redis_lock.Lock(self.client, key, expire=int(LEASE))
+        # its timeout is whole seconds and 0 means "forever", so round up
+        if not held.acquire(timeout=min(int(LEASE), max(1, math.ceil(wait)))):
+            raise NotAcquired(key)
+        try:
+            yield held
+        finally:
+            held.release()
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class Pottery:
+    """pottery.Redlock with a single master: SET NX PX, retry after a random sleep up to 200 ms."""
+
+    name = "pottery Redlock (1 master)"
+    sync = True
+    timeouts = (NotAcquired,)
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def open(self) -> None:
+        import redis
+
+        self.client = redis.Redis.from_url(self.url)
+
+    @contextmanager
+    def lock(self, key: str, wait: float):
+        from pottery import Redlock
+
+        held = Redlock(key=key, masters={self.client}, auto_release_time=LEASE)
+        if not held.acquire(timeout=wait):
+            raise NotAcquired(key)
+        try:
+            yield held
+        finally:
+            held.release()
+
+    def close(self) -> None:
+        self.client.close()
+
+
+ADAPTERS = {
+    "otel-lock": OtelLock,
+    "otel-lock-lease": OtelLockFixedLease,
+    "redis-py": RedisPy,
+    "redis-py-1ms": RedisPyFast,
+    "python-redis-lock": PythonRedisLock,
+    "pottery": Pottery,
+}
+
+
+def label(lib: str) -> str:
+    cls = ADAPTERS[lib]
+    return cls.name if isinstance(cls.name, str) else cls("").name
+
+
+def available(lib: str) -> bool:
+    """otel-lock's core may not be on main yet; peers are always installed."""
+    if not lib.startswith("otel-lock"):
+        return True
+    try:
+        from otel_lock import LockManager  # noqa: F401
+    except ImportError:
+        return False
+    return True

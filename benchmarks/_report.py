@@ -1,0 +1,153 @@
+"""Markdown tables from the raw results, target checks, and the docs/benchmarks.md splice."""
+
+from __future__ import annotations
+
+import math
+import pstats
+import re
+from pathlib import Path
+
+from ._adapters import label
+
+
+def _f(value, digits: int = 1) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}"
+    return f"{value:,}"
+
+
+def _table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _row(rows: list[dict], lib: str, **match) -> dict | None:
+    for row in rows:
+        if row["lib"] == lib and all(row.get(k) == v for k, v in match.items()):
+            return row
+    return None
+
+
+def _verdict(ok: bool | None) -> str:
+    return "n/a" if ok is None else ("**met**" if ok else "**missed**")
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or not b:
+        return None
+    return a / b
+
+
+def render(name: str, data: dict) -> str:
+    return {"lock": render_lock}[name](data)
+
+
+def render_lock(data: dict) -> str:
+    m = data["machine"]
+    out = [
+        f"Run {m['date']}{' (--quick)' if m['quick'] else ''}: {m['nproc']} CPUs, Python {m['python']}, "
+        f"Redis {m['redis']}, {m['platform']}; suite took {m['seconds']} s.",
+        "",
+    ]
+    targets = []
+
+    a = data["uncontended"]
+    out += ["### (a) Uncontended acquire + release", "",
+            "One worker process, one key, `async with lock(key)` / `with lock` around nothing, in a loop.", ""]
+    out.append(_table(
+        ["library", "cycles/s", "p50 ms", "p99 ms", "Redis cmds/cycle", "client CPU µs/cycle"],
+        [[label(r["lib"]), _f(r["cycles_per_s"], 0), _f(r["p50_ms"], 3), _f(r["p99_ms"], 3),
+          _f(r["redis_commands_per_cycle"], 1), _f(r["client_cpu_per_cycle_us"], 0)] for r in a]))
+    ours, peer = _row(a, "otel-lock"), _row(a, "redis-py")
+    ratio = _ratio(ours and ours["p50_ms"], peer and peer["p50_ms"])
+    targets.append(("uncontended p50 cycle time <= 1.25x redis-py asyncio Lock", ratio, ratio is not None and ratio <= 1.25))
+
+    b = data["contended"]
+    out += ["", "### (b) 8 workers contending for one key", "",
+            "8 worker processes (one waiter each; sync libraries block their main thread), critical section = a "
+            "local increment. A handoff is an acquisition by a different worker than the previous one. "
+            "Overlaps = hold intervals (system-wide monotonic clock) that overlapped: must be 0.", ""]
+    out.append(_table(
+        ["library", "acquisitions/s", "handoffs/s", "wait p50 ms", "wait p99 ms", "busiest worker", "overlaps",
+         "Redis cmds/handoff", "client CPU ms/handoff"],
+        [[label(r["lib"]), _f(r["acquisitions_per_s"], 0), _f(r["handoffs_per_s"], 0), _f(r["wait_p50_ms"], 2),
+          _f(r["wait_p99_ms"], 2), f"{r['busiest_share']:.0%}", r["overlaps"], _f(r["redis_commands_per_handoff"], 1),
+          _f(r["client_cpu_ms_per_handoff"], 2)] for r in b]))
+    ours = _row(b, "otel-lock")
+    for peer_lib, factor in (("python-redis-lock", 1.5), ("redis-py", 50)):
+        peer = _row(b, peer_lib)
+        ratio = _ratio(ours and ours["handoffs_per_s"], peer and peer["handoffs_per_s"])
+        targets.append((f"handoffs/s >= {factor}x {label(peer_lib)}", ratio, ratio is not None and ratio >= factor))
+    targets.append(("busiest of 8 workers <= 20% of acquisitions", ours and ours["busiest_share"],
+                    ours is not None and ours["busiest_share"] <= 0.20))
+    targets.append(("no overlapping holds (every library)", sum(r["overlaps"] for r in b),
+                    all(r["overlaps"] == 0 for r in b)))
+
+    c = data["held"]
+    out += ["", "### (c) Held locks kept alive by renewal", "",
+            "One process holds N locks. otel-lock: `lease=None`, one watchdog per manager. redis-py: one task per "
+            "lock calling `extend()` (its only way). python-redis-lock: `auto_renewal=True`, one thread per lock "
+            "(renews every expire*2/3). pottery: no automatic renewal, not measured. Lease 9 s. Round trips and "
+            "commands are counted in the client; Redis commands include those run inside scripts.", ""]
+    out.append(_table(
+        ["library", "locks", "tick s", "round trips/tick", "client cmds/tick", "Redis cmds/tick",
+         "client CPU ms/tick", "Redis CPU ms/tick", "lost"],
+        [[label(r["lib"]), _f(r["locks"]), _f(r["interval_s"], 1), _f(r["round_trips_per_tick"], 1),
+          _f(r["commands_per_tick"], 1), _f(r["redis_commands_per_tick"], 0), _f(r["client_cpu_ms_per_tick"], 1),
+          _f(r["redis_cpu_ms_per_tick"], 1), r["lost"]] for r in c]))
+    ours = _row(c, "otel-lock")
+    targets.append(("<= 10 round trips per tick for 10,000 held locks", ours and ours["round_trips_per_tick"],
+                    ours is not None and ours["round_trips_per_tick"] <= 10 and ours["lost"] == 0))
+
+    d = data["herd"]
+    out += ["", "### (d) No thundering herd: many waiters on one key", "",
+            "Waiters spread over 4 processes (async: tasks; sync: threads). Redis cmds = INFO commandstats delta "
+            "(includes commands run inside Lua scripts); client cmds / round trips = what the clients sent.", ""]
+    out.append(_table(
+        ["library", "waiters", "handoffs/s", "wait p99 ms", "busiest", "Redis cmds/handoff", "client cmds/handoff",
+         "round trips/handoff", "Redis CPU ms/handoff", "overlaps"],
+        [[label(r["lib"]), r["workers"], _f(r["handoffs_per_s"], 0), _f(r["wait_p99_ms"], 1),
+          f"{r['busiest_share']:.0%}", _f(r["redis_commands_per_handoff"], 1),
+          _f(r.get("client_commands_per_handoff"), 1), _f(r.get("client_round_trips_per_handoff"), 1),
+          _f(r["redis_cpu_ms_per_handoff"], 3), r["overlaps"]]
+         for r in sorted(d, key=lambda r: (r["lib"], r["workers"]))]))
+    per = [r["redis_commands_per_handoff"] for r in d if r["lib"] == "otel-lock"]
+    ratio = (max(per) / min(per)) if per and min(per) else None
+    targets.append(("Redis commands per handoff flat (max/min <= 1.5) from 8 to 512 waiters", ratio,
+                    ratio is not None and ratio <= 1.5))
+
+    out += ["", "### Targets (ratios from this run)", ""]
+    out.append(_table(["target", "measured", "verdict"],
+                      [[t, _f(v, 2) if isinstance(v, float) else _f(v), _verdict(ok)] for t, v, ok in targets]))
+    if "profile" in data:
+        out += ["", "### Where otel-lock's time goes (cProfile, own time)", ""]
+        for case, rows in data["profile"].items():
+            out += [f"{case}:", "", _table(["function", "own time share", "calls"],
+                                          [[r["function"], f"{r['share']:.1%}", r["calls"]] for r in rows]), ""]
+    return "\n".join(out) + "\n"
+
+
+def top_functions(paths: list[Path], n: int = 15) -> list[dict]:
+    stats = pstats.Stats(*[str(p) for p in paths])
+    total = stats.total_tt or 1.0
+    rows = []
+    for (filename, line, func), (_cc, ncalls, tottime, _ct, _callers) in stats.stats.items():
+        short = re.sub(r".*/(site-packages|lib/python3\.\d+|work/main)/", "", filename)
+        rows.append({"function": f"{short}:{line}:{func}", "share": tottime / total, "calls": ncalls})
+    return sorted(rows, key=lambda r: -r["share"])[:n]
+
+
+def update_docs(path: Path, name: str, markdown: str) -> None:
+    """Replace the block between this suite's markers (appended if missing)."""
+    start, end = f"<!-- results:{name}:start -->", f"<!-- results:{name}:end -->"
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    block = f"{start}\n{markdown}{end}"
+    if start in text and end in text:
+        text = text[:text.index(start)] + block + text[text.index(end) + len(end):]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)

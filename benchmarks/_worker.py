@@ -1,0 +1,199 @@
+"""One benchmark worker process: set up, say "ready", wait for the start line, run, print JSON.
+
+The parent starts every worker, waits until all are ready, then sends each the
+same monotonic start/stop times (CLOCK_MONOTONIC is system-wide on Linux, so
+hold intervals recorded in different processes can be compared directly).
+
+    python -m benchmarks._worker '{"mode": "contend", "lib": "otel-lock", ...}'
+"""
+
+from __future__ import annotations
+
+import asyncio
+import cProfile
+import json
+import sys
+import threading
+import time
+
+from . import _counting
+from ._adapters import ADAPTERS
+
+WARMUP_CYCLES = 200
+
+
+def _send(obj: dict) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def _await_start() -> tuple[float, float]:
+    line = sys.stdin.readline()
+    msg = json.loads(line)
+    return msg["start"], msg["stop"]
+
+
+class _Window:
+    """Counters and CPU time at the start and at the stop of the measured window."""
+
+    def __init__(self, stop: float) -> None:
+        self.begin = self._now()
+        self.end: dict | None = None
+        self._timer = threading.Timer(max(0.0, stop - time.monotonic()), self._close)
+        self._timer.daemon = True
+        self._timer.start()
+
+    @staticmethod
+    def _now() -> dict:
+        return {"cpu": time.process_time(), "t": time.monotonic(), **_counting.Counts.snapshot()}
+
+    def _close(self) -> None:
+        self.end = self._now()
+
+    def delta(self) -> dict:
+        self._timer.join()
+        return {k: self.end[k] - self.begin[k] for k in self.begin}
+
+
+def _sleep_until(t: float) -> None:
+    time.sleep(max(0.0, t - time.monotonic()))
+
+
+# -- (a) uncontended cycles -------------------------------------------------
+
+async def _cycle_async(adapter, key: str, stop: float) -> list[float]:
+    durations = []
+    clock = time.perf_counter
+    while time.monotonic() < stop:
+        t0 = clock()
+        async with adapter.lock(key, 5.0):
+            pass
+        durations.append(clock() - t0)
+    return durations
+
+
+def _cycle_sync(adapter, key: str, stop: float) -> list[float]:
+    durations = []
+    clock = time.perf_counter
+    while time.monotonic() < stop:
+        t0 = clock()
+        with adapter.lock(key, 5.0):
+            pass
+        durations.append(clock() - t0)
+    return durations
+
+
+# -- (b), (d) contention ----------------------------------------------------
+
+async def _contend_async(adapter, key: str, wid: int, stop: float, out: list) -> None:
+    mono = time.monotonic
+    counter = 0
+    while (req := mono()) < stop:
+        try:
+            async with adapter.lock(key, min(stop - req, 10.0)):
+                enter = mono()
+                counter += 1  # the critical section: a local increment
+                leave = mono()
+        except adapter.timeouts:
+            continue
+        if enter < stop:
+            out.append((wid, req, enter, leave))
+
+
+def _contend_sync(adapter, key: str, wid: int, stop: float, out: list) -> None:
+    mono = time.monotonic
+    counter = 0
+    while (req := mono()) < stop:
+        try:
+            with adapter.lock(key, min(stop - req, 10.0)):
+                enter = mono()
+                counter += 1
+                leave = mono()
+        except adapter.timeouts:
+            continue
+        if enter < stop:
+            out.append((wid, req, enter, leave))
+
+
+async def _run_async(spec: dict) -> dict:
+    adapter = ADAPTERS[spec["lib"]](spec["url"])
+    await adapter.open()
+    key, mode = spec["key"], spec["mode"]
+    if mode == "cycle":
+        for _ in range(WARMUP_CYCLES):
+            async with adapter.lock(key, 5.0):
+                pass
+    loop = asyncio.get_running_loop()
+    _send({"ready": True})
+    start, stop = await loop.run_in_executor(None, _await_start)
+    await asyncio.sleep(max(0.0, start - time.monotonic()))
+    profiler = cProfile.Profile() if spec.get("profile") else None
+    if profiler:
+        profiler.enable()
+    window = _Window(stop)
+    result: dict = {}
+    if mode == "cycle":
+        result["durations"] = await _cycle_async(adapter, key, stop)
+    else:
+        records: list = []
+        base = spec["worker_base"]
+        await asyncio.gather(*(_contend_async(adapter, key, base + i, stop, records) for i in range(spec["tasks"])))
+        result["records"] = records
+    if profiler:
+        profiler.disable()
+        profiler.dump_stats(spec["profile"])
+    result["window"] = window.delta()
+    await adapter.close()
+    return result
+
+
+def _run_sync(spec: dict) -> dict:
+    adapter = ADAPTERS[spec["lib"]](spec["url"])
+    adapter.open()
+    key, mode = spec["key"], spec["mode"]
+    if mode == "cycle":
+        for _ in range(WARMUP_CYCLES):
+            with adapter.lock(key, 5.0):
+                pass
+    _send({"ready": True})
+    start, stop = _await_start()
+    _sleep_until(start)
+    window = _Window(stop)
+    result: dict = {}
+    if mode == "cycle":
+        result["durations"] = _cycle_sync(adapter, key, stop)
+    else:
+        # a sync lock blocks its thread, so each waiter is a thread
+        records: list = []
+        base = spec["worker_base"]
+        threads = [
+            threading.Thread(target=_contend_sync, args=(adapter, key, base + i, stop, records), daemon=True)
+            for i in range(spec["tasks"])
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        result["records"] = records
+    result["window"] = window.delta()
+    adapter.close()
+    return result
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    if spec.get("count"):
+        _counting.install()
+    if spec["mode"] == "held":
+        from ._held import run
+
+        result = run(spec, _send, _await_start)
+    elif ADAPTERS[spec["lib"]].sync:
+        result = _run_sync(spec)
+    else:
+        result = asyncio.run(_run_async(spec))
+    _send({"result": result})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""The lock scenarios of issue 2: uncontended cycles, 8 contending workers, many held locks, no thundering herd.
+
+Each function runs one library in fresh worker processes against the given
+Redis and returns one row of plain numbers (times in milliseconds).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from ._harness import flush, percentile, run_workers
+
+KEY = "bench:one"
+
+
+def uncontended(lib: str, url: str, duration: float, profile: str | None = None) -> dict:
+    """(a) One worker, one key, acquire+release in a loop."""
+    flush(url)
+    spec = {"mode": "cycle", "lib": lib, "url": url, "key": KEY, "profile": profile}
+    [result], redis_delta, window = run_workers([spec], duration, url)
+    durations = result["durations"]
+    return {
+        "lib": lib,
+        "cycles": len(durations),
+        "cycles_per_s": len(durations) / window,
+        "p50_ms": percentile(durations, 50) * 1e3,
+        "p99_ms": percentile(durations, 99) * 1e3,
+        "redis_commands_per_cycle": redis_delta["total"] / max(1, len(durations)),
+        "client_cpu_per_cycle_us": result["window"]["cpu"] / max(1, len(durations)) * 1e6,
+        "redis_calls": redis_delta["calls"],
+    }
+
+
+def analyse(records: list, window: float) -> dict:
+    """Acquisitions, handoffs, waits, fairness and the mutual-exclusion check over merged hold intervals."""
+    records = sorted(records, key=lambda r: r[2])
+    handoffs = overlaps = 0
+    last_exit = float("-inf")
+    prev = None
+    for wid, _req, enter, leave in records:
+        if enter < last_exit:
+            overlaps += 1
+        last_exit = max(last_exit, leave)
+        if prev is not None and wid != prev:
+            handoffs += 1
+        prev = wid
+    waits = [enter - req for _wid, req, enter, _leave in records]
+    per_worker = Counter(r[0] for r in records)
+    n = len(records)
+    return {
+        "acquisitions": n,
+        "acquisitions_per_s": n / window,
+        "handoffs": handoffs,
+        "handoffs_per_s": handoffs / window,
+        "wait_p50_ms": percentile(waits, 50) * 1e3,
+        "wait_p99_ms": percentile(waits, 99) * 1e3,
+        "busiest_share": max(per_worker.values()) / n if n else float("nan"),
+        "workers_served": len(per_worker),
+        "overlaps": overlaps,
+    }
+
+
+def contended(lib: str, url: str, duration: float, workers: int = 8, processes: int = 8,
+              count: bool = False, profile_dir: str | None = None) -> dict:
+    """(b) and (d): `workers` waiters on one key spread over `processes` processes, tiny critical section."""
+    flush(url)
+    per = workers // processes
+    specs = [
+        {"mode": "contend", "lib": lib, "url": url, "key": KEY, "tasks": per, "worker_base": i * per,
+         "count": count, "profile": f"{profile_dir}/contend-{i}.prof" if profile_dir else None}
+        for i in range(processes)
+    ]
+    results, redis_delta, window = run_workers(specs, duration, url)
+    records = [tuple(r) for res in results for r in res["records"]]
+    row = {"lib": lib, "workers": workers, "processes": processes, **analyse(records, window)}
+    handoffs = max(1, row["handoffs"])
+    cpu = sum(res["window"]["cpu"] for res in results)
+    row.update(
+        redis_commands_per_handoff=redis_delta["total"] / handoffs,
+        redis_cpu_ms_per_handoff=redis_delta["cpu"] / handoffs * 1e3,
+        client_cpu_ms_per_handoff=cpu / handoffs * 1e3,
+        redis_calls=redis_delta["calls"],
+    )
+    if count:
+        row.update(
+            client_commands_per_handoff=sum(res["window"]["commands"] for res in results) / handoffs,
+            client_round_trips_per_handoff=sum(res["window"]["round_trips"] for res in results) / handoffs,
+        )
+    return row
+
+
+def held(lib: str, url: str, locks: int, lease: float, ticks: int = 3) -> dict:
+    """(c) `locks` locks held and renewed; cost of one renewal of all of them."""
+    flush(url)
+    interval = (int(lease) * 2 / 3) if lib == "python-redis-lock" else lease / 3
+    spec = {"mode": "held", "lib": lib, "url": url, "locks": locks, "lease": lease, "count": True}
+    [result], redis_delta, window = run_workers([spec], ticks * interval, url)
+    renewals = window / interval  # renewal intervals covered by the window
+    bursts = result["bursts"]
+    return {
+        "lib": lib,
+        "locks": locks,
+        "interval_s": interval,
+        "round_trips_per_tick": result["round_trips"] / renewals,
+        "commands_per_tick": result["commands"] / renewals,
+        "redis_commands_per_tick": redis_delta["total"] / renewals,
+        "client_cpu_ms_per_tick": result["cpu"] / renewals * 1e3,
+        "redis_cpu_ms_per_tick": redis_delta["cpu"] / renewals * 1e3,
+        "bursts": len(bursts),
+        "round_trips_per_burst": bursts,
+        "burst_ms": [round(s * 1e3, 1) for s in result["burst_seconds"]],
+        "lost": result["lost"],
+        "setup_s": result["setup_seconds"],
+        "threads": result.get("threads"),
+        "redis_calls": redis_delta["calls"],
+    }

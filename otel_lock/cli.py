@@ -51,6 +51,13 @@ def _interval(value: str) -> float:
     return number
 
 
+def _positive_interval(value: str) -> float:
+    number = _interval(value)
+    if number == 0:
+        raise argparse.ArgumentTypeError("must be 0.1-86400 seconds here")
+    return number
+
+
 def _count(value: str) -> int:
     try:
         number = int(value)
@@ -93,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--items", type=_count, default=100, help="items in stock (default: %(default)s)")
     demo.add_argument("--double-submits", type=_count, default=20,
                       help="concurrent copies of one order (default: %(default)s)")
+    demo.add_argument("--job-interval", type=_positive_interval, default=0.5,
+                      help="seconds between the replicas' job ticks (default: %(default)s)")
 
     serve = commands.add_parser("serve", help="run the demo shop under uvicorn",
                                 description="Run the demo shop (one replica) under uvicorn.")
@@ -142,7 +151,8 @@ def _demo(args: argparse.Namespace) -> int:
     from .demo._run import DemoOptions, run_demo
 
     return run_demo(DemoOptions(redis_url=args.redis_url, replicas=args.replicas, buyers=args.buyers,
-                                items=args.items, double_submits=args.double_submits, namespace=args.namespace))
+                                items=args.items, double_submits=args.double_submits, namespace=args.namespace,
+                                job_interval=args.job_interval))
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import subprocess
 import sys
 import types
@@ -30,9 +31,20 @@ def test_demo_end_to_end_starts_its_own_redis_and_passes():
     assert "oversell      0\n" in out
     assert "orders        1 created for 6 copies" in out
     assert "late retry    replayed the stored 201" in out
+    assert re.search(r"^job +([1-4]) of 4 ticks ran, \1 runs", out, re.M)  # never twice per tick
     assert "wait (lock)" in out and "hold (lock)" in out and "renewals" in out
     assert "verdict       OK" in out
     assert "buyers: 40/40 answered" in result.stderr  # progress
+
+
+def test_demo_exits_1_when_the_locks_are_off():
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    env.update(OTEL_LOCK_DEMO_DISABLE_LOCKS="1", OTEL_LOCK_DEMO_WORK_MS="20")
+    result = run_cli("demo", "--buyers", "40", "--items", "20", "--double-submits", "6", env=env)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "6 DUPLICATE(S)" in result.stdout  # 7 orders: 6 copies + the late retry, none deduplicated
+    assert "RAN ON SEVERAL REPLICAS" in result.stdout
+    assert "verdict       FAILED" in result.stdout
 
 
 async def test_locks_lists_a_held_lock(redis_url, capsys):
@@ -88,7 +100,7 @@ def test_unreachable_redis_is_a_clear_error(capsys):
 @pytest.mark.parametrize("argv", [
     [], ["nope"], ["serve", "--port", "0"], ["serve", "--port", "http"], ["serve", "--redis-url", "http://x"],
     ["serve", "--job-interval", "0.01"], ["serve", "--job-interval", "nan"], ["demo", "--buyers", "-1"],
-    ["demo", "--items", "many"], ["unlock"], ["locks", "--namespace", "a{b}"], ["locks", "--bogus"],
+    ["demo", "--items", "many"], ["demo", "--job-interval", "0"], ["unlock"], ["locks", "--namespace", "a{b}"], ["locks", "--bogus"],
 ], ids=lambda argv: " ".join(argv) or "no-command")
 def test_bad_arguments_exit_2_with_a_message(argv, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -129,7 +141,6 @@ def _alive(pid: int) -> bool:
 
 
 def test_demo_ctrl_c_stops_everything_it_started():
-    import re
     import signal
 
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}

@@ -193,6 +193,30 @@ async def double_submit(pool: "httpx.AsyncClient | Sequence[httpx.AsyncClient]",
     return result
 
 
+@dataclass
+class JobResult:
+    expected: int  # ticks watched
+    runs_per_tick: Counter = field(default_factory=Counter)  # tick -> how many replicas ran it
+    by_replica: Counter = field(default_factory=Counter)
+
+    @property
+    def doubled(self) -> int:
+        """Ticks that ran on more than one replica."""
+        return sum(1 for runs in self.runs_per_tick.values() if runs > 1)
+
+
+async def job_runs(client: httpx.AsyncClient, url: str, first_tick: int, ticks: int, interval: float) -> JobResult:
+    """Runs of ticks `first_tick .. first_tick + ticks - 1`, once all were recorded (or a bounded wait ran out)."""
+    deadline = time.monotonic() + (ticks + 2) * interval + 5.0
+    while True:
+        runs = [run for run in (await client.get(f"{url}/api/jobs")).json()["runs"]
+                if first_tick <= run["tick"] < first_tick + ticks]
+        result = JobResult(ticks, Counter(run["tick"] for run in runs), Counter(run["replica"] for run in runs))
+        if len(result.runs_per_tick) >= ticks or time.monotonic() > deadline:
+            return result
+        await asyncio.sleep(interval)  # the next tick cannot come sooner
+
+
 def percentiles(values: list[float], qs=(0.5, 0.95, 0.99)) -> list[float | None]:
     """Nearest-rank percentiles of client-side samples."""
     if not values:

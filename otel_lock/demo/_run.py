@@ -17,8 +17,8 @@ from typing import TextIO
 import httpx
 
 from .._redis_server import RedisServer, RedisServerNotFound
-from ._load import (DoubleSubmitResult, SeckillResult, cache_missing_sniffio, clients, double_submit, percentiles,
-                    seckill)
+from ._load import (DoubleSubmitResult, JobResult, SeckillResult, cache_missing_sniffio, clients, double_submit,
+                    job_runs, percentiles, seckill)
 from ._metrics import Scrape, scrape
 from ._replicas import Replicas
 
@@ -33,6 +33,8 @@ class DemoOptions:
     items: int = 100
     double_submits: int = 20
     namespace: str = "otel-lock-demo"
+    job_interval: float = 0.5
+    job_ticks: int = 4
 
 
 class Progress:
@@ -74,7 +76,8 @@ def run_demo(options: DemoOptions, out: TextIO = sys.stdout) -> int:
         else:
             _say(out, f"redis     : using {_safe_url(redis_url)}")
         _say(out, f"replicas  : starting {options.replicas} x `otel-lock serve` ...")
-        replicas = Replicas(redis_url, count=options.replicas, namespace=options.namespace).start()
+        replicas = Replicas(redis_url, count=options.replicas, namespace=options.namespace,
+                            job_interval=options.job_interval).start()
         _say(out, "replicas  : " + ", ".join(f"{r.name} {r.url} (pid {r.process.pid})" for r in replicas.replicas))
         return asyncio.run(_bursts(options, replicas.urls, out))
     except KeyboardInterrupt:
@@ -89,6 +92,7 @@ def run_demo(options: DemoOptions, out: TextIO = sys.stdout) -> int:
 
 async def _bursts(options: DemoOptions, urls: list[str], out: TextIO) -> int:
     run = uuid.uuid4().hex[:8]  # a Redis given by the user may hold earlier runs
+    first_tick = int(time.time() // options.job_interval) + 1  # every replica is up by then
     cache_missing_sniffio()
     async with clients(max(options.buyers, options.double_submits)) as pool:
         client = pool[0]
@@ -107,12 +111,15 @@ async def _bursts(options: DemoOptions, urls: list[str], out: TextIO) -> int:
                   f"(same Idempotency-Key), then one late retry")
         dup = await double_submit(pool, urls, order_product, f"user-{run}", f"order-{run}",
                                   options.double_submits)
+        _say(out, f"job       : every {options.job_interval:g}s on each replica, once per tick if the lock works")
+        jobs = await job_runs(client, urls[0], first_tick, options.job_ticks, options.job_interval)
         metrics = await scrape(client, urls)
-    _summary(out, sale, elapsed, dup, metrics)
-    return 0 if sale.oversold == 0 and dup.duplicates == 0 else 1
+    _summary(out, sale, elapsed, dup, jobs, metrics)
+    return 0 if sale.oversold == 0 and dup.duplicates == 0 and jobs.doubled == 0 else 1
 
 
-def _summary(out: TextIO, sale: SeckillResult, elapsed: float, dup: DoubleSubmitResult, metrics: Scrape) -> None:
+def _summary(out: TextIO, sale: SeckillResult, elapsed: float, dup: DoubleSubmitResult, jobs: JobResult,
+             metrics: Scrape) -> None:
     failed = ", ".join(f"{n} x {what}" for what, n in sale.failed.items()) or "none"
     retried = ", ".join(f"{n} x {what}" for what, n in sale.retries.items()) or "none"
     lines = [
@@ -127,6 +134,9 @@ def _summary(out: TextIO, sale: SeckillResult, elapsed: float, dup: DoubleSubmit
         f"duplicates    {dup.replayed} replayed (Idempotent-Replayed: true), {dup.in_flight} rejected 409 "
         f"while in flight" + (f", other: {dict(dup.other)}" if dup.other else ""),
         f"late retry    {'replayed the stored 201' if dup.retry_replayed else 'NOT replayed'}",
+        f"job           {len(jobs.runs_per_tick)} of {jobs.expected} ticks ran, {sum(jobs.runs_per_tick.values())} runs ("
+        + ", ".join(f"{name} {n}" for name, n in sorted(jobs.by_replica.items())) + ")"
+        + ("" if jobs.doubled == 0 else f"   <-- {jobs.doubled} TICK(S) RAN ON SEVERAL REPLICAS"),
         _quantiles("wait (lock)", metrics.histogram("otel_lock_wait_duration_seconds", STOCK_LOCK)),
         _quantiles("hold (lock)", metrics.histogram("otel_lock_hold_duration_seconds", STOCK_LOCK)),
         "              ^ stock lock, from the replicas' /metrics histograms (histogram_quantile)",
@@ -136,8 +146,9 @@ def _summary(out: TextIO, sale: SeckillResult, elapsed: float, dup: DoubleSubmit
         f"error {metrics.counter('otel_lock_renewals_total', lock_renewal_outcome='error'):.0f}"
         "   (the watchdog renews a lease every lease/3; short holds need none)",
         "",
-        "verdict       " + ("OK: no oversell, no duplicate order" if sale.oversold == 0 and dup.duplicates == 0
-                            else "FAILED: the lock or the idempotency key did not hold"),
+        "verdict       " + ("OK: no oversell, no duplicate order, one job run per tick"
+                            if sale.oversold == 0 and dup.duplicates == 0 and jobs.doubled == 0
+                            else "FAILED: a lock or the idempotency key did not hold"),
     ]
     _say(out, "\n".join(lines))
 

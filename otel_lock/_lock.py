@@ -40,6 +40,7 @@ log = logging.getLogger("otel_lock")
 
 MAX_KEY_LENGTH = 512
 MIN_LEASE = 0.1
+UNDO_RETRY = 0.25
 _DEFAULT: Any = object()
 _HELD: ContextVar[Mapping[tuple[str, str], "Lease"]] = ContextVar("otel_lock_held", default=MappingProxyType({}))
 _MANAGER_OPTIONS = (
@@ -206,6 +207,7 @@ class LockManager:
         self._waiting = Waiting(redis, f"{namespace}:wake:{self.id}", subscriber)
         self._watchdog = Watchdog(self)
         self._owns_client = False
+        self._background: set[asyncio.Task] = set()
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> "LockManager":
@@ -291,6 +293,8 @@ class LockManager:
         """Stop the watchdog and subscriber; locks still held expire after their lease."""
         await self._watchdog.aclose()
         await self._waiting.aclose()
+        for task in list(self._background):
+            task.cancel()
         if self._direct is not None:
             await self._direct.aclose()
         if self._owns_client:
@@ -320,9 +324,9 @@ class LockManager:
     async def _reenter(self, lease: Lease) -> HeldLock:
         telemetry = self.telemetry
         with telemetry.acquire_span(lease.name) as span:
-            res = await self._call(_scripts.acquire, self._keys(lease.lock_key),
-                                   [lease.owner, "-", lease.renew_ms, "1", "-1", "", self.fence_ttl_ms, ""],
-                                   "acquire", lease.name)
+            res = await self._acquire_call(self._keys(lease.lock_key),
+                                           [lease.owner, "-", lease.renew_ms, "1", "-1", "", self.fence_ttl_ms, ""],
+                                           lease.name)
             if res[0] != 1:
                 self._lose(lease, "the lease was gone when the lock was re-entered")
                 raise LockLost(f"lease of {lease.key} was lost before re-entry", key=lease.key)
@@ -361,7 +365,7 @@ class LockManager:
         with telemetry.acquire_span(name) as span:
             try:
                 queued = wait > 0 and self._waiting.ready
-                res = await self._call(_scripts.acquire, keys, args(budget() if queued else "-1"), "acquire", name)
+                res = await self._acquire_call(keys, args(budget() if queued else "-1"), name)
                 attempts = 1
                 if res[0] != 1:
                     contended = True
@@ -422,7 +426,7 @@ class LockManager:
                 raise RedisUnavailable(f"Redis is unavailable (subscribe): {exc}", key=keys[0]) from exc
             waiter, _ = self._waiting.add(args("-")[1], keys[0])
             if not queued:
-                res = await self._call(_scripts.acquire, keys, args(budget()), "acquire", name)
+                res = await self._acquire_call(keys, args(budget()), name)
                 attempts += 1
                 if res[0] == 1:
                     return res, math.inf, attempts
@@ -442,7 +446,7 @@ class LockManager:
                     return [1, value, 1], self.grace_ms / 1000, attempts
                 if value == PROMOTED or (value is None and deadline <= loop.time()):
                     continue
-                res = await self._call(_scripts.acquire, keys, args(budget()), "acquire", name)
+                res = await self._acquire_call(keys, args(budget()), name)
                 attempts += 1
                 if res[0] == 1:
                     return res, math.inf, attempts
@@ -455,6 +459,57 @@ class LockManager:
             if waiter is not None:
                 self._waiting.remove(waiter)
             telemetry.pending.add(-1, attrs)
+
+    async def _acquire_call(self, keys, args, name):
+        """ACQUIRE, safe to cancel: a reply that arrives after its caller left is undone."""
+        call = asyncio.ensure_future(self._call(_scripts.acquire, keys, args, "acquire", name))
+        try:
+            return await asyncio.shield(call)
+        except asyncio.CancelledError:
+            call.add_done_callback(partial(self._undo_acquire, keys, args, name))
+            raise
+        except RedisUnavailable:
+            # The script may have run and only its reply was lost: the caller
+            # is told "no", so nothing it might have taken may stay behind.
+            if args[0] == args[1]:  # a fresh owner; a re-entry's undo would hit the outer hold
+                self._background_task(self._undo_unknown(keys, args, name))
+            raise
+
+    def _undo_acquire(self, keys, args, name, call: asyncio.Future) -> None:
+        if call.cancelled() or call.exception() is not None:
+            return
+        if call.result()[0] == 1:
+            self._background_task(self._call(_scripts.release, keys, [args[0], self.fence_ttl_ms, self.grace_ms],
+                                             "release", name))
+        elif args[4] != "-1":
+            self._background_task(self._leave(keys, args, name))
+
+    def _leave(self, keys, args, name):
+        return self._call(_scripts.leave, keys, [args[1], args[0], self.fence_ttl_ms, self.grace_ms], "release", name)
+
+    async def _undo_unknown(self, keys, args, name) -> None:
+        """Release and leave, retried until Redis answers or the lease would have run out anyway."""
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + int(args[2]) / 1000
+        while True:
+            try:
+                await self._call(_scripts.release, keys, [args[0], self.fence_ttl_ms, self.grace_ms], "release", name)
+                await self._leave(keys, args, name)
+                return
+            except RedisUnavailable:
+                if loop.time() > give_up:
+                    return
+                await asyncio.sleep(UNDO_RETRY)
+
+    def _background_task(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background_done)
+
+    def _background_done(self, task: asyncio.Task) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("otel-lock: could not undo a cancelled acquire: %s", task.exception())
 
     def _poll_delay(self, pttl_ms: int) -> float:
         """Fallback poll: when the holder's lease would run out, at most `poll_cap`, jittered."""

@@ -172,3 +172,11 @@ def test_demo_without_redis_says_how_to_get_one():
     result = run_cli("demo", env=env)
     assert result.returncode == 1
     assert "redis-server is not on PATH" in result.stderr and "REDIS_URL" in result.stderr
+
+
+def test_demo_with_an_unreachable_redis_fails_fast(capsys):
+    from otel_lock._redis_server import free_port
+
+    assert main(["demo", "--redis-url", f"redis://:secret@127.0.0.1:{free_port()}/0"]) == 1
+    err = capsys.readouterr().err
+    assert "cannot reach Redis at redis://***@127.0.0.1:" in err and "secret" not in err

@@ -1,8 +1,8 @@
-"""`otel-lock demo`: Redis + two replicas + two bursts + a summary, then clean up.
+"""`otel-lock demo`: Redis + two replicas + two bursts + the job + a summary, then clean up.
 
 Everything it starts (a redis-server, the replica processes) it stops again
 by pid, also on Ctrl-C. The exit status is the verdict: 0 only when nothing
-was oversold and no order was created twice.
+was oversold, no order was created twice and no job tick ran twice.
 """
 
 from __future__ import annotations
@@ -14,15 +14,13 @@ import uuid
 from dataclasses import dataclass
 from typing import TextIO
 
-import httpx
-
 from .._redis_server import RedisServer, RedisServerNotFound
+from ._app import STOCK_LOCK
 from ._load import (DoubleSubmitResult, JobResult, SeckillResult, cache_missing_sniffio, clients, double_submit,
                     job_runs, percentiles, seckill)
 from ._metrics import Scrape, scrape
-from ._replicas import Replicas
+from ._replicas import ReplicaFailed, Replicas
 
-STOCK_LOCK = "stock:{path.product_id}"
 
 
 @dataclass
@@ -74,12 +72,19 @@ def run_demo(options: DemoOptions, out: TextIO = sys.stdout) -> int:
             redis_url = server.url
             _say(out, f"redis     : started redis-server on {redis_url} (pid {server.process.pid})")
         else:
+            problem = _unreachable(redis_url)
+            if problem:
+                print(f"otel-lock demo: cannot reach Redis at {_safe_url(redis_url)}: {problem}", file=sys.stderr)
+                return 1
             _say(out, f"redis     : using {_safe_url(redis_url)}")
         _say(out, f"replicas  : starting {options.replicas} x `otel-lock serve` ...")
         replicas = Replicas(redis_url, count=options.replicas, namespace=options.namespace,
                             job_interval=options.job_interval).start()
         _say(out, "replicas  : " + ", ".join(f"{r.name} {r.url} (pid {r.process.pid})" for r in replicas.replicas))
         return asyncio.run(_bursts(options, replicas.urls, out))
+    except ReplicaFailed as exc:
+        print(f"otel-lock demo: a replica did not start: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("\notel-lock demo: interrupted, stopping what it started", file=sys.stderr)
         return 130
@@ -160,6 +165,20 @@ def _quantiles(label: str, hist) -> str:
 
 def _fmt(values) -> str:
     return "  ".join(f"p{q} {'n/a' if v is None else f'{v * 1000:.1f} ms'}" for q, v in zip((50, 95, 99), values))
+
+
+def _unreachable(url: str) -> str | None:
+    """Why Redis at `url` does not answer PING ('' when it does): fail in seconds, not at the replicas' timeout."""
+    import redis
+
+    client = redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
+    try:
+        client.ping()
+        return ""
+    except redis.RedisError as exc:
+        return str(exc) or type(exc).__name__
+    finally:
+        client.close()
 
 
 def _safe_url(url: str) -> str:

@@ -75,6 +75,12 @@ def _namespace(value: str) -> str:
     return value
 
 
+def redact_url(url: str) -> str:
+    """A Redis URL fit for logs: never its password."""
+    head, sep, tail = url.rpartition("@")
+    return f"{head.split('://')[0]}://***@{tail}" if sep else url
+
+
 def _add_redis(parser: argparse.ArgumentParser, default: str | None) -> None:
     parser.add_argument("--redis-url", type=_redis_url, default=os.environ.get("REDIS_URL", default),
                         help="Redis to use (default: $REDIS_URL" + (f", else {default})" if default else ")"))
@@ -103,8 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--job-interval", type=_positive_interval, default=0.5,
                       help="seconds between the replicas' job ticks (default: %(default)s)")
 
-    serve = commands.add_parser("serve", help="run the demo shop under uvicorn",
-                                description="Run the demo shop (one replica) under uvicorn.")
+    serve = commands.add_parser(
+        "serve", help="run the demo shop under uvicorn",
+        description="Run the demo shop (one replica) under uvicorn.",
+        epilog="environment: REDIS_URL (default for --redis-url); OTEL_LOCK_DEMO_DISABLE_LOCKS=1 turns every "
+               "lock off, to show what they prevent; OTEL_LOCK_DEMO_WORK_MS=20 adds slow work inside the "
+               "stock lock; OTEL_EXPORTER_OTLP_ENDPOINT enables OTLP export (Prometheus text is at /metrics).")
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
     serve.add_argument("--port", type=_port, default=8000, help="port (default: %(default)s)")
     _add_redis(serve, "redis://127.0.0.1:6379/0")
@@ -196,7 +206,7 @@ def _locks(args: argparse.Namespace) -> int:
     try:
         infos = asyncio.run(held())
     except _unreachable() as exc:
-        print(f"otel-lock locks: Redis unreachable at {args.redis_url}: {exc}", file=sys.stderr)
+        print(f"otel-lock locks: Redis unreachable at {redact_url(args.redis_url)}: {exc}", file=sys.stderr)
         return 1
     if not infos:
         print(f"no locks held in namespace {args.namespace!r}")
@@ -237,7 +247,7 @@ def _unlock(args: argparse.Namespace) -> int:
     try:
         released = asyncio.run(force())
     except _unreachable() as exc:
-        print(f"otel-lock unlock: Redis unreachable at {args.redis_url}: {exc}", file=sys.stderr)
+        print(f"otel-lock unlock: Redis unreachable at {redact_url(args.redis_url)}: {exc}", file=sys.stderr)
         return 1
     except ValueError as exc:  # the core rejects names it could never have locked
         print(f"otel-lock unlock: {exc}", file=sys.stderr)

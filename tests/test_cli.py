@@ -92,9 +92,10 @@ def test_unlock_accepts_the_key_as_locks_prints_it():
 def test_unreachable_redis_is_a_clear_error(capsys):
     from otel_lock._redis_server import free_port
 
-    code = main(["locks", "--redis-url", f"redis://127.0.0.1:{free_port()}/0"])
+    code = main(["locks", "--redis-url", f"redis://u:secret@127.0.0.1:{free_port()}/0"])
     assert code == 1
-    assert "Redis unreachable" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "Redis unreachable at redis://***@127.0.0.1:" in err and "secret" not in err
 
 
 @pytest.mark.parametrize("argv", [

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TextIO
 
 from .._redis_server import RedisServer, RedisServerNotFound
+from ..cli import redact_url
 from ._app import STOCK_LOCK
 from ._load import (DoubleSubmitResult, JobResult, SeckillResult, cache_missing_sniffio, clients, double_submit,
                     job_runs, percentiles, seckill)
@@ -74,9 +75,9 @@ def run_demo(options: DemoOptions, out: TextIO = sys.stdout) -> int:
         else:
             problem = _unreachable(redis_url)
             if problem:
-                print(f"otel-lock demo: cannot reach Redis at {_safe_url(redis_url)}: {problem}", file=sys.stderr)
+                print(f"otel-lock demo: cannot reach Redis at {redact_url(redis_url)}: {problem}", file=sys.stderr)
                 return 1
-            _say(out, f"redis     : using {_safe_url(redis_url)}")
+            _say(out, f"redis     : using {redact_url(redis_url)}")
         _say(out, f"replicas  : starting {options.replicas} x `otel-lock serve` ...")
         replicas = Replicas(redis_url, count=options.replicas, namespace=options.namespace,
                             job_interval=options.job_interval).start()
@@ -179,12 +180,6 @@ def _unreachable(url: str) -> str | None:
         return str(exc) or type(exc).__name__
     finally:
         client.close()
-
-
-def _safe_url(url: str) -> str:
-    """Never print a password from a Redis URL."""
-    head, sep, tail = url.partition("@")
-    return f"{head.split('://')[0]}://***@{tail}" if sep else url
 
 
 def _say(out: TextIO, text: str) -> None:

@@ -178,3 +178,31 @@ async def test_release_wakes_exactly_the_next_waiter_in_queue_order(agents, redi
 async def _script_calls(redis) -> dict[str, int]:
     stats = await redis.info("commandstats")
     return {name: stats.get(f"cmdstat_{name}", {}).get("calls", 0) for name in ("evalsha", "publish")}
+
+
+async def test_waiter_stopped_while_handed_the_lock_resumes_with_a_stale_token_and_learns_it(
+        agents, locks, redis_client):
+    holder, sleeper = await agents.start_many(["holder", "sleeper"], lease=30.0)
+    await holder.send("hold", id="h", key="grant")
+    await holder.expect("acquired", "h")
+    await sleeper.send("hold", id="s", key="grant", wait=DEADLINE)
+    await queued(redis_client, "grant", 1)
+    sleeper.signal(signal.SIGSTOP)
+    try:
+        async with asyncio.TaskGroup() as group:
+            mine = group.create_task(locks.acquire("grant", wait=DEADLINE))
+            await queued(redis_client, "grant", 2)
+            await holder.send("release", id="h")  # handed to the stopped sleeper first
+        held = mine.result()  # ...whose short hand-over lease ran out, so it passed to us
+        sleeper.signal(signal.SIGCONT)
+        # The sleeper wakes to its old grant; the fencing token tells it is stale and
+        # the first renewal tells the sleeper that it does not hold the lock.
+        stale = await sleeper.expect("acquired", "s")
+        assert stale["token"] < held.token
+        await sleeper.expect("lost", "s")
+        await sleeper.send("release", id="s")
+        await sleeper.expect("exited", "s")
+        assert (await redis_client.hget(held.key, "owner")).decode() == held.owner
+        assert await held.release()
+    finally:
+        sleeper.signal(signal.SIGCONT)

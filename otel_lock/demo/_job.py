@@ -2,9 +2,9 @@
 
 A tick is wall-clock time // interval, so all replicas agree on it without
 talking. Each tries `job:tick:<n>` once (`try_lock`, no waiting): the winner
-runs, the others skip. The lock is kept for one more tick before release,
-so a replica that computed tick n just before the boundary cannot take it
-after the winner let go.
+runs, the others skip. The lock is kept for two more ticks before release,
+so a replica that computed tick n and then stalled (a busy CPU, a GC pause)
+cannot take it after the winner let go.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from .. import LockManager
 
 log = logging.getLogger("otel_lock.demo.job")
+KEEP_TICKS = 2  # ticks a won tick's lock is kept after its own
 
 
 async def run_job(
@@ -48,7 +49,8 @@ async def run_job(
         try:
             if locks is not None:
                 # Fixed lease: a tick's lock must expire by itself even if this replica dies.
-                held = await locks.try_lock(f"job:tick:{tick}", lease=3 * interval, name="job:tick")
+                held = await locks.try_lock(f"job:tick:{tick}", lease=KEEP_TICKS * interval + interval,
+                                            name="job:tick")
             if locks is None or held is not None:
                 await work(tick)
         except (RedisUnavailable, RedisError) as error:
@@ -59,7 +61,7 @@ async def run_job(
             log.exception("job tick %d failed", tick)
         if held is not None:
             kept.append(held)
-        while len(kept) > 1:
+        while len(kept) > KEEP_TICKS:
             await _release(kept.popleft())
         await asyncio.sleep(max(0.0, (tick + 1) * interval - time.time()))
 

@@ -177,7 +177,10 @@ def main(argv: list[str] | None = None) -> int:
                     [sys.executable, "-m", "benchmarks.telemetry_overhead", "--worker", "--mode", mode,
                      "--url", redis.url, "--sink", sink, "--cycles", str(args.cycles),
                      "--requests", str(args.requests)],
-                    capture_output=True, text=True, env=env, check=True, timeout=600)
+                    capture_output=True, text=True, env=env, timeout=600)
+                if out.returncode != 0:
+                    print(f"the {mode} worker failed:\n{out.stderr[-3000:]}", file=sys.stderr)
+                    return 1
                 results[mode].append(json.loads(out.stdout.strip().splitlines()[-1]))
     print(_table(results))
     return 0

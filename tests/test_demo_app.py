@@ -65,6 +65,7 @@ async def test_order_is_created_once_and_listed(client):
     ("GET", "/api/stock/nope", {}, 404, "unknown-product"),
     ("POST", "/api/stock/nope/deduct", {}, 404, "unknown-product"),
     ("PUT", "/api/stock/p1", {"content": b"{not json"}, 400, "invalid-json"),
+    ("PUT", "/api/stock/p1", {"content": b"[" * 60000}, 400, "invalid-json"),
     ("PUT", "/api/stock/p1", {"json": [1]}, 400, "invalid-body"),
     ("PUT", "/api/stock/p1", {"json": {"stock": -1}}, 400, "invalid-body"),
     ("PUT", "/api/stock/p1", {"json": {"stock": "100"}}, 400, "invalid-body"),

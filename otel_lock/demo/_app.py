@@ -98,7 +98,7 @@ async def _json_object(request: Request, *, optional: bool = False) -> dict:
         return {}
     try:
         value = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, RecursionError):  # RecursionError: "[[[[..." nested deeper than the parser goes
         raise Problem(400, "invalid-json", "request body is not valid JSON") from None
     if not isinstance(value, dict):
         raise Problem(400, "invalid-body", "request body must be a JSON object")

@@ -48,6 +48,7 @@ class Lease:
         self.depth = 1
         self.lost = asyncio.Event()
         self.lost_reason = ""
+        self.shared = False  # owner= given explicitly: other holders may count on the Redis depth
         self.cancelled_by_us = False
         self.ended = False
         if granted_for < lease:

@@ -299,6 +299,7 @@ class LockManager:
             if span.is_recording():
                 span.set_attributes({"lock.token": token, "lock.depth": depth})
         held_lease = Lease(self, key, name, owner, token, lease, renew, cancel_on_lost, now, granted_for)
+        held_lease.shared = reenter == "1"
         if depth > 1:  # explicit shared owner that already held it
             held_lease.depth = depth
         telemetry.active.add(1, attrs)
@@ -367,29 +368,36 @@ class LockManager:
             # The script may have run and only its reply was lost: the caller
             # is told "no", so nothing it might have taken may stay behind.
             if args[0] == args[1]:  # a fresh owner; a re-entry's undo would hit the outer hold
-                self._background_task(self._undo_unknown(keys, args, name))
+                self._background_task(self._release_when_back(keys, args[0], name, int(args[2]) / 1000, args))
             raise
 
     def _undo_acquire(self, keys, args, name, call: asyncio.Future) -> None:
-        if call.cancelled() or call.exception() is not None:
+        if call.cancelled():
+            return
+        if call.exception() is not None:
+            if isinstance(call.exception(), RedisUnavailable) and args[0] == args[1]:
+                self._background_task(self._release_when_back(keys, args[0], name, int(args[2]) / 1000, args))
             return
         if call.result()[0] == 1:
-            self._background_task(self._call(_scripts.release, keys, [args[0], self.fence_ttl_ms, self.grace_ms],
-                                             "release", name))
+            private = "1" if args[0] == args[1] else "0"  # a re-entry's undo only takes back its own count
+            self._background_task(self._call(_scripts.release, keys,
+                                             [args[0], self.fence_ttl_ms, self.grace_ms, private], "release", name))
         elif args[4] != "-1":
             self._background_task(self._leave(keys, args, name))
 
     def _leave(self, keys, args, name):
         return self._call(_scripts.leave, keys, [args[1], args[0], self.fence_ttl_ms, self.grace_ms], "release", name)
 
-    async def _undo_unknown(self, keys, args, name) -> None:
-        """Release and leave, retried until Redis answers or the lease would have run out anyway."""
+    async def _release_when_back(self, keys, owner: str, name: str, lease: float, args=None) -> None:
+        """Release a private owner (and leave its queue), retried until Redis answers or the lease ran out."""
         loop = asyncio.get_running_loop()
-        give_up = loop.time() + int(args[2]) / 1000
+        give_up = loop.time() + lease
         while True:
             try:
-                await self._call(_scripts.release, keys, [args[0], self.fence_ttl_ms, self.grace_ms], "release", name)
-                await self._leave(keys, args, name)
+                await self._call(_scripts.release, keys, [owner, self.fence_ttl_ms, self.grace_ms, "1"],
+                                 "release", name)
+                if args is not None:
+                    await self._leave(keys, args, name)
                 return
             except RedisUnavailable:
                 if loop.time() > give_up:
@@ -416,7 +424,9 @@ class LockManager:
         owner, waiter_id = args[0], args[1]
         try:
             if waiter.grant() is not None:
-                await self._call(_scripts.release, keys, [owner, self.fence_ttl_ms, self.grace_ms], "release", name)
+                private = "1" if owner == waiter_id else "0"
+                await self._call(_scripts.release, keys, [owner, self.fence_ttl_ms, self.grace_ms, private],
+                                 "release", name)
             else:
                 await self._call(_scripts.leave, keys, [waiter_id, owner, self.fence_ttl_ms, self.grace_ms],
                                  "release", name)
@@ -445,12 +455,17 @@ class LockManager:
         if final:
             self._watchdog.discard(lease)  # never renew what is being released
         keys = self._keys(lease.lock_key)
+        release_all = "1" if final and not lease.shared else "0"
         try:
-            res = await self._call(_scripts.release, keys, [lease.owner, self.fence_ttl_ms, self.grace_ms],
-                                   "release", lease.name)
-        except LockError:
+            res = await self._call(_scripts.release, keys, [lease.owner, self.fence_ttl_ms, self.grace_ms,
+                                                            release_all], "release", lease.name)
+        except LockError as error:
             if final:
                 self._end(lease, "error")
+                if isinstance(error, RedisUnavailable) and not lease.shared:
+                    # Let the next caller in as soon as Redis is back, not after the lease.
+                    self._background_task(self._release_when_back(keys, lease.owner, lease.name,
+                                                                  lease.renew_ms / 1000))
             raise
         if res == -1:
             outcome = "lost" if lease.renew else "expired"

@@ -122,12 +122,15 @@ return {0, redis.call('PTTL', lock), redis.call('HGET', lock, 'ctx') or ''}
 
 # RELEASE: owner-checked; the last release hands over to the next waiter.
 # KEYS: lock, fence, queue, waiters
-# ARGV: owner, fence_ttl_ms, grace_ms
+# ARGV: owner, fence_ttl_ms, grace_ms, all ('1': the caller's last hold of a
+#       private owner, so release whatever depth Redis counted: a re-entry
+#       whose reply was lost may have counted one more)
 # Returns -1 when the caller is not the owner (nothing touched), else the
 # depth left (0: released, and handed over if anyone waited).
 RELEASE = _COMMON + r"""
 if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return -1 end
-local depth = redis.call('HINCRBY', KEYS[1], 'depth', -1)
+local depth = 0
+if ARGV[4] ~= '1' then depth = redis.call('HINCRBY', KEYS[1], 'depth', -1) end
 if depth > 0 then return depth end
 hand_over(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[2], ARGV[3])
 return 0

@@ -225,3 +225,12 @@ def test_committed_dashboards_match_the_generator():
     result = subprocess.run([sys.executable, str(ROOT / "dashboards" / "generate.py"), "--check"],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("path", DASHBOARD_FILES, ids=lambda path: path.name)
+def test_every_panel_is_explained_in_the_docs(path):
+    docs = (ROOT / "docs" / "observability.md").read_text()
+    for panel in json.loads(path.read_text())["panels"]:
+        if panel["type"] != "row":
+            title = panel["title"].split(" (")[0]
+            assert f"**{title}**" in docs or f"**{panel['title']}**" in docs, f"{panel['title']!r} is not in the docs"

@@ -186,10 +186,13 @@ async def test_redis_down_answers_503_then_recovers(fresh_redis):
 
 ascii_text = st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=80)
 ids = st.one_of(st.sampled_from(["p1", "nope", "", "-", "a" * 65]), st.text(max_size=40))
+def _containers(inner):
+    return st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4)
+
+
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False) | st.text(max_size=20),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
-    max_leaves=10,
+    _containers, max_leaves=10,
 )
 bodies = st.one_of(
     st.none(), st.binary(max_size=200),

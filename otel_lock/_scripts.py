@@ -56,7 +56,7 @@ local function hand_over(lock, fence, queue, waiters, fence_ttl_ms, grace_ms)
       now = now or now_us()
       if w[1] == 0 or w[1] > now then
         local token = string.format('%.0f', mint(fence, fence_ttl_ms, now))
-        redis.call('DEL', lock)
+        -- every field is overwritten, so the previous holder's hash needs no DEL
         redis.call('HSET', lock, 'owner', w[3], 'depth', 1, 'token', token, 'ctx', w[4], 'waiter', head[1])
         redis.call('PEXPIRE', lock, math.min(w[2], grace_ms))
         redis.call('PUBLISH', w[5], head[1] .. ' ' .. token)
@@ -105,12 +105,14 @@ if not holder then
   end
   return {1, token, 1}
 end
-if ARGV[5] ~= '-1' and not redis.call('ZSCORE', queue, waiter) then
+if ARGV[5] ~= '-1' then
   local now = now_us()
+  if redis.call('ZADD', queue, 'NX', now, waiter) == 0 then
+    return {0, redis.call('PTTL', lock), redis.call('HGET', lock, 'ctx') or ''}
+  end
   local budget = tonumber(ARGV[5])
   local deadline, keep_ms = 0, 3600000
   if budget > 0 then deadline, keep_ms = now + budget * 1000, budget + 60000 end
-  redis.call('ZADD', queue, now, waiter)
   redis.call('HSET', waiters, waiter, cjson.encode({deadline, tonumber(lease), owner, ARGV[6], ARGV[8]}))
   if redis.call('PTTL', queue) < keep_ms then
     redis.call('PEXPIRE', queue, keep_ms)

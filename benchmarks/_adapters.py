@@ -12,6 +12,7 @@ import math
 from contextlib import contextmanager
 
 LEASE = 30.0  # fixed lease of the peers (seconds); otel-lock uses lease=None + watchdog
+MAX_CONNECTIONS = 1000
 
 
 class NotAcquired(Exception):
@@ -63,7 +64,8 @@ class RedisPy:
         from redis.exceptions import LockError
 
         self.timeouts = (LockError,)
-        self.client = aioredis.Redis.from_url(self.url)
+        # its default pool caps connections; 128 polling waiters per process need more
+        self.client = aioredis.Redis.from_url(self.url, max_connections=MAX_CONNECTIONS)
 
     def lock(self, key: str, wait: float):
         return self.client.lock(key, timeout=LEASE, sleep=self.sleep, blocking_timeout=wait)
@@ -89,7 +91,7 @@ class PythonRedisLock:
     def open(self) -> None:
         import redis
 
-        self.client = redis.Redis.from_url(self.url)
+        self.client = redis.Redis.from_url(self.url, max_connections=MAX_CONNECTIONS)
 
     @contextmanager
     def lock(self, key: str, wait: float):
@@ -121,7 +123,7 @@ class Pottery:
     def open(self) -> None:
         import redis
 
-        self.client = redis.Redis.from_url(self.url)
+        self.client = redis.Redis.from_url(self.url, max_connections=MAX_CONNECTIONS)
 
     @contextmanager
     def lock(self, key: str, wait: float):

@@ -31,6 +31,10 @@ def _row(rows: list[dict], lib: str, **match) -> dict | None:
     return None
 
 
+def _rounds(row: dict) -> str:
+    return " / ".join(f"{v:,.0f}" for v in row.get("rounds", []))
+
+
 def _verdict(ok: bool | None) -> str:
     return "n/a" if ok is None else ("**met**" if ok else "**missed**")
 
@@ -49,18 +53,20 @@ def render_lock(data: dict) -> str:
     m = data["machine"]
     out = [
         f"Run {m['date']}{' (--quick)' if m['quick'] else ''}: {m['nproc']} CPUs, Python {m['python']}, "
-        f"Redis {m['redis']}, {m['platform']}; suite took {m['seconds']} s.",
+        f"Redis {m['redis']}, {m['platform']}; suite took {m['seconds']} s; 1-minute load average "
+        f"{m.get('loadavg_at_start')} at start, {m.get('loadavg_at_end')} at end (other work shares these 2 CPUs).",
         "",
     ]
     targets = []
 
     a = data["uncontended"]
     out += ["### (a) Uncontended acquire + release", "",
-            "One worker process, one key, `async with lock(key)` / `with lock` around nothing, in a loop.", ""]
+            "One worker process, one key, `async with lock(key)` / `with lock` around nothing, in a loop. "
+            "Median of the interleaved rounds (cycles/s of every round in the last column).", ""]
     out.append(_table(
-        ["library", "cycles/s", "p50 ms", "p99 ms", "Redis cmds/cycle", "client CPU µs/cycle"],
+        ["library", "cycles/s", "p50 ms", "p99 ms", "Redis cmds/cycle", "client CPU µs/cycle", "rounds"],
         [[label(r["lib"]), _f(r["cycles_per_s"], 0), _f(r["p50_ms"], 3), _f(r["p99_ms"], 3),
-          _f(r["redis_commands_per_cycle"], 1), _f(r["client_cpu_per_cycle_us"], 0)] for r in a]))
+          _f(r["redis_commands_per_cycle"], 1), _f(r["client_cpu_per_cycle_us"], 0), _rounds(r)] for r in a]))
     ours, peer = _row(a, "otel-lock"), _row(a, "redis-py")
     ratio = _ratio(ours and ours["p50_ms"], peer and peer["p50_ms"])
     targets.append(("uncontended p50 cycle time <= 1.25x redis-py asyncio Lock", ratio, ratio is not None and ratio <= 1.25))
@@ -69,13 +75,14 @@ def render_lock(data: dict) -> str:
     out += ["", "### (b) 8 workers contending for one key", "",
             "8 worker processes (one waiter each; sync libraries block their main thread), critical section = a "
             "local increment. A handoff is an acquisition by a different worker than the previous one. "
-            "Overlaps = hold intervals (system-wide monotonic clock) that overlapped: must be 0.", ""]
+            "Overlaps = hold intervals (system-wide monotonic clock) that overlapped: must be 0. "
+            "Median round by handoffs/s (every round's handoffs/s in the last column).", ""]
     out.append(_table(
         ["library", "acquisitions/s", "handoffs/s", "wait p50 ms", "wait p99 ms", "busiest worker", "overlaps",
-         "Redis cmds/handoff", "client CPU ms/handoff"],
+         "Redis cmds/handoff", "client CPU ms/handoff", "rounds"],
         [[label(r["lib"]), _f(r["acquisitions_per_s"], 0), _f(r["handoffs_per_s"], 0), _f(r["wait_p50_ms"], 2),
           _f(r["wait_p99_ms"], 2), f"{r['busiest_share']:.0%}", r["overlaps"], _f(r["redis_commands_per_handoff"], 1),
-          _f(r["client_cpu_ms_per_handoff"], 2)] for r in b]))
+          _f(r["client_cpu_ms_per_handoff"], 2), _rounds(r)] for r in b]))
     ours = _row(b, "otel-lock")
     for peer_lib, factor in (("python-redis-lock", 1.5), ("redis-py", 50)):
         peer = _row(b, peer_lib)
@@ -83,8 +90,9 @@ def render_lock(data: dict) -> str:
         targets.append((f"handoffs/s >= {factor}x {label(peer_lib)}", ratio, ratio is not None and ratio >= factor))
     targets.append(("busiest of 8 workers <= 20% of acquisitions", ours and ours["busiest_share"],
                     ours is not None and ours["busiest_share"] <= 0.20))
-    targets.append(("no overlapping holds (every library)", sum(r["overlaps"] for r in b),
-                    all(r["overlaps"] == 0 for r in b)))
+    every = data.get("rounds", {}).get("contended", b) + data["herd"]
+    targets.append(("no overlapping holds (every library, every run of (b) and (d))", sum(r["overlaps"] for r in every),
+                    all(r["overlaps"] == 0 for r in every)))
 
     c = data["held"]
     out += ["", "### (c) Held locks kept alive by renewal", "",
@@ -122,6 +130,9 @@ def render_lock(data: dict) -> str:
     out += ["", "### Targets (ratios from this run)", ""]
     out.append(_table(["target", "measured", "verdict"],
                       [[t, _f(v, 2) if isinstance(v, float) else _f(v), _verdict(ok)] for t, v, ok in targets]))
+    if data.get("failures"):
+        out += ["", "Failed runs (no row above):", ""]
+        out += [f"- {f['what']}: `{f['error']}`" for f in data["failures"]]
     if "profile" in data:
         out += ["", "### Where otel-lock's time goes (cProfile, own time)", ""]
         for case, rows in data["profile"].items():

@@ -85,7 +85,16 @@ def _cycle_sync(adapter, key: str, stop: float) -> list[float]:
 
 # -- (b), (d) contention ----------------------------------------------------
 
-async def _contend_async(adapter, key: str, wid: int, stop: float, out: list) -> None:
+async def _contend_async(adapter, key: str, wid: int, warmed: list, go: asyncio.Event, window: dict,
+                         out: list) -> None:
+    # warm-up on a private key first, so connections are open before the clock starts
+    async with adapter.lock(f"warm:{wid}", 5.0):
+        pass
+    warmed[0] -= 1
+    if warmed[0] == 0:
+        warmed[1].set()
+    await go.wait()
+    stop = window["stop"]
     mono = time.monotonic
     counter = 0
     while (req := mono()) < stop:
@@ -100,7 +109,13 @@ async def _contend_async(adapter, key: str, wid: int, stop: float, out: list) ->
             out.append((wid, req, enter, leave))
 
 
-def _contend_sync(adapter, key: str, wid: int, stop: float, out: list) -> None:
+def _contend_sync(adapter, key: str, wid: int, warmed: threading.Semaphore, go: threading.Event,
+                  window: dict, out: list) -> None:
+    with adapter.lock(f"warm:{wid}", 5.0):
+        pass
+    warmed.release()
+    go.wait()
+    stop = window["stop"]
     mono = time.monotonic
     counter = 0
     while (req := mono()) < stop:
@@ -119,10 +134,18 @@ async def _run_async(spec: dict) -> dict:
     adapter = ADAPTERS[spec["lib"]](spec["url"])
     await adapter.open()
     key, mode = spec["key"], spec["mode"]
+    records: list = []
+    go, shared = asyncio.Event(), {}
     if mode == "cycle":
         for _ in range(WARMUP_CYCLES):
             async with adapter.lock(key, 5.0):
                 pass
+    else:
+        base, n = spec["worker_base"], spec["tasks"]
+        warmed = [n, asyncio.Event()]
+        waiters = asyncio.gather(*(_contend_async(adapter, key, base + i, warmed, go, shared, records)
+                                   for i in range(n)))
+        await warmed[1].wait()
     loop = asyncio.get_running_loop()
     _send({"ready": True})
     start, stop = await loop.run_in_executor(None, _await_start)
@@ -135,9 +158,9 @@ async def _run_async(spec: dict) -> dict:
     if mode == "cycle":
         result["durations"] = await _cycle_async(adapter, key, stop)
     else:
-        records: list = []
-        base = spec["worker_base"]
-        await asyncio.gather(*(_contend_async(adapter, key, base + i, stop, records) for i in range(spec["tasks"])))
+        shared["stop"] = stop
+        go.set()
+        await waiters
         result["records"] = records
     if profiler:
         profiler.disable()
@@ -151,27 +174,36 @@ def _run_sync(spec: dict) -> dict:
     adapter = ADAPTERS[spec["lib"]](spec["url"])
     adapter.open()
     key, mode = spec["key"], spec["mode"]
+    records: list = []
+    threads: list[threading.Thread] = []
+    go, shared = threading.Event(), {}
     if mode == "cycle":
         for _ in range(WARMUP_CYCLES):
             with adapter.lock(key, 5.0):
                 pass
+    else:
+        # a sync lock blocks its thread, so each waiter is a thread
+        base, n = spec["worker_base"], spec["tasks"]
+        warmed = threading.Semaphore(0)
+        threads = [
+            threading.Thread(target=_contend_sync, args=(adapter, key, base + i, warmed, go, shared, records),
+                             daemon=True)
+            for i in range(n)
+        ]
+        for t in threads:
+            t.start()
+        for _ in range(n):
+            warmed.acquire()
     _send({"ready": True})
     start, stop = _await_start()
+    shared["stop"] = stop
     _sleep_until(start)
     window = _Window(stop)
     result: dict = {}
     if mode == "cycle":
         result["durations"] = _cycle_sync(adapter, key, stop)
     else:
-        # a sync lock blocks its thread, so each waiter is a thread
-        records: list = []
-        base = spec["worker_base"]
-        threads = [
-            threading.Thread(target=_contend_sync, args=(adapter, key, base + i, stop, records), daemon=True)
-            for i in range(spec["tasks"])
-        ]
-        for t in threads:
-            t.start()
+        go.set()
         for t in threads:
             t.join()
         result["records"] = records

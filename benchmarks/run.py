@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -31,7 +32,6 @@ LOCK_LIBS = ["otel-lock", "redis-py", "redis-py-1ms", "python-redis-lock", "pott
 
 def machine() -> dict:
     redis_version = subprocess.run(["redis-server", "--version"], capture_output=True, text=True).stdout.split()
-    import os
 
     return {
         "nproc": os.cpu_count(),
@@ -39,6 +39,8 @@ def machine() -> dict:
         "redis": next((w.split("=", 1)[1] for w in redis_version if w.startswith("v=")), "?"),
         "platform": platform.platform(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        # the machine is shared: say how busy it was
+        "loadavg_at_start": round(os.getloadavg()[0], 2),
     }
 
 
@@ -46,24 +48,59 @@ def lock_suite(url: str, quick: bool, profile_dir: Path | None) -> dict:
     from . import bench_lock as b
 
     libs = [lib for lib in LOCK_LIBS if available(lib)]
-    out: dict = {"uncontended": [], "contended": [], "held": [], "herd": []}
-    for lib in libs + (["otel-lock-lease"] if available("otel-lock") else []):
-        _say(f"(a) uncontended: {lib}")
-        out["uncontended"].append(b.uncontended(lib, url, 1.0 if quick else 3.0))
-    for lib in libs:
-        _say(f"(b) 8 workers, one key: {lib}")
-        out["contended"].append(b.contended(lib, url, 2.0 if quick else 5.0))
+    out: dict = {"uncontended": [], "contended": [], "held": [], "herd": [], "failures": []}
+
+    def attempt(table: str, what: str, fn, *args, **kwargs) -> None:
+        # one library failing must not cost the other rows of the run
+        _say(what)
+        try:
+            out[table].append(fn(*args, **kwargs))
+        except Exception as exc:  # noqa: BLE001 - reported in the tables
+            _say(f"FAILED: {what}: {exc!r}")
+            out["failures"].append({"what": what, "error": repr(exc)})
+
+    # (a) and (b) are short and sensitive to whatever else the machine runs: several
+    # rounds with the libraries interleaved, and the median round per library is reported
+    rounds = 2 if quick else 3
+    a_libs = libs + (["otel-lock-lease"] if available("otel-lock") else [])
+    runs: dict = {"uncontended": [], "contended": []}
+    for r in range(rounds):
+        for lib in _rotate(a_libs, r):
+            attempt("uncontended", f"(a) uncontended, round {r + 1}: {lib}", b.uncontended, lib, url,
+                    1.0 if quick else 2.0)
+        for lib in _rotate(libs, r):
+            attempt("contended", f"(b) 8 workers, one key, round {r + 1}: {lib}", b.contended, lib, url,
+                    1.5 if quick else 3.0)
+    for table, key in (("uncontended", "cycles_per_s"), ("contended", "handoffs_per_s")):
+        runs[table], out[table] = out[table], _medians(out[table], key)
+    out["rounds"] = runs
     held_plan = [("otel-lock", 10_000), ("redis-py", 1_000), ("python-redis-lock", 1_000)]
     for lib, n in held_plan:
         if available(lib):
-            _say(f"(c) {n} held locks: {lib}")
-            out["held"].append(b.held(lib, url, n, lease=9.0, ticks=1 if quick else 2))
+            attempt("held", f"(c) {n} held locks: {lib}", b.held, lib, url, n, lease=9.0, ticks=1 if quick else 2)
     for waiters in (8, 64, 512):
         for lib in libs:
-            _say(f"(d) {waiters} waiters over 4 processes: {lib}")
-            out["herd"].append(b.contended(lib, url, 1.0 if quick else 3.0, workers=waiters, processes=4, count=True))
+            attempt("herd", f"(d) {waiters} waiters over 4 processes: {lib}", b.contended, lib, url,
+                    1.0 if quick else 3.0, workers=waiters, processes=4, count=True)
     if profile_dir is not None and available("otel-lock"):
         out["profile"] = profile_lock(url, quick, profile_dir)
+    return out
+
+
+def _rotate(items: list, n: int) -> list:
+    n %= len(items)
+    return items[n:] + items[:n]
+
+
+def _medians(rows: list[dict], key: str) -> list[dict]:
+    """Per library, the row of its median round by `key` (first-seen library order)."""
+    by_lib: dict[str, list[dict]] = {}
+    for row in rows:
+        by_lib.setdefault(row["lib"], []).append(row)
+    out = []
+    for lib, lib_rows in by_lib.items():
+        lib_rows = sorted(lib_rows, key=lambda r: r[key])
+        out.append({**lib_rows[(len(lib_rows) - 1) // 2], "rounds": [round(r[key], 1) for r in lib_rows]})
     return out
 
 
@@ -103,7 +140,8 @@ def main(argv: list[str] | None = None) -> None:
         with RedisServer() as server:
             data = SUITES[name](server.url, args.quick,
                                 RESULTS / "profiles" if args.profile else None)
-        data["machine"] = {**facts, "quick": args.quick, "seconds": round(time.monotonic() - started, 1)}
+        data["machine"] = {**facts, "quick": args.quick, "seconds": round(time.monotonic() - started, 1),
+                           "loadavg_at_end": round(os.getloadavg()[0], 2)}
         path = RESULTS / f"{name}{'-quick' if args.quick else ''}.json"
         path.write_text(json.dumps(data, indent=1, default=float) + "\n")
         markdown = _report.render(name, data)

@@ -267,6 +267,7 @@ async def _child(config: dict) -> None:
     recorder = _attempt_recorder()
     provider = TracerProvider()
     provider.add_span_processor(recorder)
+    tracer = provider.get_tracer("otel-lock test agent")
     locks = LockManager.from_url(config["url"], tracer_provider=provider, **config["options"])
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader()
@@ -274,23 +275,28 @@ async def _child(config: dict) -> None:
     release: dict[str, asyncio.Event] = {}
     tasks: dict[str, asyncio.Task] = {}
 
+    async def hold_lock(ident: str, key: str, options: dict) -> None:
+        async with locks.lock(key, **options) as held:
+            _emit("acquired", id=ident, token=held.token, owner=held.owner, t=time.monotonic(),
+                  attempts=recorder.attempts.get(held.owner))
+            watcher = asyncio.create_task(held.lost.wait())
+            done, _ = await asyncio.wait([watcher, asyncio.create_task(release[ident].wait())],
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if watcher in done:
+                _emit("lost", id=ident, t=time.monotonic())
+                # keep "holding" (the body still runs) until told to leave
+                await release[ident].wait()
+            _emit("releasing", id=ident, t=time.monotonic())
+        _emit("exited", id=ident, t=time.monotonic())
+
     async def hold(cmd: dict) -> None:
         ident = cmd["id"]
         release[ident] = asyncio.Event()
         options = {k: cmd[k] for k in ("wait", "lease", "cancel_on_lost") if k in cmd}
         try:
-            async with locks.lock(cmd["key"], **options) as held:
-                _emit("acquired", id=ident, token=held.token, owner=held.owner, t=time.monotonic(),
-                      attempts=recorder.attempts.get(held.owner))
-                watcher = asyncio.create_task(held.lost.wait())
-                done, _ = await asyncio.wait([watcher, asyncio.create_task(release[ident].wait())],
-                                             return_when=asyncio.FIRST_COMPLETED)
-                if watcher in done:
-                    _emit("lost", id=ident, t=time.monotonic())
-                    # keep "holding" (the body still runs) until told to leave
-                    await release[ident].wait()
-                _emit("releasing", id=ident, t=time.monotonic())
-            _emit("exited", id=ident, t=time.monotonic())
+            # Under a recording span, like a request: acquire spans exist only inside a trace.
+            with tracer.start_as_current_span(f"hold {ident}"):
+                await hold_lock(ident, cmd["key"], options)
         except LockLost as exc:
             _emit("locklost", id=ident, message=str(exc), t=time.monotonic())
         except LockTimeout:

@@ -199,7 +199,8 @@ async def test_waiter_stopped_while_handed_the_lock_resumes_with_a_stale_token_a
         # the first renewal tells the sleeper that it does not hold the lock.
         stale = await sleeper.expect("acquired", "s")
         assert stale["token"] < held.token
-        await sleeper.expect("lost", "s")
+        lost = await sleeper.expect("lost", "s")
+        print(f"the resumed sleeper believed it held the lock for {(lost['t'] - stale['t']) * 1000:.0f} ms")
         await sleeper.send("release", id="s")
         await sleeper.expect("exited", "s")
         assert (await redis_client.hget(held.key, "owner")).decode() == held.owner

@@ -5,10 +5,15 @@
 bare      POST /items/{id} answers {"id": ...}: no lock, no middleware
 locked    the same handler with @locked("item:{path.id}") behind LockMiddleware
 redis-py  the same handler taking redis-py's asyncio Lock by hand
+two-pings the bare handler awaiting two PINGs through redis-py (the cost of 2 round trips here)
+locked-via-redis-py  `locked` with otel-lock's Redis calls through redis-py instead of its lean connection
 """
 
 from __future__ import annotations
 
+import cProfile
+import os
+import signal
 import sys
 from contextlib import asynccontextmanager
 
@@ -31,10 +36,19 @@ def bare_app(url: str) -> Starlette:
     return Starlette(routes=[Route("/items/{id}", item, methods=["POST"]), Route("/healthz", healthz)])
 
 
-def locked_app(url: str, **manager_options) -> Starlette:
+def locked_app(url: str, via_redis_py: bool = False, **manager_options) -> Starlette:
     from otel_lock import LockManager, LockMiddleware, locked
 
-    manager = LockManager.from_url(url, namespace="bench", **manager_options)
+    if via_redis_py:
+        # a Redis subclass keeps otel-lock off its own lean connection: every call goes through redis-py
+        import redis.asyncio as aioredis
+
+        class Client(aioredis.Redis):
+            pass
+
+        manager = LockManager(Client.from_url(url, socket_timeout=2.0), namespace="bench", **manager_options)
+    else:
+        manager = LockManager.from_url(url, namespace="bench", **manager_options)
 
     @locked("item:{path.id}", wait=WAIT)
     async def item(request: Request) -> JSONResponse:
@@ -70,7 +84,33 @@ def redis_py_app(url: str) -> Starlette:
                      lifespan=lifespan)
 
 
-VARIANTS = {"bare": bare_app, "locked": locked_app, "redis-py": redis_py_app}
+def two_pings_app(url: str) -> Starlette:
+    """The bare handler plus two Redis round trips: what "2 round trips" cost inside this server, this run."""
+    import redis.asyncio as aioredis
+
+    client = aioredis.Redis.from_url(url, max_connections=1000)
+
+    async def item(request: Request) -> JSONResponse:
+        await client.ping()
+        await client.ping()
+        return JSONResponse({"id": request.path_params["id"]})
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        await client.aclose()
+
+    return Starlette(routes=[Route("/items/{id}", item, methods=["POST"]), Route("/healthz", healthz)],
+                     lifespan=lifespan)
+
+
+VARIANTS = {
+    "bare": bare_app,
+    "two-pings": two_pings_app,
+    "locked": locked_app,
+    "locked-via-redis-py": lambda url: locked_app(url, via_redis_py=True),
+    "redis-py": redis_py_app,
+}
 
 
 def main() -> None:
@@ -78,8 +118,17 @@ def main() -> None:
 
     variant, port, url = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     app = VARIANTS[variant](url)
+    profile = os.environ.get("BENCH_PROFILE")  # cProfile the server, dumped when uvicorn stops on SIGTERM
+    profiler = cProfile.Profile() if profile else None
+    if profiler:
+        # uvicorn re-raises SIGTERM after its graceful shutdown; a no-op handler lets us dump first
+        signal.signal(signal.SIGTERM, lambda *_: None)
+        profiler.enable()
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, loop="asyncio",
                 http="h11", lifespan="on")
+    if profiler:
+        profiler.disable()
+        profiler.dump_stats(profile)
 
 
 if __name__ == "__main__":

@@ -46,17 +46,71 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def render(name: str, data: dict) -> str:
-    return {"lock": render_lock}[name](data)
+    return {"lock": render_lock, "middleware": render_middleware}[name](data)
 
 
-def render_lock(data: dict) -> str:
+def _machine(data: dict) -> list[str]:
     m = data["machine"]
-    out = [
+    return [
         f"Run {m['date']}{' (--quick)' if m['quick'] else ''}: {m['nproc']} CPUs, Python {m['python']}, "
         f"Redis {m['redis']}, {m['platform']}; suite took {m['seconds']} s; 1-minute load average "
         f"{m.get('loadavg_at_start')} at start, {m.get('loadavg_at_end')} at end (other work shares these 2 CPUs).",
         "",
     ]
+
+
+MIDDLEWARE_LABELS = {
+    "bare": "bare endpoint (no middleware, no lock)",
+    "two-pings": "bare + 2 Redis PINGs (redis-py) in the handler",
+    "locked": "`@locked` + LockMiddleware",
+    "redis-py": "redis-py `Lock` by hand in the handler",
+    "locked-via-redis-py": "`@locked`, otel-lock calls through redis-py (diagnostic)",
+}
+
+
+def render_middleware(data: dict) -> str:
+    out = _machine(data)
+    rtt, rtt_py = data["redis_rtt_ms"]["p50"], data["redis_py_ping_ms"]["p50"]
+    out += [f"One Redis round trip in this run (PING, p50): {rtt:.3f} ms on a raw socket, {rtt_py:.3f} ms through "
+            "redis-py's asyncio client.", ""]
+    rows = data["rows"]
+    out.append(_table(
+        ["endpoint", "case", "req/s", "p50 ms", "p99 ms", "Redis cmds/req", "app CPU ms/req", "statuses",
+         "p50 of each round"],
+        [[MIDDLEWARE_LABELS.get(r["variant"], r["variant"]), r["case"], _f(r["rps"], 0), _f(r["p50_ms"], 3),
+          _f(r["p99_ms"], 2), _f(r["redis_commands_per_request"], 1), _f(r["app_cpu_ms_per_request"], 2),
+          ", ".join(f"{k}: {v}" for k, v in sorted(r["statuses"].items())),
+          " / ".join(f"{v:.2f}" for v in r["rounds_p50_ms"])] for r in rows]))
+
+    def get(variant, case):
+        return next((r for r in rows if r["variant"] == variant and r["case"] == case), None)
+
+    bare, pings, ours, hand = (get(v, "distinct keys, c=1") for v in ("bare", "two-pings", "locked", "redis-py"))
+    targets = []
+    if bare and ours:
+        overhead = ours["p50_ms"] - bare["p50_ms"]
+        units = [("PING on a raw socket", 2 * rtt), ("PING through redis-py", 2 * rtt_py)]
+        if pings:
+            units.append(("measured in the server: two-pings p50 - bare p50", pings["p50_ms"] - bare["p50_ms"]))
+        for what, two in units:
+            bound = two + 0.5
+            targets.append((f"p50 overhead over bare (c=1) <= 2 round trips ({what}) + 0.5 ms = {bound:.3f} ms",
+                            overhead, overhead <= bound))
+    if ours and hand:
+        targets.append(("p50 not slower than the hand-written redis-py version (c=1), ratio", ours["p50_ms"] / hand["p50_ms"],
+                        ours["p50_ms"] <= hand["p50_ms"]))
+    ours16, hand16 = get("locked", "distinct keys, c=16"), get("redis-py", "distinct keys, c=16")
+    if ours16 and hand16:
+        targets.append(("req/s not below the hand-written redis-py version (c=16), ratio", ours16["rps"] / hand16["rps"],
+                        ours16["rps"] >= hand16["rps"]))
+    out += ["", "Targets (this run):", ""]
+    out.append(_table(["target", "measured", "verdict"],
+                      [[t, _f(v, 3), _verdict(ok)] for t, v, ok in targets]))
+    return "\n".join(out) + "\n"
+
+
+def render_lock(data: dict) -> str:
+    out = _machine(data)
     targets = []
 
     a = data["uncontended"]

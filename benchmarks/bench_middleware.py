@@ -3,7 +3,8 @@
 Each variant is a real uvicorn process (one worker, h11, asyncio loop) on a
 loopback port, driven over keep-alive connections by benchmarks._load from
 this process. Distinct keys (every request its own id) at concurrency 1 (pure
-latency) and 16 (throughput), then one shared key (contended) at 16.
+latency) and 16 (throughput), then one shared key (contended) at 16. The
+median round (by p50) per variant and case is reported.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import os
 from ._harness import flush, percentile, redis_stats, stats_delta
 from ._load import Server, drive, ping_rtt, redis_py_ping
 
-VARIANTS = ("bare", "locked", "redis-py")
-PLAN = [  # (label, concurrency, contended)
+VARIANTS = ("bare", "two-pings", "locked", "redis-py", "locked-via-redis-py")
+PLAN = [  # (case, concurrency, contended)
     ("distinct keys, c=1", 1, False),
     ("distinct keys, c=16", 16, False),
     ("one key, c=16", 16, True),
@@ -27,33 +28,54 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _measure(server: Server, url: str, variant: str, case: str, concurrency: int, contended: bool,
+             duration: float) -> dict:
+    before, cpu0 = redis_stats(url), _cpu_seconds(server.proc.pid)
+    res = asyncio.run(drive(server.port, concurrency, duration, contended))
+    delta, cpu = stats_delta(before, redis_stats(url)), _cpu_seconds(server.proc.pid) - cpu0
+    lat, n = res["latencies"], max(1, res["total"])
+    return {
+        "variant": variant, "case": case, "concurrency": concurrency, "contended": contended,
+        "requests": len(lat), "rps": len(lat) / res["window"],
+        "p50_ms": percentile(lat, 50) * 1e3, "p99_ms": percentile(lat, 99) * 1e3,
+        "statuses": res["statuses"],
+        "redis_commands_per_request": delta["total"] / n,
+        "app_cpu_ms_per_request": cpu / n * 1e3,
+    }
+
+
 def run(url: str, quick: bool) -> dict:
-    duration = 1.5 if quick else 4.0
+    """All servers up at once (idle ones cost nothing), then rounds with the variants interleaved."""
+    duration, rounds = (1.0, 2) if quick else (2.5, 3)
     port = int(url.rsplit(":", 1)[1].split("/")[0])
     rtt = ping_rtt(port)
     rtt_py = asyncio.run(redis_py_ping(url))
-    out = {
+    flush(url)
+    servers = {}
+    try:
+        for variant in VARIANTS:
+            servers[variant] = Server(variant, url)
+        runs = []
+        for r in range(rounds):
+            for case, concurrency, contended in PLAN:
+                order = VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]
+                for variant in order:
+                    if contended and variant in ("bare", "two-pings"):
+                        continue
+                    runs.append(_measure(servers[variant], url, variant, case, concurrency, contended, duration))
+    finally:
+        for server in servers.values():
+            server.stop()
+    rows = []
+    for variant in VARIANTS:
+        for case, _c, _k in PLAN:
+            mine = sorted((r for r in runs if r["variant"] == variant and r["case"] == case), key=lambda r: r["p50_ms"])
+            if mine:
+                rows.append({**mine[(len(mine) - 1) // 2], "rounds_p50_ms": [round(r["p50_ms"], 3) for r in mine],
+                             "rounds_rps": [round(r["rps"]) for r in mine]})
+    return {
         "redis_rtt_ms": {"p50": percentile(rtt, 50) * 1e3, "p99": percentile(rtt, 99) * 1e3},
         "redis_py_ping_ms": {"p50": percentile(rtt_py, 50) * 1e3, "p99": percentile(rtt_py, 99) * 1e3},
-        "rows": [],
+        "rows": rows,
+        "runs": runs,
     }
-    for variant in VARIANTS:
-        flush(url)
-        with Server(variant, url) as server:
-            for label, concurrency, contended in PLAN:
-                if contended and variant == "bare":
-                    continue
-                before, cpu0 = redis_stats(url), _cpu_seconds(server.proc.pid)
-                res = asyncio.run(drive(server.port, concurrency, duration, contended))
-                delta, cpu = stats_delta(before, redis_stats(url)), _cpu_seconds(server.proc.pid) - cpu0
-                lat = res["latencies"]
-                n = max(1, res["total"])
-                out["rows"].append({
-                    "variant": variant, "case": label, "concurrency": concurrency, "contended": contended,
-                    "requests": len(lat), "rps": len(lat) / res["window"],
-                    "p50_ms": percentile(lat, 50) * 1e3, "p99_ms": percentile(lat, 99) * 1e3,
-                    "statuses": res["statuses"],
-                    "redis_commands_per_request": delta["total"] / n,
-                    "app_cpu_ms_per_request": cpu / n * 1e3,
-                })
-    return out

@@ -119,7 +119,16 @@ def profile_lock(url: str, quick: bool, profile_dir: Path) -> dict:
     }
 
 
-SUITES = {"lock": lock_suite}
+def middleware_suite(url: str, quick: bool, profile_dir: Path | None) -> dict:
+    from . import bench_middleware
+
+    if not available("otel-lock"):
+        return {"rows": [], "skipped": "otel_lock not importable"}
+    _say("middleware: bare / @locked / redis-py by hand, interleaved rounds")
+    return bench_middleware.run(url, quick)
+
+
+SUITES = {"lock": lock_suite, "middleware": middleware_suite}
 
 
 def _say(text: str) -> None:

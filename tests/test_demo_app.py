@@ -272,3 +272,16 @@ async def test_a_lost_product_lock_answers_503_not_500(redis_url, redis_client):
     assert response.status_code == 503 and kind(response) == "lock-lost", response.text
     assert await get_stock("p1") == 10
     await locks.aclose()
+
+
+def test_summary_quantiles_interpolate_like_histogram_quantile():
+    from otel_lock.demo._metrics import Histogram
+
+    hist = Histogram(count=10)
+    hist.buckets.update({0.1: 5, 0.5: 10, float("inf"): 10})
+    assert hist.quantile(0.5) == pytest.approx(0.1)
+    assert hist.quantile(0.75) == pytest.approx(0.3)
+    tail = Histogram(count=10)
+    tail.buckets.update({0.1: 5, 0.5: 8, float("inf"): 10})
+    assert tail.quantile(0.99) == 0.5  # in the +Inf bucket: the highest finite bound, as Prometheus does
+    assert Histogram().quantile(0.5) is None

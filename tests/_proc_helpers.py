@@ -59,10 +59,12 @@ class Agent:
         self.proc.stdin.write((json.dumps({"op": op, **fields}) + "\n").encode())
         await self.proc.stdin.drain()
 
-    async def expect(self, ev: str, id: str | None = None, timeout: float = DEADLINE) -> dict:
-        """The first not yet consumed event `ev` (for `id`), reading more lines as needed."""
+    async def expect(self, ev: str | tuple[str, ...], id: str | None = None, timeout: float = DEADLINE) -> dict:
+        """The first not yet consumed event `ev` (or any of several) for `id`, reading more lines as needed."""
+        wanted = (ev,) if isinstance(ev, str) else ev
+
         def match(event: dict) -> bool:
-            return event["ev"] == ev and (id is None or event.get("id") == id)
+            return event["ev"] in wanted and (id is None or event.get("id") == id)
 
         try:
             async with asyncio.timeout(timeout):

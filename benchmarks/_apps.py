@@ -5,6 +5,7 @@
 bare      POST /items/{id} answers {"id": ...}: no lock, no middleware
 locked    the same handler with @locked("item:{path.id}") behind LockMiddleware
 redis-py  the same handler taking redis-py's asyncio Lock by hand
+demo      the demo shop, with BENCH_TELEMETRY=off|sdk-memory|otlp-prom
 two-pings the bare handler awaiting two PINGs through redis-py (the cost of 2 round trips here)
 locked-via-redis-py  `locked` with otel-lock's Redis calls through redis-py instead of its lean connection
 """
@@ -104,8 +105,20 @@ def two_pings_app(url: str) -> Starlette:
                      lifespan=lifespan)
 
 
+def demo_app(url: str):
+    """The demo shop (POST /api/stock/{id}/deduct is its locked endpoint), telemetry as BENCH_TELEMETRY says."""
+    from otel_lock.demo import DemoSettings, create_app
+
+    from ._otel_modes import install
+
+    setup = install(os.environ.get("BENCH_TELEMETRY", "off"))
+    app = create_app(DemoSettings(redis_url=url, namespace="bench", replica_name="bench", job_interval=0))
+    return setup.instrument_app(app) if setup is not None else app
+
+
 VARIANTS = {
     "bare": bare_app,
+    "demo": demo_app,
     "two-pings": two_pings_app,
     "locked": locked_app,
     "locked-via-redis-py": lambda url: locked_app(url, via_redis_py=True),

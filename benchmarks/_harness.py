@@ -52,9 +52,10 @@ def flush(url: str) -> None:
         client.close()
 
 
-def run_workers(specs: list[dict], duration: float, url: str, settle: float = 0.3) -> tuple[list[dict], dict, float]:
+def run_workers(specs: list[dict], duration: float, url: str, settle: float = 0.3,
+                env: dict | None = None) -> tuple[list[dict], dict, float]:
     """Run one process per spec for `duration` seconds; returns (results, Redis delta, measured window)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "benchmarks._worker", json.dumps(spec)],

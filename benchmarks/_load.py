@@ -19,22 +19,55 @@ from collections import Counter
 from ._harness import ROOT
 
 
+def request_bytes(method: str, path: str, body: bytes = b"") -> bytes:
+    kind = b"Content-Type: application/json\r\n" if body else b""
+    return (f"{method} {path} HTTP/1.1\r\nHost: bench\r\n".encode() + kind
+            + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+
+
+async def _exchange(reader, writer, request: bytes) -> bytes:
+    writer.write(request)
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line[:15].lower() == b"content-length:":
+            length = int(line[15:])
+    if length:
+        await reader.readexactly(length)
+    return head
+
+
+async def call(port: int, method: str, path: str, body: bytes = b"") -> int:
+    """One request on a fresh connection; returns the status."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        head = await _exchange(reader, writer, request_bytes(method, path, body))
+        return int(head[9:12])
+    finally:
+        writer.close()
+
+
+async def _scraper(port: int, path: str, stop: float, every: float, count: list) -> None:
+    # a Prometheus-like pull on its own connection while the load runs
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        while time.monotonic() < stop:
+            await _exchange(reader, writer, request_bytes("GET", path))
+            count[0] += 1
+            await asyncio.sleep(every)
+    finally:
+        writer.close()
+
+
 async def _connection(port: int, path_for, stop_warmup: float, stop: float, out: list, statuses: Counter,
-                      total: list) -> None:
+                      total: list, method: str = "POST", body: bytes = b"") -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     clock = time.perf_counter
     try:
         while (now := time.monotonic()) < stop:
-            request = (f"POST {path_for()} HTTP/1.1\r\nHost: bench\r\nContent-Length: 0\r\n\r\n").encode()
+            request = request_bytes(method, path_for(), body)
             t0 = clock()
-            writer.write(request)
-            head = await reader.readuntil(b"\r\n\r\n")
-            length = 0
-            for line in head.split(b"\r\n"):
-                if line[:15].lower() == b"content-length:":
-                    length = int(line[15:])
-            if length:
-                await reader.readexactly(length)
+            head = await _exchange(reader, writer, request)
             elapsed = clock() - t0
             total[0] += 1
             if now >= stop_warmup:
@@ -44,18 +77,28 @@ async def _connection(port: int, path_for, stop_warmup: float, stop: float, out:
         writer.close()
 
 
-async def drive(port: int, concurrency: int, duration: float, contended: bool, warmup: float = 0.5) -> dict:
-    """Latencies and statuses of `concurrency` connections for `duration` seconds after a warm-up."""
+async def drive(port: int, concurrency: int, duration: float, contended: bool = False, warmup: float = 0.5,
+                path_for=None, body: bytes = b"", scrape: str | None = None) -> dict:
+    """Latencies and statuses of `concurrency` connections for `duration` seconds after a warm-up.
+
+    Paths are /items/1 (contended) or /items/<n> unless `path_for` is given; `scrape` GETs that
+    path once a second on another connection, like a Prometheus server would.
+    """
     ids = itertools.count()
-    path_for = (lambda: "/items/1") if contended else (lambda: f"/items/{next(ids)}")
+    if path_for is None:
+        path_for = (lambda: "/items/1") if contended else (lambda: f"/items/{next(ids)}")
     begin = time.monotonic()
     stop_warmup, stop = begin + warmup, begin + warmup + duration
     latencies: list[float] = []
     statuses: Counter = Counter()
-    total = [0]  # warm-up included: Redis and CPU counters cover the whole drive
-    await asyncio.gather(*(_connection(port, path_for, stop_warmup, stop, latencies, statuses, total)
-                           for _ in range(concurrency)))
-    return {"latencies": latencies, "statuses": dict(statuses), "window": duration, "total": total[0]}
+    total, scrapes = [0], [0]  # warm-up included: Redis and CPU counters cover the whole drive
+    jobs = [_connection(port, path_for, stop_warmup, stop, latencies, statuses, total, "POST", body)
+            for _ in range(concurrency)]
+    if scrape:
+        jobs.append(_scraper(port, scrape, stop, 1.0, scrapes))
+    await asyncio.gather(*jobs)
+    return {"latencies": latencies, "statuses": dict(statuses), "window": duration, "total": total[0],
+            "scrapes": scrapes[0]}
 
 
 def ping_rtt(port: int, n: int = 2000) -> list[float]:
@@ -107,7 +150,7 @@ class Server:
                 raise RuntimeError(f"app exited with {self.proc.returncode}")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock:
-                    sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: bench\r\n\r\n")
+                    sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: bench\r\nConnection: close\r\n\r\n")
                     if sock.recv(32).startswith(b"HTTP/1.1 200"):
                         return
             except OSError:

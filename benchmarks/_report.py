@@ -46,7 +46,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def render(name: str, data: dict) -> str:
-    return {"lock": render_lock, "middleware": render_middleware}[name](data)
+    return {"lock": render_lock, "middleware": render_middleware, "telemetry": render_telemetry}[name](data)
 
 
 def _machine(data: dict) -> list[str]:
@@ -109,6 +109,51 @@ def render_middleware(data: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+TELEMETRY_LABELS = {
+    "off": "off (no SDK)",
+    "sdk-memory": "SDK, in-memory exporters",
+    "otlp-prom": "OTLP/HTTP + Prometheus reader",
+}
+
+
+def render_telemetry(data: dict) -> str:
+    out = _machine(data)
+    cycle = data["cycle"]
+    base = next((r for r in cycle if r["mode"] == "off"), None)
+    out += ["Uncontended otel-lock acquire + release (one worker process per mode):", ""]
+    out.append(_table(
+        ["telemetry", "cycles/s", "p50 ms", "p99 ms", "client CPU µs/cycle", "p50 vs off", "p50 of each round"],
+        [[TELEMETRY_LABELS[r["mode"]], _f(r["cycles_per_s"], 0), _f(r["p50_ms"], 3), _f(r["p99_ms"], 3),
+          _f(r["client_cpu_per_cycle_us"], 0), f"{r['p50_ms'] / base['p50_ms'] - 1:+.1%}" if base else "n/a",
+          " / ".join(f"{v:.3f}" for v in r["rounds"])] for r in cycle]))
+    http = data["endpoint"]
+    out += ["", "The demo's locked endpoint `POST /api/stock/{id}/deduct` under uvicorn (one server per mode; "
+            "in otlp-prom mode /metrics is scraped once a second during the run):", ""]
+
+    def off_of(case):
+        return next((r for r in http if r["mode"] == "off" and r["case"] == case), None)
+
+    out.append(_table(
+        ["telemetry", "case", "req/s", "p50 ms", "p99 ms", "p50 vs off", "statuses", "p50 of each round"],
+        [[TELEMETRY_LABELS[r["mode"]], r["case"], _f(r["rps"], 0), _f(r["p50_ms"], 3), _f(r["p99_ms"], 2),
+          f"{r['p50_ms'] / off_of(r['case'])['p50_ms'] - 1:+.1%}" if off_of(r["case"]) else "n/a",
+          ", ".join(f"{k}: {v}" for k, v in sorted(r["statuses"].items())),
+          " / ".join(f"{v:.2f}" for v in r["rounds"])] for r in http]))
+    out += ["", f"OTLP requests the dummy receiver got during the run: {data.get('otlp_received')}", ""]
+    targets = []
+    for r in cycle:
+        if base and r["mode"] != "off":
+            over = r["p50_ms"] / base["p50_ms"] - 1
+            targets.append((f"lock cycle p50 overhead <= 10% ({TELEMETRY_LABELS[r['mode']]})", over, over <= 0.10))
+            over = r["client_cpu_per_cycle_us"] / base["client_cpu_per_cycle_us"] - 1
+            targets.append((f"lock cycle client CPU overhead <= 10% ({TELEMETRY_LABELS[r['mode']]})", over,
+                            over <= 0.10))
+    out += ["Targets (this run):", ""]
+    out.append(_table(["target", "measured", "verdict"],
+                      [[t, f"{v:+.1%}", _verdict(ok)] for t, v, ok in targets]))
+    return "\n".join(out) + "\n"
+
+
 def render_lock(data: dict) -> str:
     out = _machine(data)
     targets = []
@@ -116,7 +161,7 @@ def render_lock(data: dict) -> str:
     a = data["uncontended"]
     out += ["### (a) Uncontended acquire + release", "",
             "One worker process, one key, `async with lock(key)` / `with lock` around nothing, in a loop. "
-            "Median of the interleaved rounds (cycles/s of every round in the last column).", ""]
+            "Best of the interleaved rounds (cycles/s of every round in the last column).", ""]
     out.append(_table(
         ["library", "cycles/s", "p50 ms", "p99 ms", "Redis cmds/cycle", "client CPU µs/cycle", "rounds"],
         [[label(r["lib"]), _f(r["cycles_per_s"], 0), _f(r["p50_ms"], 3), _f(r["p99_ms"], 3),
@@ -130,7 +175,7 @@ def render_lock(data: dict) -> str:
             "8 worker processes (one waiter each; sync libraries block their main thread), critical section = a "
             "local increment. A handoff is an acquisition by a different worker than the previous one. "
             "Overlaps = hold intervals (system-wide monotonic clock) that overlapped: must be 0. "
-            "Median round by handoffs/s (every round's handoffs/s in the last column).", ""]
+            "Best round by handoffs/s (every round's handoffs/s in the last column).", ""]
     out.append(_table(
         ["library", "acquisitions/s", "handoffs/s", "wait p50 ms", "wait p99 ms", "busiest worker", "overlaps",
          "Redis cmds/handoff", "client CPU ms/handoff", "rounds"],

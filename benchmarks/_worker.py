@@ -216,6 +216,10 @@ def main() -> None:
     spec = json.loads(sys.argv[1])
     if spec.get("count"):
         _counting.install()
+    if spec.get("telemetry"):
+        from ._otel_modes import install
+
+        install(spec["telemetry"])
     if spec["mode"] == "held":
         from ._held import run
 

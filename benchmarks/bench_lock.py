@@ -13,11 +13,12 @@ from ._harness import flush, percentile, run_workers
 KEY = "bench:one"
 
 
-def uncontended(lib: str, url: str, duration: float, profile: str | None = None) -> dict:
-    """(a) One worker, one key, acquire+release in a loop."""
+def uncontended(lib: str, url: str, duration: float, profile: str | None = None, telemetry: str | None = None,
+                env: dict | None = None) -> dict:
+    """(a) One worker, one key, acquire+release in a loop (`telemetry`: a benchmarks._otel_modes mode)."""
     flush(url)
-    spec = {"mode": "cycle", "lib": lib, "url": url, "key": KEY, "profile": profile}
-    [result], redis_delta, window = run_workers([spec], duration, url)
+    spec = {"mode": "cycle", "lib": lib, "url": url, "key": KEY, "profile": profile, "telemetry": telemetry}
+    [result], redis_delta, window = run_workers([spec], duration, url, env=env)
     durations = result["durations"]
     return {
         "lib": lib,

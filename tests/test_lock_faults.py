@@ -23,8 +23,8 @@ pytestmark = pytest.mark.timeout(90)
 
 NS = "otel-lock"
 SOCKET_TIMEOUT = 0.5
-# redis-py retries once on a dead connection, so a failing call may take a
-# connect plus two socket timeouts; anything near this bound is a hang.
+# A failing call may take a connect timeout plus a socket timeout (two, if a
+# client retries once); anything near this bound is a hang.
 UNAVAILABLE_BOUND = 4 * SOCKET_TIMEOUT + 2.0
 
 
@@ -282,7 +282,6 @@ async def test_acquire_whose_reply_was_lost_does_not_strand_the_lock(proxy, mana
     # The caller was told it did not get the lock, so nobody may keep it for 30 s.
     async with other.lock("net:ghost", wait=5.0) as held:
         assert held.depth == 1
-
 
 
 async def _nothing_left(redis_client, name: str, holder: str | None = None) -> None:

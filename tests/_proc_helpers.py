@@ -166,6 +166,7 @@ class TcpProxy:
         self._tasks: set[asyncio.Task] = set()
         self._server: asyncio.Server | None = None
         self.port = 0
+        self.accepted = 0  # connections so far: a client reconnecting to retry shows here
 
     @property
     def url(self) -> str:
@@ -196,6 +197,7 @@ class TcpProxy:
         self._pairs.clear()
 
     async def _accept(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        self.accepted += 1
         if self._cut:
             client_w.transport.abort()
             return

@@ -13,11 +13,12 @@ import time
 
 import pytest
 import redis.asyncio as aioredis
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from _proc_helpers import DEADLINE, Agents, TcpProxy, until
-from otel_lock import LockManager, LockTimeout, RedisUnavailable
+from otel_lock import LockError, LockManager, LockTimeout, RedisUnavailable
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -453,3 +454,44 @@ async def test_redis_restart_with_waiters_in_other_processes_strands_nobody(fres
         assert min(tokens) > h["token"]  # seeded from Redis TIME: still increasing
     finally:
         await group.close()
+
+
+@pytest.mark.xfail(strict=True, raises=LockTimeout, reason="core: a re-sent ACQUIRE finds its own fresh owner holding "
+                   "the lock and Redis refuses it ('already holds the lock'): LockError, lock stranded (see report)")
+async def test_acquire_retried_by_redis_py_after_a_slow_reply_is_not_stranded(proxy, redis_url, managers, redis_client):
+    # RESP3 keeps the manager on redis-py's own client; configured (as many
+    # apps do) to retry on timeouts, it re-sends a command Redis may have run.
+    client = aioredis.Redis.from_url(proxy.url, protocol=3, socket_timeout=SOCKET_TIMEOUT,
+                                     retry_on_error=[RedisTimeoutError])
+    locks = LockManager(client)  # default lease: 30 s
+    other = managers(redis_url)
+    try:
+        async with locks.lock("py:warm", wait=1.0):
+            pass
+        proxy.stall_replies()  # Redis runs the acquire; the reply is late
+        connections = proxy.accepted
+        attempt = asyncio.create_task(locks.try_lock("py:slow"))
+
+        async def ran():
+            return await redis_client.exists(keys("py:slow")[0])
+
+        async def reconnected():
+            return proxy.accepted > connections or attempt.done()
+        await until(ran, "the acquire to run in Redis")
+        await until(reconnected, "redis-py to reconnect to retry (or give up)")
+        print(f"reconnections: {proxy.accepted - connections}, attempt done: {attempt.done()}")
+        proxy.forward()
+        try:
+            async with asyncio.timeout(UNAVAILABLE_BOUND):
+                held = await attempt
+        except LockError as error:
+            print(f"the acquire raised {error!r}")
+            held = None
+        if held is not None:  # the caller got the lock it took: fine
+            assert await held.release()
+        # Either way, nobody may keep the lock for its 30 s lease now.
+        async with other.lock("py:slow", wait=5.0) as taken:
+            assert taken.depth == 1
+    finally:
+        await locks.aclose()
+        await client.aclose()

@@ -8,6 +8,7 @@ bounds for "Redis unavailable" are a few socket timeouts, as the contract says.
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import time
 
@@ -495,3 +496,25 @@ async def test_acquire_retried_by_redis_py_after_a_slow_reply_is_not_stranded(pr
     finally:
         await locks.aclose()
         await client.aclose()
+
+
+async def test_frozen_redis_fails_fast_and_leaves_no_ghost_after_it_thaws(fresh_redis, managers):
+    locks = managers(fresh_redis.url, socket_timeout=SOCKET_TIMEOUT)  # default lease: 30 s
+    other = managers(fresh_redis.url)
+    async with locks.lock("frozen:warm", wait=1.0):
+        pass
+    os.kill(fresh_redis.process.pid, signal.SIGSTOP)  # like a Redis stuck in a fork or swapping
+    try:
+        # The kernel still accepts and buffers the commands; Redis runs them when it thaws.
+        await unavailable_within_bound(lambda: locks.try_lock("frozen:a"))
+
+        async def use_lock():
+            async with locks.lock("frozen:b", wait=5.0):
+                pass
+        await unavailable_within_bound(use_lock)
+    finally:
+        os.kill(fresh_redis.process.pid, signal.SIGCONT)
+    # Whatever the frozen Redis ran late is undone: nobody waits out a 30 s lease.
+    for name in ("frozen:a", "frozen:b"):
+        async with other.lock(name, wait=5.0) as held:
+            assert held.depth == 1

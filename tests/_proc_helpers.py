@@ -296,7 +296,7 @@ async def _child(config: dict) -> None:
     async def hold(cmd: dict) -> None:
         ident = cmd["id"]
         release[ident] = asyncio.Event()
-        options = {k: cmd[k] for k in ("wait", "lease", "cancel_on_lost") if k in cmd}
+        options = {k: cmd[k] for k in ("wait", "lease", "cancel_on_lost", "owner") if k in cmd}
         try:
             # Under a recording span, like a request: acquire spans exist only inside a trace.
             with tracer.start_as_current_span(f"hold {ident}"):

@@ -207,3 +207,24 @@ async def test_waiter_stopped_while_handed_the_lock_resumes_with_a_stale_token_a
         assert await held.release()
     finally:
         sleeper.signal(signal.SIGCONT)
+
+
+async def test_explicit_owner_is_shared_across_processes_and_excludes_everyone_else(agents, redis_client):
+    first, second, outsider = await agents.start_many(["first", "second", "outsider"], lease=30.0)
+    await first.send("hold", id="a", key="shared", owner="job-42")
+    a = await first.expect("acquired", "a")
+    await second.send("hold", id="b", key="shared", owner="job-42", wait=1.0)
+    b = await second.expect("acquired", "b")  # the same owner joins at once
+    assert (a["owner"], b["owner"], b["token"]) == ("job-42", "job-42", a["token"])
+    assert int(await redis_client.hget(keys("shared")[0], "depth")) == 2
+
+    await outsider.send("hold", id="x", key="shared", wait=DEADLINE)
+    await queued(redis_client, "shared", 1)
+    await first.send("release", id="a")
+    await first.expect("exited", "a")
+    # One sharer left: still held, the outsider still waits.
+    assert int(await redis_client.hget(keys("shared")[0], "depth")) == 1
+    assert await redis_client.zcard(keys("shared")[1]) == 1
+    await second.send("release", id="b")
+    x = await outsider.expect("acquired", "x")
+    assert x["token"] > a["token"]

@@ -32,7 +32,7 @@ from . import _scripts
 from ._connection import Connection
 from ._errors import LockError, LockLost, LockTimeout, RedisUnavailable
 from ._held import HeldLock, Lease, LockInfo, _LockContext
-from ._telemetry import Telemetry, current_traceparent, get_telemetry, suppressed
+from ._telemetry import LockCounts, Telemetry, current_traceparent, get_telemetry, suppressed
 from ._waiting import PROMOTED, Waiting
 from ._watchdog import Watchdog
 
@@ -92,6 +92,8 @@ class LockManager:
         self.grace_ms = int(_check_seconds("grace", grace, allow_zero=False) * 1000)
         self.poll_cap = _check_seconds("poll_cap", poll_cap, allow_zero=False)
         self.telemetry: Telemetry = get_telemetry(tracer_provider, meter_provider)
+        self._counts = LockCounts(meter_provider)
+        self.telemetry.gauges.add(self._counts)
         self.id = uuid.uuid4().hex[:12]
         self._ids = itertools.count(1)
         # The hot path (scripts, renewals, the subscriber) uses a lean pipelined
@@ -247,7 +249,6 @@ class LockManager:
         keys = self._keys(key)
         lease_ms = int(lease * 1000)
         ctx = current_traceparent() if trace.get_current_span().get_span_context().is_valid else ""
-        attrs = {"lock.name": name}
         outcome, error_type, contended, attempts = "error", None, False, 0
         granted_for = lease
 
@@ -302,7 +303,7 @@ class LockManager:
         held_lease.shared = reenter == "1"
         if depth > 1:  # explicit shared owner that already held it
             held_lease.depth = depth
-        telemetry.active.add(1, attrs)
+        self._counts.active[name] += 1
         self._watchdog.add(held_lease)
         _HELD.set(MappingProxyType({**_HELD.get(), (self.id, key): held_lease}))
         return HeldLock(held_lease, depth)
@@ -310,9 +311,7 @@ class LockManager:
     async def _wait(self, keys, args, budget, queued, deadline, res, name):
         """Wait in the queue until handed the lock, polling only as a fallback."""
         loop = asyncio.get_running_loop()
-        telemetry = self.telemetry
-        attrs = {"lock.name": name}
-        telemetry.pending.add(1, attrs)
+        self._counts.pending[name] += 1
         waiter = None
         attempts = 0
         try:
@@ -354,7 +353,7 @@ class LockManager:
         finally:
             if waiter is not None:
                 self._waiting.remove(waiter)
-            telemetry.pending.add(-1, attrs)
+            self._counts.pending[name] -= 1
 
     async def _acquire_call(self, keys, args, name):
         """ACQUIRE, safe to cancel: a reply that arrives after its caller left is undone."""
@@ -485,7 +484,7 @@ class LockManager:
         loop = asyncio.get_running_loop()
         self.telemetry.hold_duration.record(loop.time() - lease.acquired_at,
                                             {"lock.name": lease.name, "lock.release.outcome": outcome})
-        self.telemetry.active.add(-1, {"lock.name": lease.name})
+        self._counts.active[lease.name] -= 1
         if lease.span.is_recording():
             lease.span.add_event(f"lock {outcome}", {"lock.name": lease.name, "lock.token": lease.token})
 

@@ -8,12 +8,15 @@ before computing attributes. Tests pass their own providers.
 from __future__ import annotations
 
 import threading
+import weakref
+from collections import Counter
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from opentelemetry import context as otel_context
 from opentelemetry import metrics, trace
-from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.trace import INVALID_SPAN, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from . import __version__
@@ -45,19 +48,47 @@ class Telemetry:
             "otel_lock.errors", unit="{error}", description="Failed lock operations by operation and error type.")
         self.renewals = meter.create_counter(
             "otel_lock.renewals", unit="{renewal}", description="Lease renewals by outcome (ok, lost, error).")
-        self.active = meter.create_up_down_counter(
-            "otel_lock.active", unit="{lock}", description="Locks held by this process right now.")
-        self.pending = meter.create_up_down_counter(
-            "otel_lock.pending", unit="{request}", description="Callers waiting for a lock in this process.")
+        # Held and waiting counts are read from the managers when a reader
+        # collects, so taking a lock pays nothing for them. The set is shared
+        # by every Telemetry and filtered by provider at collection time: a
+        # manager made before the app installed its SDK (instruments through
+        # the API's proxy) and one made after end up on the same meter, where
+        # only the first observable callback is kept.
+        self.gauges = ALL_COUNTS
+        self._meter_provider = meter_provider
+        self.active = meter.create_observable_up_down_counter(
+            "otel_lock.active", callbacks=[self._observe("active")], unit="{lock}",
+            description="Locks held by this process right now.")
+        self.pending = meter.create_observable_up_down_counter(
+            "otel_lock.pending", callbacks=[self._observe("pending")], unit="{request}",
+            description="Callers waiting for a lock in this process.")
         self.idempotency_requests = meter.create_counter(
             "otel_lock.idempotency.requests", unit="{request}",
             description="Requests carrying an Idempotency-Key by outcome.")
+
+    def _observe(self, which: str):
+        def observe(options: CallbackOptions) -> Iterable[Observation]:
+            totals: Counter = Counter()
+            mine = _resolve(self._meter_provider)
+            for counts in list(self.gauges):
+                if _resolve(counts.meter_provider) is mine:
+                    totals.update(dict(getattr(counts, which)))  # a copy: the loop thread keeps counting
+            return [Observation(value, {"lock.name": name}) for name, value in totals.items()]
+        return observe
 
     # -- spans -------------------------------------------------------------
 
     @contextmanager
     def acquire_span(self, name: str) -> Iterator[trace.Span]:
-        """`lock acquire {name}`: covers the wait; the caller sets outcome attributes."""
+        """`lock acquire {name}`: covers the wait; the caller sets outcome attributes.
+
+        Only under a recording span (a request, a job): an acquire outside any
+        trace would start a one-span trace per lock call, noise that costs more
+        than the lock's own Python work. Metrics count every acquire either way.
+        """
+        if not trace.get_current_span().is_recording():
+            yield INVALID_SPAN
+            return
         with self.tracer.start_as_current_span(
             f"lock acquire {name}", kind=SpanKind.INTERNAL,
             record_exception=False, set_status_on_exception=False,
@@ -104,13 +135,31 @@ def suppressed() -> Iterator[None]:
         otel_context.detach(token)
 
 
-_cache: dict[tuple[int, int], Telemetry] = {}
+ALL_COUNTS: "weakref.WeakSet[LockCounts]" = weakref.WeakSet()
+
+
+def _resolve(meter_provider):
+    return meter_provider if meter_provider is not None else metrics.get_meter_provider()
+
+
+class LockCounts:
+    """One manager's held and waiting callers by lock name, read by the observable counters."""
+
+    def __init__(self, meter_provider=None) -> None:
+        self.meter_provider = meter_provider
+        self.active: Counter = Counter()
+        self.pending: Counter = Counter()
+
+
+# Keyed by the providers themselves (kept alive here), not their id(): a freed
+# provider's id may be reused by a new one.
+_cache: dict[tuple[object, object], Telemetry] = {}
 _cache_lock = threading.Lock()
 
 
 def get_telemetry(tracer_provider=None, meter_provider=None) -> Telemetry:
     """Instruments are created once per provider pair, never per manager or middleware."""
-    key = (id(tracer_provider), id(meter_provider))
+    key = (tracer_provider, meter_provider)
     with _cache_lock:
         telemetry = _cache.get(key)
         if telemetry is None:

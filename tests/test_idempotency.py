@@ -474,8 +474,10 @@ async def test_no_key_or_principal_on_spans(redis_url):
         app = app_for(manager, Orders().fn, idempotent(principal=lambda r: r.headers.get("x-user-id")))
         async with client_for(app) as client:
             headers = {"idempotency-key": f'"{secret_key}"', "x-user-id": "alice@example.com"}
-            await client.post("/orders", json={}, headers=headers)
-            await client.post("/orders", json={}, headers=headers)
+            # Lock spans are children of the request's span (an ASGI instrumentation's, in an app).
+            with tracer_provider.get_tracer("test").start_as_current_span("request"):
+                await client.post("/orders", json={}, headers=headers)
+                await client.post("/orders", json={}, headers=headers)
     spans = exporter.get_finished_spans()
     assert spans, "the idempotency lock is traced"
     text = repr([(s.name, dict(s.attributes), [(e.name, dict(e.attributes)) for e in s.events]) for s in spans])

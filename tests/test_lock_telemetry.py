@@ -41,6 +41,11 @@ class Telemetry:
     def attrs(self, name: str) -> list[dict]:
         return [dict(p.attributes) for _, p in self.points(name)]
 
+    def gauge(self, name: str, lock_name: str) -> float:
+        """The observed value for one lock name (other tests' managers may report other names)."""
+        [value] = [p.value for _, p in self.points(name) if p.attributes["lock.name"] == lock_name]
+        return value
+
     def acquire_spans(self) -> list:
         return [s for s in self.spans.get_finished_spans() if s.name.startswith("lock acquire")]
 
@@ -87,8 +92,7 @@ async def test_acquired_lock_records_span_and_metrics(locks, otel):
     [(hold, hold_point)] = otel.points("otel_lock.hold.duration")
     assert hold.unit == "s" and hold_point.explicit_bounds[-1] == 120.0
     assert dict(hold_point.attributes) == {"lock.name": "stock:{path.product_id}", "lock.release.outcome": "released"}
-    [(_, active)] = otel.points("otel_lock.active")
-    assert active.value == 0
+    assert otel.gauge("otel_lock.active", "stock:{path.product_id}") == 0
 
 
 async def test_default_lock_name_keeps_ids_off_metrics(locks, otel):
@@ -132,20 +136,19 @@ async def test_contended_acquire_links_to_the_holder_span(redis_url, locks, otel
 async def test_timeout_is_an_error_span_and_a_timeout_outcome(redis_url, locks, otel):
     async with LockManager.from_url(redis_url, namespace="tel", **otel.providers()) as other:
         async with locks.lock("k"):
-            with pytest.raises(LockTimeout):
+            with otel.tracer.start_as_current_span("request"), pytest.raises(LockTimeout):
                 await other.acquire("k", wait=0.05)
     span = [s for s in otel.acquire_spans() if s.attributes["lock.outcome"] == "timeout"][0]
     assert span.status.status_code == StatusCode.ERROR
     assert {"lock.name": "k", "lock.outcome": "timeout", "lock.contended": True, "error.type": "timeout"} in otel.attrs(
         "otel_lock.wait.duration")
-    pending = [p.value for _, p in otel.points("otel_lock.pending")]
-    assert pending == [0]
+    assert otel.gauge("otel_lock.pending", "k") == 0
 
 
 async def test_redis_error_is_counted_with_its_type(otel):
     async with LockManager.from_url(f"redis://127.0.0.1:{free_port()}/0", socket_timeout=0.5,
                                     **otel.providers()) as locks:
-        with pytest.raises(RedisUnavailable):
+        with otel.tracer.start_as_current_span("request"), pytest.raises(RedisUnavailable):
             await locks.acquire("k")
     assert otel.attrs("otel_lock.errors") == [
         {"lock.name": "k", "lock.operation": "acquire", "error.type": "redis_unavailable"}]
@@ -180,9 +183,32 @@ async def test_lost_lease_is_counted_and_put_on_the_span(redis_url, otel):
 
 
 async def test_reentrant_hold_is_a_depth_two_span(locks, otel):
-    async with locks.lock("k"):
+    with otel.tracer.start_as_current_span("request"):
         async with locks.lock("k"):
-            pass
+            async with locks.lock("k"):
+                pass
     depths = sorted(s.attributes["lock.depth"] for s in otel.acquire_spans())
     assert depths == [1, 2]
     assert len(otel.attrs("otel_lock.hold.duration")) == 1
+
+
+async def test_no_acquire_span_outside_a_trace_but_metrics_still_count(locks, otel):
+    async with locks.lock("k"):
+        pass
+    assert otel.acquire_spans() == []
+    assert otel.attrs("otel_lock.wait.duration") == [
+        {"lock.name": "k", "lock.outcome": "acquired", "lock.contended": False}]
+
+
+async def test_active_and_pending_are_read_from_the_managers(redis_url, locks, otel):
+    async with LockManager.from_url(redis_url, namespace="tel", **otel.providers()) as other:
+        async with locks.lock("k"):
+            waiting = asyncio.create_task(other.acquire("k", wait=10))
+            while await other.redis.zcard("tel:{k}:q") == 0:
+                await asyncio.sleep(0.01)
+            assert otel.gauge("otel_lock.active", "k") == 1
+            assert otel.gauge("otel_lock.pending", "k") == 1
+        held = await waiting
+        assert otel.gauge("otel_lock.pending", "k") == 0
+        await held.release()
+    assert otel.gauge("otel_lock.active", "k") == 0

@@ -29,8 +29,10 @@ async def test_lock_spans_and_metrics_arrive_over_otlp(receiver, redis_client):
     locks = LockManager(redis_client, namespace="otlp-test",
                         tracer_provider=installed.tracer_provider, meter_provider=installed.meter_provider)
     try:
-        async with locks.lock("stock:1", name="stock:{id}"):
-            pass
+        # Acquire spans are children of the caller's span (a request, a job).
+        with installed.tracer_provider.get_tracer("test").start_as_current_span("request"):
+            async with locks.lock("stock:1", name="stock:{id}"):
+                pass
     finally:
         await locks.aclose()
     assert installed.tracer_provider.force_flush()

@@ -16,7 +16,7 @@ from starlette.applications import Starlette
 from starlette.routing import Route
 
 from otel_lock import telemetry
-from otel_lock._telemetry import Telemetry
+from otel_lock._telemetry import LockCounts, get_telemetry
 
 
 @pytest.fixture(autouse=True)
@@ -93,14 +93,16 @@ def test_an_existing_sdk_is_kept(caplog):
 
 
 async def _scrape(installed, accept: str = "") -> httpx.Response:
-    telemetry_ = Telemetry(meter_provider=installed.meter_provider)
+    telemetry_ = get_telemetry(meter_provider=installed.meter_provider)  # the instruments of that provider
     attrs = {"lock.name": "stock:{path.product_id}"}
     telemetry_.wait_duration.record(0.02, {**attrs, "lock.outcome": "acquired", "lock.contended": True})
     telemetry_.hold_duration.record(0.2, {**attrs, "lock.release.outcome": "released"})
     telemetry_.errors.add(1, {**attrs, "lock.operation": "acquire", "error.type": "timeout"})
     telemetry_.renewals.add(1, {**attrs, "lock.renewal.outcome": "ok"})
-    telemetry_.active.add(1, attrs)
-    telemetry_.pending.add(1, attrs)
+    counts = LockCounts(installed.meter_provider)  # what a manager keeps; the observable counters read it at scrape time
+    telemetry_.gauges.add(counts)
+    counts.active["stock:{path.product_id}"] += 1
+    counts.pending["stock:{path.product_id}"] += 1
     telemetry_.idempotency_requests.add(1, {"http.route": "/api/orders", "idempotency.outcome": "stored"})
     app = Starlette(routes=[Route("/metrics", telemetry.metrics_endpoint)])
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:

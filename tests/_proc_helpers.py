@@ -154,13 +154,15 @@ async def until(predicate, what: str, timeout: float = DEADLINE, every: float = 
 class TcpProxy:
     """Loopback proxy to host:port. `stall()` stops forwarding, `stall_replies()`
     forwards requests but holds Redis's replies (the command runs, the caller
-    never hears of it), `cut()` drops every connection and refuses new ones,
-    `forward()` returns to normal."""
+    never hears of it), `stall_subscribers()` silently holds what Redis sends to
+    connections that subscribed (pub/sub messages), `cut()` drops every
+    connection and refuses new ones, `forward()` returns to normal."""
 
     def __init__(self, host: str, port: int) -> None:
         self.target = (host, port)
         self._requests = asyncio.Event()
         self._replies = asyncio.Event()
+        self._subscribers: list[asyncio.Event] = []  # per-connection reply gates of subscribers
         self.forward()
         self._pairs: set[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = set()
         self._tasks: set[asyncio.Task] = set()
@@ -184,10 +186,21 @@ class TcpProxy:
     def stall_replies(self) -> None:
         self._replies.clear()
 
+    @property
+    def subscriptions(self) -> int:
+        """Connections that sent SUBSCRIBE so far (a subscriber reconnecting shows here)."""
+        return len(self._subscribers)
+
+    def stall_subscribers(self) -> None:
+        for gate in self._subscribers:
+            gate.clear()
+
     def forward(self) -> None:
         self._cut = False
         self._requests.set()
         self._replies.set()
+        for gate in self._subscribers:
+            gate.set()
 
     def cut(self) -> None:
         self._cut = True
@@ -208,8 +221,10 @@ class TcpProxy:
             return
         pair = (client_w, up_w)
         self._pairs.add(pair)
-        pipes = [asyncio.create_task(self._pipe(client_r, up_w, self._requests)),
-                 asyncio.create_task(self._pipe(up_r, client_w, self._replies))]
+        gate = asyncio.Event()
+        gate.set()
+        pipes = [asyncio.create_task(self._pipe(client_r, up_w, self._requests, subscriber_gate=gate)),
+                 asyncio.create_task(self._pipe(up_r, client_w, self._replies, gate))]
         self._tasks.update(pipes)
         try:
             await asyncio.wait(pipes, return_when=asyncio.FIRST_COMPLETED)
@@ -222,10 +237,14 @@ class TcpProxy:
             for writer in pair:
                 writer.transport.abort()
 
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, flowing: asyncio.Event) -> None:
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *gates: asyncio.Event,
+                    subscriber_gate: asyncio.Event | None = None) -> None:
         with contextlib.suppress(OSError):
             while data := await reader.read(65536):
-                await flowing.wait()  # stalled: hold the bytes, the peer sees silence
+                if subscriber_gate is not None and b"SUBSCRIBE" in data.upper():
+                    self._subscribers.append(subscriber_gate)
+                for gate in gates:
+                    await gate.wait()  # stalled: hold the bytes, the peer sees silence
                 writer.write(data)
                 await writer.drain()
 

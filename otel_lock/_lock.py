@@ -158,6 +158,12 @@ class LockManager:
 
     async def held_locks(self) -> list[LockInfo]:
         """Every lock held in this namespace (SCAN, for operators)."""
+        try:
+            return await self._held_locks()
+        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            raise RedisUnavailable(f"Redis is unavailable (listing locks): {exc}") from exc
+
+    async def _held_locks(self) -> list[LockInfo]:
         pattern = _glob_escape(self.namespace) + ":{*}"
         keys = [_text(k) async for k in self.redis.scan_iter(match=pattern, count=1000)]
         if not keys:
@@ -179,7 +185,10 @@ class LockManager:
         """Release whoever holds `key` (an operator's last resort); waiters are handed the lock."""
         self._check_key(key)
         keys = self._keys(key)
-        owner = await self.redis.hget(keys[0], "owner")
+        try:
+            owner = await self.redis.hget(keys[0], "owner")
+        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            raise RedisUnavailable(f"Redis is unavailable (forced release of {keys[0]}): {exc}", key=keys[0]) from exc
         released = bool(await self._call(_scripts.force_release, keys, [self.fence_ttl_ms, self.grace_ms],
                                          "release", default_name(key)))
         if released:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qsl
 
@@ -63,6 +64,9 @@ class _Request:
         self.scope, self.receive, self.send = scope, receive, send
         self.body = b""
         self.json: Any = _UNPARSED
+        # What the router would set: HTTP instrumentations read the route
+        # template from it, also for answers the middleware gives by itself.
+        scope.setdefault("route", _RouteTemplate(match.route))
 
     async def run(self) -> None:
         locked, idem = self.match.locked, self.match.idempotent
@@ -244,3 +248,8 @@ def _header(scope: Scope, name: bytes) -> str | None:
 
 
 _UNPARSED = object()
+
+
+@dataclass(frozen=True)
+class _RouteTemplate:
+    path_format: str

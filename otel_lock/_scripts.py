@@ -69,7 +69,8 @@ end
 
 # ACQUIRE: take the lock, re-enter it, or join its queue.
 # KEYS: lock, fence, queue, waiters
-# ARGV: owner, waiter id, lease_ms, reenter ('1': same owner may nest),
+# ARGV: owner, waiter id ('-': re-entry of a hold the caller has),
+#       lease_ms, reenter ('1': same owner may nest),
 #       queue_ms (-1: do not queue; 0: queue without deadline; n: queue for n ms),
 #       ctx (traceparent), fence_ttl_ms, wake channel
 # Returns {1, token, depth} when held, {0, pttl_ms, holder_ctx} when busy.
@@ -94,6 +95,10 @@ if holder == owner then
     redis.call('HDEL', waiters, waiter)
   end
   return {1, tonumber(redis.call('HGET', lock, 'token')), depth}
+end
+if waiter == '-' then
+  -- a re-entry whose outer hold is gone: never take the lock afresh under the old owner
+  return {0, redis.call('PTTL', lock), ''}
 end
 if not holder then
   local token = mint(fence, ARGV[7], now_us())

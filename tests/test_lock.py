@@ -329,3 +329,21 @@ def test_bad_manager_options_raise_value_error(options, message):
 def test_unknown_url_scheme_is_rejected():
     with pytest.raises(ValueError, match="unknown Redis URL scheme"):
         LockManager.from_url("http://127.0.0.1:6379")
+
+
+async def test_re_entry_after_a_forced_release_is_lock_lost_not_a_fresh_lock(locks, other, redis_client):
+    async with locks.lock("k") as outer:
+        assert await other.force_release("k")
+        with pytest.raises(LockLost):
+            async with locks.lock("k"):
+                pass
+        assert outer.lost.is_set()
+    assert await redis_client.exists("t:{k}") == 0
+
+
+async def test_listing_locks_without_redis_is_redis_unavailable():
+    async with LockManager.from_url(f"redis://127.0.0.1:{free_port()}/0", socket_timeout=0.5) as locks:
+        with pytest.raises(RedisUnavailable):
+            await locks.held_locks()
+        with pytest.raises(RedisUnavailable):
+            await locks.force_release("k")

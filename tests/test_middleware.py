@@ -417,3 +417,22 @@ async def test_a_handler_relocking_the_same_key_reenters(redis_url):
         async with client_for(app) as client:
             response = await client.post("/s/9")
     assert response.json() == {"depth": 2, "same_token": True}
+
+
+async def test_answers_of_the_middleware_carry_the_route_template_for_http_metrics(redis_url):
+    """HTTP instrumentations read scope["route"].path_format; the router never ran for a 409."""
+    seen = []
+    async with make_manager(redis_url) as manager, make_manager(redis_url) as other:
+        inner = app_with(manager, Route("/s/{pid}", locked("stock:{path.pid}", wait=0)(info()), methods=["POST"]))
+
+        async def outer(scope, receive, send):  # stands in for an ASGI instrumentation
+            await inner(scope, receive, send)
+            if scope["type"] == "http":
+                seen.append(scope["route"].path_format)
+
+        held = await other.try_lock("stock:1")
+        async with client_for(outer) as client:
+            busy = await client.post("/s/1")
+        await held.release()
+    assert busy.status_code == 409
+    assert seen == ["/s/{pid}"]

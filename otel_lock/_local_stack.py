@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 
-from ._redis_server import RedisServer, free_port
+from ._redis_server import RedisServer, free_port, stop_process
 
 REPO = Path(__file__).resolve().parent.parent
 DEPLOY = REPO / "deploy" / "prometheus"
@@ -124,13 +124,8 @@ class Prometheus:
                 time.sleep(0.1)
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            os.kill(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                os.kill(self.process.pid, signal.SIGKILL)
-                self.process.wait(5)
+        if self.process is not None:
+            stop_process(self.process, grace=10)
         self.process = None
         shutil.rmtree(getattr(self, "_dir", ""), ignore_errors=True)
 

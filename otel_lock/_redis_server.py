@@ -35,6 +35,18 @@ def _ping(port: int) -> bool:
         return False
 
 
+def stop_process(process: subprocess.Popen, grace: float = 5.0) -> None:
+    """SIGTERM by pid, then SIGKILL if it is still there after `grace` seconds."""
+    if process.poll() is not None:
+        return
+    os.kill(process.pid, signal.SIGTERM)
+    try:
+        process.wait(grace)
+    except subprocess.TimeoutExpired:
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait(5)
+
+
 @dataclass
 class RedisServer:
     """One redis-server process; `start()` waits until it answers PING."""
@@ -75,13 +87,7 @@ class RedisServer:
         """Stop by pid: SIGTERM, then SIGKILL if it lingers."""
         if self.process is None:
             return
-        if self.process.poll() is None:
-            os.kill(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(5)
-            except subprocess.TimeoutExpired:
-                os.kill(self.process.pid, signal.SIGKILL)
-                self.process.wait(5)
+        stop_process(self.process)
         self.process = None
         shutil.rmtree(getattr(self, "_dir", ""), ignore_errors=True)
 

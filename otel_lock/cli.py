@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_redis(unlock, "redis://127.0.0.1:6379/0")
     unlock.add_argument("--reason", default="", help="why, for the audit record")
 
-    commands.add_parser("stack", help="run the local docker compose stack (arguments are passed on)",
+    commands.add_parser("stack", help="run the compose topology without Docker: redis-server, two replicas, Debian prometheus (arguments are passed on)",
                         add_help=False)
     return parser
 

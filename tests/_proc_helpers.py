@@ -376,6 +376,13 @@ async def _child(config: dict) -> None:
             break
         if op == "hold":
             run(cmd, hold(cmd))
+        elif op == "block":
+            # Sync code that blocks the event loop (until the parent pushes to a Redis list).
+            import redis as sync_redis
+            client = sync_redis.Redis.from_url(config["url"])
+            _emit("blocking", id=cmd["id"])
+            client.blpop([cmd["key"]], timeout=DEADLINE)
+            client.close()
         elif op == "release":
             release[cmd["id"]].set()
         elif op == "cancel":

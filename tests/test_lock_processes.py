@@ -13,7 +13,7 @@ import signal
 import pytest
 import redis.asyncio as aioredis
 
-from _proc_helpers import DEADLINE, Agents, until
+from _proc_helpers import DEADLINE, AgentError, Agents, until
 from otel_lock import LockManager
 
 pytestmark = pytest.mark.timeout(90)
@@ -180,14 +180,20 @@ async def _script_calls(redis) -> dict[str, int]:
     return {name: stats.get(f"cmdstat_{name}", {}).get("calls", 0) for name in ("evalsha", "publish")}
 
 
-async def test_waiter_stopped_while_handed_the_lock_resumes_with_a_stale_token_and_learns_it(
-        agents, locks, redis_client):
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="core: a waiter paused past its hand-over grace "
+                   "takes the expired grant on resume and runs while another process holds the lock (see report)")
+@pytest.mark.parametrize("pause", ["SIGSTOP", "blocked-loop"])
+async def test_waiter_paused_past_its_hand_over_grace_does_not_use_the_stale_grant(agents, locks, redis_client, pause):
     holder, sleeper = await agents.start_many(["holder", "sleeper"], lease=30.0)
     await holder.send("hold", id="h", key="grant")
     await holder.expect("acquired", "h")
     await sleeper.send("hold", id="s", key="grant", wait=DEADLINE)
     await queued(redis_client, "grant", 1)
-    sleeper.signal(signal.SIGSTOP)
+    if pause == "SIGSTOP":
+        sleeper.signal(signal.SIGSTOP)
+    else:  # sync code in an async app: the waiter's loop runs nothing meanwhile
+        await sleeper.send("block", id="b", key="unblock")
+        await sleeper.expect("blocking", "b")
     try:
         async with asyncio.TaskGroup() as group:
             mine = group.create_task(locks.acquire("grant", wait=DEADLINE))
@@ -195,16 +201,20 @@ async def test_waiter_stopped_while_handed_the_lock_resumes_with_a_stale_token_a
             await holder.send("release", id="h")  # handed to the stopped sleeper first
         held = mine.result()  # ...whose short hand-over lease ran out, so it passed to us
         sleeper.signal(signal.SIGCONT)
-        # The sleeper wakes to its old grant; the fencing token tells it is stale and
-        # the first renewal tells the sleeper that it does not hold the lock.
-        stale = await sleeper.expect("acquired", "s")
-        assert stale["token"] < held.token
-        lost = await sleeper.expect("lost", "s")
-        print(f"the resumed sleeper believed it held the lock for {(lost['t'] - stale['t']) * 1000:.0f} ms")
-        await sleeper.send("release", id="s")
-        await sleeper.expect("exited", "s")
-        assert (await redis_client.hget(held.key, "owner")).decode() == held.owner
+        await redis_client.lpush("unblock", "go")
+        try:
+            # While we hold the lock, the resumed sleeper must not believe it holds it too.
+            early = await sleeper.expect("acquired", "s", timeout=2.0)
+        except AgentError:
+            early = None
+        if early is not None:
+            lost = await sleeper.expect("lost", "s")
+            print(f"the resumed sleeper ran {(lost['t'] - early['t']) * 1000:.0f} ms on a stale grant "
+                  f"(token {early['token']} < {held.token})")
+        assert early is None, "mutual exclusion broken: the sleeper entered while we held the lock"
         assert await held.release()
+        legit = await sleeper.expect("acquired", "s")
+        assert legit["token"] > held.token
     finally:
         sleeper.signal(signal.SIGCONT)
 

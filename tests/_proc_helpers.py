@@ -34,7 +34,7 @@ class AgentError(AssertionError):
 
 
 class Agent:
-    """A child process holding one LockManager; see `_child_main` for the commands."""
+    """A child process holding one LockManager; see `_child` for the commands."""
 
     def __init__(self, name: str, proc: asyncio.subprocess.Process, stderr) -> None:
         self.name = name
@@ -128,9 +128,14 @@ class Agents:
         return agent
 
     async def start_many(self, names: list[str], **options) -> list[Agent]:
-        agents = await asyncio.gather(*(Agent.start(n, self.url, **options) for n in names))
-        self.all.extend(agents)
-        return list(agents)
+        """Start several at once (they import in parallel); none is leaked if one fails."""
+        started = await asyncio.gather(*(Agent.start(n, self.url, **options) for n in names),
+                                       return_exceptions=True)
+        self.all.extend(a for a in started if isinstance(a, Agent))
+        for result in started:
+            if isinstance(result, BaseException):
+                raise result
+        return list(started)
 
     async def close(self) -> None:
         await asyncio.gather(*(a.close() for a in self.all))
@@ -283,6 +288,18 @@ def _attempt_recorder():
 
 
 async def _child(config: dict) -> None:
+    """The agent's loop. Commands (JSON lines on stdin) and the events they report:
+
+    hold {id, key, wait?, lease?, cancel_on_lost?, owner?}: `async with lock()`
+        -> acquired {token, owner, t, attempts}, lost {t}, releasing {t}, exited {t},
+           or locklost / timeout / unavailable / cancelled
+    release {id}: leave the body of hold `id`;  cancel {id}: cancel its task
+    rmw {id, key, counter, use_lock, tasks, iterations} -> rmw_done {intervals}
+    fair {id, key, log, total, tasks} -> fair_done {counts}
+    block {id, key}: block the event loop in a sync BLPOP on `key` -> blocking
+    exit
+    Times `t` are time.monotonic(), one clock for every process on the machine.
+    """
     from opentelemetry.sdk.trace import TracerProvider
 
     from otel_lock import LockLost, LockManager, LockTimeout, RedisUnavailable

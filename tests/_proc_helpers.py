@@ -371,10 +371,10 @@ async def _child(config: dict) -> None:
         async def worker(wid: str) -> None:
             counts[wid] = 0
             while True:
-                async with locks.lock(cmd["key"], wait=60):
+                async with locks.lock(cmd["key"], wait=60) as held:
                     if await locks.redis.llen(cmd["log"]) >= cmd["total"]:
                         return
-                    await locks.redis.rpush(cmd["log"], wid)
+                    await locks.redis.rpush(cmd["log"], f"{wid} {held.token}")
                     counts[wid] += 1
 
         await asyncio.gather(*(worker(f"{config['name']}/{i}") for i in range(cmd["tasks"])))

@@ -84,8 +84,10 @@ async def test_busy_lock_changes_hands_and_no_worker_starves(agents, redis_clien
     for agent in workers:
         await agent.expect("fair_done", "fair", timeout=60)
 
-    order = [w.decode() for w in await redis_client.lrange("log", 0, -1)]
+    log = [entry.decode().split() for entry in await redis_client.lrange("log", 0, -1)]
+    order, tokens = [w for w, _ in log], [int(t) for _, t in log]
     assert len(order) == total
+    assert all(a < b for a, b in zip(tokens, tokens[1:]))  # fencing: strictly increasing, across processes
     handoffs = sum(a != b for a, b in zip(order, order[1:]))
     busiest = max(order.count(w) for w in set(order)) / total
     record_property("handoff_ratio", round(handoffs / (total - 1), 3))

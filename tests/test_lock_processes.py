@@ -240,3 +240,22 @@ async def test_explicit_owner_is_shared_across_processes_and_excludes_everyone_e
     await second.send("release", id="b")
     x = await outsider.expect("acquired", "x")
     assert x["token"] > a["token"]
+
+
+async def test_exclusion_holds_while_a_contending_process_is_killed_mid_run(agents, redis_client):
+    # Short leases, so the victim's lock (if it held one when it died) frees quickly.
+    victim, *survivors = await agents.start_many([f"p{i}" for i in range(4)], lease=1.0)
+    for agent in [victim, *survivors]:
+        await agent.send("rmw", id="rmw", key="chaos", counter="count", use_lock=True, tasks=2, iterations=40)
+
+    async def under_way():
+        return int(await redis_client.get("count") or 0) >= 40
+    await until(under_way, "the workload to be under way")
+    victim.signal(signal.SIGKILL)  # holding, queued or in between: whatever it was doing
+    results = [await agent.expect("rmw_done", "rmw", timeout=60) for agent in survivors]
+
+    intervals = sorted(tuple(i) for r in results for i in r["intervals"])
+    assert len(intervals) == len(survivors) * 2 * 40
+    assert [(a, b) for a, b in zip(intervals, intervals[1:]) if b[0] < a[1]] == []
+    # Every survivor's increment counted; the victim's are some number up to its share.
+    assert len(intervals) <= int(await redis_client.get("count")) <= len(intervals) + 2 * 40

@@ -527,8 +527,10 @@ class LockManager:
 
     async def _call(self, script: _scripts.Script, keys, args, operation: str, name: str):
         try:
+            if self._direct is not None:  # no Redis instrumentation sees the lean connection
+                return await script(self._direct, keys, args)
             with suppressed():
-                return await script(self._client, keys, args)
+                return await script(self.redis, keys, args)
         except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
             self.telemetry.errors.add(1, {"lock.name": name, "lock.operation": operation,
                                           "error.type": "redis_unavailable"})

@@ -197,7 +197,7 @@ def render_lock(data: dict) -> str:
     out += ["", "### (c) Held locks kept alive by renewal", "",
             "One process holds N locks. otel-lock: `lease=None`, one watchdog per manager. redis-py: one task per "
             "lock calling `extend()` (its only way). python-redis-lock: `auto_renewal=True`, one thread per lock "
-            "(renews every expire*2/3). pottery: no automatic renewal, not measured. Lease 9 s. Round trips and "
+            "(renews every expire*2/3). pottery: no automatic renewal, not measured. Lease 9 s (3 s with --quick). Round trips and "
             "commands are counted in the client; Redis commands include those run inside scripts.", ""]
     out.append(_table(
         ["library", "locks", "tick s", "round trips/tick", "client cmds/tick", "Redis cmds/tick",

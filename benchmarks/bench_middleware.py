@@ -46,7 +46,7 @@ def _measure(server: Server, url: str, variant: str, case: str, concurrency: int
 
 def run(url: str, quick: bool) -> dict:
     """All servers up at once (idle ones cost nothing), then rounds with the variants interleaved."""
-    duration, rounds = (1.0, 2) if quick else (2.5, 3)
+    duration, rounds = (0.7, 1) if quick else (2.5, 3)
     port = int(url.rsplit(":", 1)[1].split("/")[0])
     rtt = ping_rtt(port)
     rtt_py = asyncio.run(redis_py_ping(url))

@@ -66,7 +66,7 @@ def endpoint(url: str, receiver: Receiver, rounds: int, duration: float) -> list
 
 
 def run(url: str, quick: bool) -> dict:
-    rounds, duration = (2, 1.0) if quick else (4, 2.0)
+    rounds, duration = (1, 0.7) if quick else (4, 2.0)
     receiver = Receiver()
     try:
         cycle = lock_cycle(url, receiver, rounds, duration)

@@ -41,6 +41,11 @@ def _error(reply: hiredis.ReplyError) -> ResponseError:
     return ResponseError(message)
 
 
+def _is_push(reply: Any) -> bool:
+    """A published message, as opposed to the reply to a command sent while subscribed (PING)."""
+    return isinstance(reply, list) and bool(reply) and reply[0] in (b"message", b"pmessage", b"smessage")
+
+
 class _Protocol(asyncio.Protocol):
     """Feeds bytes to hiredis; hands each reply to the oldest waiting future, or to `on_push`."""
 
@@ -64,7 +69,7 @@ class _Protocol(asyncio.Protocol):
         reader = self.reader
         reader.feed(data)
         while (reply := reader.gets()) is not False:
-            if self.on_push is not None and not self.pending:
+            if self.on_push is not None and (not self.pending or _is_push(reply)):
                 self.on_push(reply)
                 continue
             future = self.pending.popleft()

@@ -13,6 +13,7 @@ import itertools
 import logging
 import math
 import random
+import time
 import uuid
 from contextvars import ContextVar
 from functools import partial
@@ -33,7 +34,7 @@ from ._connection import Connection
 from ._errors import LockError, LockLost, LockTimeout, RedisUnavailable
 from ._held import HeldLock, Lease, LockInfo, _LockContext
 from ._telemetry import LockCounts, Telemetry, current_traceparent, get_telemetry, suppressed
-from ._waiting import PROMOTED, Waiting
+from ._waiting import PROMOTED, Grant, Waiting
 from ._watchdog import Watchdog
 
 log = logging.getLogger("otel_lock")
@@ -334,26 +335,31 @@ class LockManager:
                 attempts += 1
                 if res[0] == 1:
                     return res, math.inf, attempts
+            clock = _RedisClock(res)
             pttl = int(res[1])
             while True:
                 remaining = deadline - loop.time()
-                if remaining <= 0:
-                    token = waiter.grant()
-                    if token is not None:
-                        return [1, token, 1], self.grace_ms / 1000, attempts
+                value = waiter.grant() if remaining <= 0 else None
+                if remaining <= 0 and value is None:
                     raise LockTimeout(f"lock {keys[0]} was not acquired within the wait", key=keys[0])
-                timeout = remaining
-                if self._waiting.is_first(waiter):
-                    timeout = min(timeout, self._poll_delay(pttl))
-                value = await waiter.next(None if math.isinf(timeout) else timeout)
-                if isinstance(value, int):
-                    return [1, value, 1], self.grace_ms / 1000, attempts
-                if value == PROMOTED or (value is None and deadline <= loop.time()):
+                if value is None:
+                    timeout = remaining
+                    if self._waiting.is_first(waiter):
+                        timeout = min(timeout, self._poll_delay(pttl))
+                    value = await waiter.next(None if math.isinf(timeout) else timeout)
+                if isinstance(value, Grant):
+                    left = clock.grace_left(value, self.grace_ms / 1000)
+                    if left is not None:
+                        return [1, value.token, 1], left, attempts
+                    # Read too late (the process was paused, or its loop blocked):
+                    # the grant may have expired and gone to someone else. Ask Redis.
+                elif value == PROMOTED or (value is None and deadline <= loop.time()):
                     continue
                 res = await self._acquire_call(keys, args(budget()), name)
                 attempts += 1
                 if res[0] == 1:
                     return res, math.inf, attempts
+                clock.note(res)
                 pttl = int(res[1])
         except BaseException:
             if waiter is not None:
@@ -549,3 +555,28 @@ def _error_type(error: BaseException) -> str:
 
 def _glob_escape(text: str) -> str:
     return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
+class _RedisClock:
+    """Redis' time as seen from here, to tell how old a hand-over is when it is read.
+
+    Queued replies carry Redis' TIME; its offset from the local wall clock
+    (taken when the reply is read, so it errs towards "fresh" by the reply's
+    latency) dates a grant that waited in the socket while this process was
+    stopped or its event loop blocked.
+    """
+
+    def __init__(self, reply) -> None:
+        self.offset_us: int | None = None
+        self.note(reply)
+
+    def note(self, reply) -> None:
+        if len(reply) > 3 and int(reply[3]) > 0:
+            self.offset_us = int(reply[3]) - time.time_ns() // 1000
+
+    def grace_left(self, grant: Grant, grace: float) -> float | None:
+        """Seconds of the hand-over's lease left, or None when too little is left to trust it."""
+        if self.offset_us is None:
+            return grace
+        left = grace - (time.time_ns() // 1000 + self.offset_us - grant.at_us) / 1e6
+        return left if left > grace / 2 else None

@@ -59,7 +59,8 @@ local function hand_over(lock, fence, queue, waiters, fence_ttl_ms, grace_ms)
         -- every field is overwritten, so the previous holder's hash needs no DEL
         redis.call('HSET', lock, 'owner', w[3], 'depth', 1, 'token', token, 'ctx', w[4], 'waiter', head[1])
         redis.call('PEXPIRE', lock, math.min(w[2], grace_ms))
-        redis.call('PUBLISH', w[5], head[1] .. ' ' .. token)
+        -- the grant carries Redis' time, so a waiter that reads it late knows
+        redis.call('PUBLISH', w[5], head[1] .. ' ' .. token .. ' ' .. string.format('%.0f', now))
         return 1
       end
     end
@@ -73,7 +74,8 @@ end
 #       lease_ms, reenter ('1': same owner may nest),
 #       queue_ms (-1: do not queue; 0: queue without deadline; n: queue for n ms),
 #       ctx (traceparent), fence_ttl_ms, wake channel
-# Returns {1, token, depth} when held, {0, pttl_ms, holder_ctx} when busy.
+# Returns {1, token, depth} when held, {0, pttl_ms, holder_ctx, redis_now_us}
+# when busy (redis_now_us is 0 unless queued: waiters use it to age grants).
 ACQUIRE = _COMMON + r"""
 local lock, fence, queue, waiters = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local owner, waiter, lease = ARGV[1], ARGV[2], ARGV[3]
@@ -87,7 +89,9 @@ if holder == owner then
   elseif ARGV[4] == '1' then
     depth = redis.call('HINCRBY', lock, 'depth', 1)
   else
-    return redis.error_reply('owner ' .. owner .. ' already holds the lock')
+    -- a fresh owner is unique to one attempt: this is that attempt sent again
+    -- (a client retry after a lost reply), and the lock is already its own
+    depth = tonumber(redis.call('HGET', lock, 'depth'))
   end
   if redis.call('PTTL', lock) < tonumber(lease) then redis.call('PEXPIRE', lock, lease) end
   if ARGV[5] ~= '-1' then
@@ -113,7 +117,7 @@ end
 if ARGV[5] ~= '-1' then
   local now = now_us()
   if redis.call('ZADD', queue, 'NX', now, waiter) == 0 then
-    return {0, redis.call('PTTL', lock), redis.call('HGET', lock, 'ctx') or ''}
+    return {0, redis.call('PTTL', lock), redis.call('HGET', lock, 'ctx') or '', now}
   end
   local budget = tonumber(ARGV[5])
   local deadline, keep_ms = 0, 3600000
@@ -123,8 +127,9 @@ if ARGV[5] ~= '-1' then
     redis.call('PEXPIRE', queue, keep_ms)
     redis.call('PEXPIRE', waiters, keep_ms)
   end
+  return {0, redis.call('PTTL', lock), redis.call('HGET', lock, 'ctx') or '', now}
 end
-return {0, redis.call('PTTL', lock), redis.call('HGET', lock, 'ctx') or ''}
+return {0, redis.call('PTTL', lock), redis.call('HGET', lock, 'ctx') or '', 0}
 """
 
 # RELEASE: owner-checked; the last release hands over to the next waiter.

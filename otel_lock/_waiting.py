@@ -1,8 +1,8 @@
 """Wake-on-release: one subscriber connection per manager, one waiter woken per release.
 
 A release hands the lock to the first live waiter in the lock's Redis queue
-and publishes `<waiter id> <token>` on that waiter's manager channel, so only
-the new holder wakes. Locally, waiters of one lock are kept in arrival order
+and publishes `<waiter id> <token> <redis time>` on that waiter's manager
+channel, so only the new holder wakes. Locally, waiters of one lock are kept in arrival order
 and only the first of them polls Redis as a fallback (bounded by the holder's
 remaining TTL), so a lost message never strands anybody and the poll rate
 does not grow with the number of waiters. After the subscriber reconnects
@@ -15,19 +15,28 @@ import asyncio
 import contextlib
 import logging
 from collections import OrderedDict
+from typing import NamedTuple
 
 from redis.exceptions import RedisError
 
 log = logging.getLogger("otel_lock")
 
+class Grant(NamedTuple):
+    """The lock was handed to this waiter: its token, and Redis' time of the hand-over (us)."""
+
+    token: int
+    at_us: int
+
+
 POLL = "poll"          # look at Redis now
 PROMOTED = "promoted"  # became the first local waiter: start the fallback poll
 RECONNECT_DELAY = 0.2
+HEALTH_INTERVAL = 2.0  # seconds between PINGs on an idle subscriber connection
 EARLY_LIMIT = 1024     # grants for waiters not (or no longer) registered, kept briefly
 
 
 class Waiter:
-    """One caller waiting for one lock; resolved with a token, POLL, PROMOTED, or None (timer)."""
+    """One caller waiting for one lock; resolved with a Grant, POLL, PROMOTED, or None (timer)."""
 
     __slots__ = ("id", "key", "_future", "_loop")
 
@@ -40,8 +49,8 @@ class Waiter:
     def wake(self, value: object) -> None:
         future = self._future
         if future.done():
-            # A token beats a pending POLL/PROMOTED/timer: never lose a grant.
-            if future.cancelled() or (isinstance(value, int) and not isinstance(future.result(), int)):
+            # A grant beats a pending POLL/PROMOTED/timer: never lose one.
+            if future.cancelled() or (isinstance(value, Grant) and not isinstance(future.result(), Grant)):
                 future = self._future = self._loop.create_future()
             else:
                 return
@@ -56,14 +65,14 @@ class Waiter:
         finally:
             if handle is not None:
                 handle.cancel()
-        if self._future is future and not isinstance(value, int):
+        if self._future is future and not isinstance(value, Grant):
             self._future = self._loop.create_future()
         return value
 
-    def grant(self) -> int | None:
-        """The token if the lock was handed to this waiter already."""
+    def grant(self) -> Grant | None:
+        """The grant if the lock was handed to this waiter already."""
         future = self._future
-        if future.done() and not future.cancelled() and isinstance(future.result(), int):
+        if future.done() and not future.cancelled() and isinstance(future.result(), Grant):
             return future.result()
         return None
 
@@ -84,7 +93,7 @@ class Waiting:
         self._by_key: dict[str, OrderedDict[str, Waiter]] = {}
         # Grants that arrived before their waiter registered: the enqueue
         # reply and the grant travel on different connections, in any order.
-        self._early: OrderedDict[str, int] = OrderedDict()
+        self._early: OrderedDict[str, Grant] = OrderedDict()
         self._task: asyncio.Task | None = None
         self._subscribed: asyncio.Future | None = None
 
@@ -157,13 +166,26 @@ class Waiting:
             else:
                 self._poll_all()  # re-subscribed: grants may have been missed meanwhile
             try:
-                await lost.wait()
+                await self._watch(connection, lost)
             finally:
                 await connection.aclose()
             lost.clear()
             log.warning("otel-lock subscriber lost its connection; waiters poll until it is back")
             self._poll_all()
             await asyncio.sleep(RECONNECT_DELAY)
+
+    @staticmethod
+    async def _watch(connection, lost: asyncio.Event) -> None:
+        """Until the connection drops; a PING now and then finds one that went silent (half-open)."""
+        while not lost.is_set():
+            try:
+                async with asyncio.timeout(HEALTH_INTERVAL):
+                    await lost.wait()
+            except TimeoutError:
+                try:
+                    await connection.execute("PING")  # no answer within the socket timeout: aborted
+                except (RedisError, OSError):
+                    return
 
     def _on_push(self, reply) -> None:
         if reply[0] == b"message":
@@ -208,12 +230,13 @@ class Waiting:
     def _deliver(self, data: bytes | str) -> None:
         if isinstance(data, bytes):
             data = data.decode()
-        waiter_id, _, token = data.rpartition(" ")
+        waiter_id, token, at_us = data.rsplit(" ", 2)
+        grant = Grant(int(token), int(at_us))
         waiter = self._waiters.get(waiter_id)
         if waiter is not None:
-            waiter.wake(int(token))
+            waiter.wake(grant)
         else:
-            self._early[waiter_id] = int(token)
+            self._early[waiter_id] = grant
             if len(self._early) > EARLY_LIMIT:
                 self._early.popitem(last=False)
 

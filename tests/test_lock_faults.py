@@ -457,8 +457,6 @@ async def test_redis_restart_with_waiters_in_other_processes_strands_nobody(fres
         await group.close()
 
 
-@pytest.mark.xfail(strict=True, raises=LockTimeout, reason="core: a re-sent ACQUIRE finds its own fresh owner holding "
-                   "the lock and Redis refuses it ('already holds the lock'): LockError, lock stranded (see report)")
 async def test_acquire_retried_by_redis_py_after_a_slow_reply_is_not_stranded(proxy, redis_url, managers, redis_client):
     # RESP3 keeps the manager on redis-py's own client; configured (as many
     # apps do) to retry on timeouts, it re-sends a command Redis may have run.
@@ -542,9 +540,6 @@ async def test_waiter_whose_subscriber_went_silent_still_gets_the_lock(proxy, ma
     proxy.forward()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="suggestion: the subscriber has no health check, so a "
-                   "connection that went silent (half-open) is never replaced and every hand-over to this manager "
-                   "waits for the fallback poll (see report)")
 async def test_silent_subscriber_connection_is_replaced(proxy, managers, redis_url):
     holder = managers(redis_url)
     locks = managers(proxy.url)

@@ -182,8 +182,6 @@ async def _script_calls(redis) -> dict[str, int]:
     return {name: stats.get(f"cmdstat_{name}", {}).get("calls", 0) for name in ("evalsha", "publish")}
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="core: a waiter paused past its hand-over grace "
-                   "takes the expired grant on resume and runs while another process holds the lock (see report)")
 @pytest.mark.parametrize("pause", ["SIGSTOP", "blocked-loop"])
 async def test_waiter_paused_past_its_hand_over_grace_does_not_use_the_stale_grant(agents, locks, redis_client, pause):
     holder, sleeper = await agents.start_many(["holder", "sleeper"], lease=30.0)

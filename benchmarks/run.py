@@ -70,10 +70,15 @@ def lock_suite(url: str, quick: bool, profile_dir: Path | None) -> dict:
             attempt("uncontended", f"(a) uncontended, round {r + 1}: {lib}", b.uncontended, lib, url,
                     0.6 if quick else 2.0)
         for lib in _rotate(libs, r):
-            attempt("contended", f"(b) 8 workers, one key, round {r + 1}: {lib}", b.contended, lib, url,
-                    1.0 if quick else 3.0)
-    for table, key in (("uncontended", "cycles_per_s"), ("contended", "handoffs_per_s")):
-        runs[table], out[table] = out[table], best_rounds(out[table], key, higher=True)
+            attempt("contended", f"(b) 8 workers in 8 processes, one key, round {r + 1}: {lib}", b.contended,
+                    lib, url, 1.0 if quick else 3.0)
+        for lib in _rotate(libs, r):
+            # the reference numbers: 8 tasks (threads for sync peers) in one process
+            attempt("contended", f"(b) 8 workers in 1 process, one key, round {r + 1}: {lib}", b.contended,
+                    lib, url, 1.0 if quick else 3.0, processes=1)
+    runs["uncontended"], out["uncontended"] = out["uncontended"], best_rounds(out["uncontended"], "cycles_per_s", True)
+    runs["contended"], out["contended"] = out["contended"], best_rounds(
+        out["contended"], "handoffs_per_s", True, group=lambda r: (r["lib"], r["processes"]))
     out["rounds"] = runs
     held_plan = [("otel-lock", 10_000), ("redis-py", 1_000), ("python-redis-lock", 1_000)]
     for lib, n in held_plan:
@@ -114,11 +119,19 @@ def profile_lock(url: str, quick: bool, profile_dir: Path) -> dict:
     profile_dir.mkdir(parents=True, exist_ok=True)
     _say("profile: otel-lock uncontended")
     b.uncontended("otel-lock", url, 2.0 if quick else 4.0, profile=str(profile_dir / "uncontended.prof"))
-    _say("profile: otel-lock 8 workers")
+    _say("profile: otel-lock 8 workers in 8 processes")
+    for old in profile_dir.glob("contend-*.prof"):
+        old.unlink()
     b.contended("otel-lock", url, 2.0 if quick else 4.0, profile_dir=str(profile_dir))
+    eight = sorted(profile_dir.glob("contend-*.prof"))
+    _say("profile: otel-lock 8 tasks in 1 process")
+    single = profile_dir / "single"
+    single.mkdir(exist_ok=True)
+    b.contended("otel-lock", url, 2.0 if quick else 4.0, processes=1, profile_dir=str(single))
     return {
         "uncontended": _report.top_functions([profile_dir / "uncontended.prof"]),
-        "contended": _report.top_functions(sorted(profile_dir.glob("contend-*.prof"))),
+        "contended, 8 processes (merged)": _report.top_functions(eight),
+        "contended, 8 tasks in 1 process": _report.top_functions(sorted(single.glob("contend-*.prof"))),
     }
 
 

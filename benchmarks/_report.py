@@ -151,6 +151,10 @@ def render_telemetry(data: dict) -> str:
     out += ["Targets (this run):", ""]
     out.append(_table(["target", "measured", "verdict"],
                       [[t, f"{v:+.1%}", _verdict(ok)] for t, v, ok in targets]))
+    for case, rows in data.get("profile", {}).items():
+        out += ["", f"cProfile, {case} (share of the profiled time, calls included):", "",
+                _table(["function", "inclusive share", "calls"],
+                       [[r["function"], f"{r['share']:.1%}", r["calls"]] for r in rows])]
     return "\n".join(out) + "\n"
 
 
@@ -237,20 +241,28 @@ def render_lock(data: dict) -> str:
         out += ["", "Failed runs (no row above):", ""]
         out += [f"- {f['what']}: `{f['error']}`" for f in data["failures"]]
     if "profile" in data:
-        out += ["", "### Where otel-lock's time goes (cProfile, own time)", ""]
+        out += ["", "### Where otel-lock's time goes (cProfile of the worker processes)", "",
+                "Share of the profiled time (idle waiting in `epoll` included; cProfile inflates Python-heavy code). "
+                "Own time shows where CPU burns; inclusive time of otel_lock's functions shows which of its paths "
+                "pay for it.", ""]
         for case, rows in data["profile"].items():
-            out += [f"{case}:", "", _table(["function", "own time share", "calls"],
+            header = "inclusive share" if case.endswith("(otel_lock inclusive)") else "own time share"
+            out += [f"{case}:", "", _table(["function", header, "calls"],
                                           [[r["function"], f"{r['share']:.1%}", r["calls"]] for r in rows]), ""]
     return "\n".join(out) + "\n"
 
 
-def top_functions(paths: list[Path], n: int = 15) -> list[dict]:
+def top_functions(paths: list[Path], n: int = 15, cumulative_of: str | None = None) -> list[dict]:
+    """Top functions by own time, or (cumulative_of="otel_lock/") that package's functions by inclusive time."""
     stats = pstats.Stats(*[str(p) for p in paths])
     total = stats.total_tt or 1.0
     rows = []
-    for (filename, line, func), (_cc, ncalls, tottime, _ct, _callers) in stats.stats.items():
+    for (filename, line, func), (_cc, ncalls, tottime, cumtime, _callers) in stats.stats.items():
         short = re.sub(r".*/(site-packages|lib/python3\.\d+|work/main)/", "", filename)
-        rows.append({"function": f"{short}:{line}:{func}", "share": tottime / total, "calls": ncalls})
+        if cumulative_of is not None and not short.startswith(cumulative_of):
+            continue
+        spent = cumtime if cumulative_of is not None else tottime
+        rows.append({"function": f"{short}:{line}:{func}", "share": spent / total, "calls": ncalls})
     return sorted(rows, key=lambda r: -r["share"])[:n]
 
 

@@ -65,6 +65,24 @@ def endpoint(url: str, receiver: Receiver, rounds: int, duration: float) -> list
             for case, _ in CASES for mode in MODES]
 
 
+def profile(url: str, profile_dir) -> dict:
+    """cProfile of the lock cycle with telemetry on: which OpenTelemetry calls the cycle pays for."""
+    from ._report import top_functions
+
+    receiver = Receiver()
+    out = {}
+    try:
+        for mode in ("sdk-memory", "otlp-prom"):
+            path = profile_dir / f"cycle-{mode}.prof"
+            bench_lock.uncontended("otel-lock", url, 3.0, profile=str(path), telemetry=mode,
+                                   env=env_for(mode, receiver.port))
+            out[f"lock cycle, {mode} (opentelemetry inclusive)"] = top_functions([path], n=12,
+                                                                                 cumulative_of="opentelemetry/")
+    finally:
+        receiver.close()
+    return out
+
+
 def run(url: str, quick: bool) -> dict:
     rounds, duration = (1, 0.7) if quick else (4, 2.0)
     receiver = Receiver()

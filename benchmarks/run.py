@@ -128,11 +128,16 @@ def profile_lock(url: str, quick: bool, profile_dir: Path) -> dict:
     single = profile_dir / "single"
     single.mkdir(exist_ok=True)
     b.contended("otel-lock", url, 2.0 if quick else 4.0, processes=1, profile_dir=str(single))
-    return {
-        "uncontended": _report.top_functions([profile_dir / "uncontended.prof"]),
-        "contended, 8 processes (merged)": _report.top_functions(eight),
-        "contended, 8 tasks in 1 process": _report.top_functions(sorted(single.glob("contend-*.prof"))),
+    cases = {
+        "uncontended": [profile_dir / "uncontended.prof"],
+        "contended, 8 processes (merged)": eight,
+        "contended, 8 tasks in 1 process": sorted(single.glob("contend-*.prof")),
     }
+    out = {}
+    for case, paths in cases.items():
+        out[case] = _report.top_functions(paths)
+        out[f"{case} (otel_lock inclusive)"] = _report.top_functions(paths, n=10, cumulative_of="otel_lock/")
+    return out
 
 
 def middleware_suite(url: str, quick: bool, profile_dir: Path | None) -> dict:
@@ -150,7 +155,11 @@ def telemetry_suite(url: str, quick: bool, profile_dir: Path | None) -> dict:
     if not available("otel-lock"):
         return {"cycle": [], "endpoint": [], "skipped": "otel_lock not importable"}
     _say("telemetry: off / sdk-memory / otlp-prom, lock cycle then the demo endpoint")
-    return bench_telemetry.run(url, quick)
+    data = bench_telemetry.run(url, quick)
+    if profile_dir is not None:
+        _say("profile: lock cycle per telemetry mode")
+        data["profile"] = bench_telemetry.profile(url, profile_dir)
+    return data
 
 
 SUITES = {"lock": lock_suite, "middleware": middleware_suite, "telemetry": telemetry_suite}

@@ -91,7 +91,11 @@ def lock_suite(url: str, quick: bool, profile_dir: Path | None) -> dict:
             attempt("herd", f"(d) {waiters} waiters over 4 processes: {lib}", b.contended, lib, url,
                     0.7 if quick else 3.0, workers=waiters, processes=4, count=True)
     if profile_dir is not None and available("otel-lock"):
-        out["profile"] = profile_lock(url, quick, profile_dir)
+        try:
+            out["profile"] = profile_lock(url, quick, profile_dir)
+        except Exception as exc:  # noqa: BLE001 - the measurements above still count
+            _say(f"FAILED: profile: {exc!r}")
+            out["failures"].append({"what": "profile", "error": repr(exc)})
     return out
 
 
@@ -158,7 +162,10 @@ def telemetry_suite(url: str, quick: bool, profile_dir: Path | None) -> dict:
     data = bench_telemetry.run(url, quick)
     if profile_dir is not None:
         _say("profile: lock cycle per telemetry mode")
-        data["profile"] = bench_telemetry.profile(url, profile_dir)
+        try:
+            data["profile"] = bench_telemetry.profile(url, profile_dir)
+        except Exception as exc:  # noqa: BLE001 - the measurements above still count
+            _say(f"FAILED: profile: {exc!r}")
     return data
 
 

@@ -160,7 +160,8 @@ class TcpProxy:
     """Loopback proxy to host:port. `stall()` stops forwarding, `stall_replies()`
     forwards requests but holds Redis's replies (the command runs, the caller
     never hears of it), `stall_subscribers()` silently holds what Redis sends to
-    connections that subscribed (pub/sub messages), `cut()` drops every
+    connections that subscribed (pub/sub messages), `stall_commands()` holds the
+    replies on every other connection open now, `cut()` drops every
     connection and refuses new ones, `forward()` returns to normal."""
 
     def __init__(self, host: str, port: int) -> None:
@@ -168,6 +169,7 @@ class TcpProxy:
         self._requests = asyncio.Event()
         self._replies = asyncio.Event()
         self._subscribers: list[asyncio.Event] = []  # per-connection reply gates of subscribers
+        self._gates: list[asyncio.Event] = []  # every connection's reply gate
         self.forward()
         self._pairs: set[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = set()
         self._tasks: set[asyncio.Task] = set()
@@ -200,11 +202,16 @@ class TcpProxy:
         for gate in self._subscribers:
             gate.clear()
 
+    def stall_commands(self) -> None:
+        for gate in self._gates:
+            if gate not in self._subscribers:
+                gate.clear()
+
     def forward(self) -> None:
         self._cut = False
         self._requests.set()
         self._replies.set()
-        for gate in self._subscribers:
+        for gate in self._gates:
             gate.set()
 
     def cut(self) -> None:
@@ -228,6 +235,7 @@ class TcpProxy:
         self._pairs.add(pair)
         gate = asyncio.Event()
         gate.set()
+        self._gates.append(gate)
         pipes = [asyncio.create_task(self._pipe(client_r, up_w, self._requests, subscriber_gate=gate)),
                  asyncio.create_task(self._pipe(up_r, client_w, self._replies, gate))]
         self._tasks.update(pipes)

@@ -13,7 +13,7 @@ import signal
 import pytest
 import redis.asyncio as aioredis
 
-from _proc_helpers import DEADLINE, AgentError, Agents, until
+from _proc_helpers import DEADLINE, AgentError, Agents, TcpProxy, until
 from otel_lock import LockManager
 
 pytestmark = pytest.mark.timeout(90)
@@ -257,3 +257,46 @@ async def test_exclusion_holds_while_a_contending_process_is_killed_mid_run(agen
     assert [(a, b) for a, b in zip(intervals, intervals[1:]) if b[0] < a[1]] == []
     # Every survivor's increment counted; the victim's are some number up to its share.
     assert len(intervals) <= int(await redis_client.get("count")) <= len(intervals) + 2 * 40
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="core: _RedisClock measures the offset when a reply is "
+                   "read, so a reply read late (blocked loop) makes a stale grant look fresh (see report)")
+async def test_waiter_whose_poll_reply_was_read_late_does_not_use_a_stale_grant(agents, locks, redis_client, redis_server):
+    # The waiter dates grants by Redis' clock offset, measured from its last queue
+    # reply. Here that reply is read late (its loop was blocked), together with
+    # a grant that expired meanwhile: the offset must not make the grant look fresh.
+    proxy = await TcpProxy("127.0.0.1", redis_server.port).start()
+    try:
+        held = await locks.acquire("late")
+        sleeper = await agents.start("sleeper", proxy.url, lease=30.0, socket_timeout=10.0)
+        await sleeper.send("hold", id="s", key="late", wait=DEADLINE)
+        await queued(redis_client, "late", 1)
+
+        proxy.stall_commands()  # the sleeper's next fallback poll runs, its reply waits
+        before = await _script_calls(redis_client)
+
+        async def polled():
+            return (await _script_calls(redis_client))["evalsha"] > before["evalsha"]
+        await until(polled, "the sleeper's fallback poll")
+        await sleeper.send("block", id="b", key="unblock")  # ...and its loop is blocked
+        await sleeper.expect("blocking", "b")
+
+        assert await held.release()  # handed to the blocked sleeper, with a short grace
+
+        async def expired():
+            return not await redis_client.exists(keys("late")[0])
+        await until(expired, "the unread grant to expire")
+        mine = await locks.try_lock("late")
+        assert mine is not None
+        proxy.forward()
+        await redis_client.lpush("unblock", "go")  # the poll reply and the grant are read together
+        try:
+            early = await sleeper.expect("acquired", "s", timeout=2.0)
+        except AgentError:
+            early = None
+        assert early is None, (f"mutual exclusion broken: the sleeper entered with token {early['token']} "
+                               f"while we held the lock with {mine.token}")
+        assert await mine.release()
+        assert (await sleeper.expect("acquired", "s"))["token"] > mine.token
+    finally:
+        await proxy.aclose()

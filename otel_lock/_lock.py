@@ -271,6 +271,7 @@ class LockManager:
         with telemetry.acquire_span(name) as span:
             try:
                 queued = wait > 0 and self._waiting.ready
+                sent_us = time.time_ns() // 1000
                 res = await self._acquire_call(keys, args(budget() if queued else "-1"), name)
                 attempts = 1
                 if res[0] != 1:
@@ -278,7 +279,7 @@ class LockManager:
                     telemetry.link_holder(span, _text(res[2]))
                     if wait <= 0:
                         raise LockTimeout(f"lock {keys[0]} is held by another owner", key=keys[0])
-                    res, granted_for, more = await self._wait(keys, args, budget, queued, deadline, res, name)
+                    res, granted_for, more = await self._wait(keys, args, budget, queued, deadline, res, sent_us, name)
                     attempts += more
                 outcome = "acquired"
             except LockTimeout:
@@ -318,7 +319,7 @@ class LockManager:
         _HELD.set(MappingProxyType({**_HELD.get(), (self.id, key): held_lease}))
         return HeldLock(held_lease, depth)
 
-    async def _wait(self, keys, args, budget, queued, deadline, res, name):
+    async def _wait(self, keys, args, budget, queued, deadline, res, sent_us, name):
         """Wait in the queue until handed the lock, polling only as a fallback."""
         loop = asyncio.get_running_loop()
         self._counts.pending[name] += 1
@@ -331,11 +332,13 @@ class LockManager:
                 raise RedisUnavailable(f"Redis is unavailable (subscribe): {exc}", key=keys[0]) from exc
             waiter, _ = self._waiting.add(args("-")[1], keys[0])
             if not queued:
+                sent_us = time.time_ns() // 1000
                 res = await self._acquire_call(keys, args(budget()), name)
                 attempts += 1
                 if res[0] == 1:
                     return res, math.inf, attempts
-            clock = _RedisClock(res)
+            clock = _RedisClock()
+            clock.note(res, sent_us)
             pttl = int(res[1])
             while True:
                 remaining = deadline - loop.time()
@@ -355,11 +358,12 @@ class LockManager:
                     # the grant may have expired and gone to someone else. Ask Redis.
                 elif value == PROMOTED or (value is None and deadline <= loop.time()):
                     continue
+                sent_us = time.time_ns() // 1000
                 res = await self._acquire_call(keys, args(budget()), name)
                 attempts += 1
                 if res[0] == 1:
                     return res, math.inf, attempts
-                clock.note(res)
+                clock.note(res, sent_us)
                 pttl = int(res[1])
         except BaseException:
             if waiter is not None:
@@ -560,19 +564,21 @@ def _glob_escape(text: str) -> str:
 class _RedisClock:
     """Redis' time as seen from here, to tell how old a hand-over is when it is read.
 
-    Queued replies carry Redis' TIME; its offset from the local wall clock
-    (taken when the reply is read, so it errs towards "fresh" by the reply's
-    latency) dates a grant that waited in the socket while this process was
-    stopped or its event loop blocked.
+    Queued replies carry Redis' TIME, taken after the request was sent, so
+    `redis time - local time at sending` bounds Redis' offset from above,
+    however late the reply is read (a blocked loop, a stalled socket). With
+    that bound a grant can only look older than it is, never fresher: a grant
+    that waited in the socket while this process was stopped is caught, and
+    a fresh one costs at most a needless check.
     """
 
-    def __init__(self, reply) -> None:
+    def __init__(self) -> None:
         self.offset_us: int | None = None
-        self.note(reply)
 
-    def note(self, reply) -> None:
+    def note(self, reply, sent_us: int) -> None:
         if len(reply) > 3 and int(reply[3]) > 0:
-            self.offset_us = int(reply[3]) - time.time_ns() // 1000
+            bound = int(reply[3]) - sent_us
+            self.offset_us = bound if self.offset_us is None else min(self.offset_us, bound)
 
     def grace_left(self, grant: Grant, grace: float) -> float | None:
         """Seconds of the hand-over's lease left, or None when too little is left to trust it."""

@@ -259,8 +259,6 @@ async def test_exclusion_holds_while_a_contending_process_is_killed_mid_run(agen
     assert len(intervals) <= int(await redis_client.get("count")) <= len(intervals) + 2 * 40
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="core: _RedisClock measures the offset when a reply is "
-                   "read, so a reply read late (blocked loop) makes a stale grant look fresh (see report)")
 async def test_waiter_whose_poll_reply_was_read_late_does_not_use_a_stale_grant(agents, locks, redis_client, redis_server):
     # The waiter dates grants by Redis' clock offset, measured from its last queue
     # reply. Here that reply is read late (its loop was blocked), together with

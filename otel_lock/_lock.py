@@ -27,7 +27,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.retry import Retry
+from redis.asyncio.retry import Retry
 
 from . import _scripts
 from ._connection import Connection
@@ -116,8 +116,10 @@ class LockManager:
         manager_options = {k: options.pop(k) for k in _MANAGER_OPTIONS if k in options}
         options.setdefault("socket_timeout", 2.0)
         options.setdefault("socket_connect_timeout", options["socket_timeout"])
-        # One immediate retry: a pooled connection that died with a Redis restart.
-        options.setdefault("retry", Retry(NoBackoff(), 1))
+        # One immediate retry of a refused/reset connection (a pooled connection
+        # that died with a Redis restart); a timeout is not retried, so an outage
+        # surfaces within the socket timeout.
+        options.setdefault("retry", Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)))
         manager = cls(aioredis.Redis.from_url(url, **options), **manager_options)
         manager._owns_client = True
         return manager
@@ -271,7 +273,7 @@ class LockManager:
         with telemetry.acquire_span(name) as span:
             try:
                 queued = wait > 0 and self._waiting.ready
-                sent_us = time.time_ns() // 1000
+                sent_us = time.monotonic_ns() // 1000
                 res = await self._acquire_call(keys, args(budget() if queued else "-1"), name)
                 attempts = 1
                 if res[0] != 1:
@@ -332,7 +334,7 @@ class LockManager:
                 raise RedisUnavailable(f"Redis is unavailable (subscribe): {exc}", key=keys[0]) from exc
             waiter, _ = self._waiting.add(args("-")[1], keys[0])
             if not queued:
-                sent_us = time.time_ns() // 1000
+                sent_us = time.monotonic_ns() // 1000
                 res = await self._acquire_call(keys, args(budget()), name)
                 attempts += 1
                 if res[0] == 1:
@@ -358,7 +360,7 @@ class LockManager:
                     # the grant may have expired and gone to someone else. Ask Redis.
                 elif value == PROMOTED or (value is None and deadline <= loop.time()):
                     continue
-                sent_us = time.time_ns() // 1000
+                sent_us = time.monotonic_ns() // 1000
                 res = await self._acquire_call(keys, args(budget()), name)
                 attempts += 1
                 if res[0] == 1:
@@ -565,7 +567,8 @@ class _RedisClock:
     """Redis' time as seen from here, to tell how old a hand-over is when it is read.
 
     Queued replies carry Redis' TIME, taken after the request was sent, so
-    `redis time - local time at sending` bounds Redis' offset from above,
+    `redis time - local monotonic time at sending` bounds the offset between
+    the two clocks from above (the local side never steps),
     however late the reply is read (a blocked loop, a stalled socket). With
     that bound a grant can only look older than it is, never fresher: a grant
     that waited in the socket while this process was stopped is caught, and
@@ -584,5 +587,5 @@ class _RedisClock:
         """Seconds of the hand-over's lease left, or None when too little is left to trust it."""
         if self.offset_us is None:
             return grace
-        left = grace - (time.time_ns() // 1000 + self.offset_us - grant.at_us) / 1e6
+        left = grace - (time.monotonic_ns() // 1000 + self.offset_us - grant.at_us) / 1e6
         return left if left > grace / 2 else None

@@ -156,6 +156,22 @@ async def until(predicate, what: str, timeout: float = DEADLINE, every: float = 
 # -- a TCP proxy that can stall or cut -------------------------------------------
 
 
+NS = "otel-lock"
+
+
+def keys(name: str) -> tuple[str, str, str]:
+    """The lock's hash, queue and waiter keys in the default namespace."""
+    lock = f"{NS}:{{{name}}}"
+    return lock, lock + ":q", lock + ":w"
+
+
+async def queued(redis, name: str, n: int) -> None:
+    """Wait until `n` callers are in the lock's Redis queue."""
+    async def check():
+        return await redis.zcard(keys(name)[1]) == n
+    await until(check, f"{n} queued on {name}")
+
+
 class TcpProxy:
     """Loopback proxy to host:port. `stall()` stops forwarding, `stall_replies()`
     forwards requests but holds Redis's replies (the command runs, the caller

@@ -36,3 +36,13 @@ async def redis_client(redis_url):
     client = aioredis.Redis.from_url(redis_url)
     yield client
     await client.aclose()
+
+
+@pytest.fixture
+async def agents(redis_url):
+    """Child processes with their own event loop and LockManager (tests/_proc_helpers.py)."""
+    from _proc_helpers import Agents
+
+    group = Agents(redis_url)
+    yield group
+    await group.close()

@@ -18,28 +18,15 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-from _proc_helpers import DEADLINE, Agents, TcpProxy, until
+from _proc_helpers import DEADLINE, Agents, TcpProxy, keys, queued, until
 from otel_lock import LockError, LockManager, LockTimeout, RedisUnavailable
 
 pytestmark = pytest.mark.timeout(90)
 
-NS = "otel-lock"
 SOCKET_TIMEOUT = 0.5
 # A failing call may take a connect timeout plus a socket timeout (two, if a
 # client retries once); anything near this bound is a hang.
 UNAVAILABLE_BOUND = 4 * SOCKET_TIMEOUT + 2.0
-
-
-def keys(name: str) -> tuple[str, str, str]:
-    lock = f"{NS}:{{{name}}}"
-    return lock, lock + ":q", lock + ":w"
-
-
-@pytest.fixture
-async def agents(redis_url):
-    group = Agents(redis_url)
-    yield group
-    await group.close()
 
 
 @pytest.fixture
@@ -54,12 +41,6 @@ async def managers():
     yield make
     for manager in made:
         await manager.aclose()
-
-
-async def queued(redis: aioredis.Redis, name: str, n: int) -> None:
-    async def check():
-        return await redis.zcard(keys(name)[1]) == n
-    await until(check, f"{n} queued on {name}")
 
 
 async def unavailable_within_bound(call) -> float:

@@ -11,42 +11,17 @@ import asyncio
 import signal
 
 import pytest
-import redis.asyncio as aioredis
 
-from _proc_helpers import DEADLINE, AgentError, Agents, TcpProxy, until
+from _proc_helpers import DEADLINE, AgentError, Agents, TcpProxy, keys, queued, until
 from otel_lock import LockManager
 
 pytestmark = pytest.mark.timeout(90)
-
-NS = "otel-lock"
-
-
-def keys(name: str) -> tuple[str, str, str]:
-    lock = f"{NS}:{{{name}}}"
-    return lock, lock + ":q", lock + ":w"
-
-
-@pytest.fixture
-async def agents(redis_url):
-    group = Agents(redis_url)
-    yield group
-    await group.close()
-
 
 @pytest.fixture
 async def locks(redis_url):
     manager = LockManager.from_url(redis_url)
     yield manager
     await manager.aclose()
-
-
-async def queued(redis: aioredis.Redis, name: str, n: int) -> None:
-    """Wait until `n` callers are in the lock's Redis queue."""
-    await until(lambda: _zcard_is(redis, keys(name)[1], n), f"{n} queued on {name}")
-
-
-async def _zcard_is(redis, key, n):
-    return await redis.zcard(key) == n
 
 
 async def run_rmw(agents: Agents, redis, *, use_lock: bool, procs=4, tasks=2, iterations=25):

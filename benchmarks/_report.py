@@ -197,7 +197,7 @@ def render_lock(data: dict) -> str:
                             ratio is not None and ratio >= factor))
         targets.append((f"busiest worker <= 20% of acquisitions ({where})", ours and ours["busiest_share"],
                         ours is not None and ours["busiest_share"] <= 0.20))
-    every = data.get("rounds", {}).get("contended", b) + data["herd"]
+    every = data.get("rounds", {}).get("contended", b) + data.get("rounds", {}).get("herd", data["herd"])
     targets.append(("no overlapping holds (every library, every run of (b) and (d))", sum(r["overlaps"] for r in every),
                     all(r["overlaps"] == 0 for r in every)))
 
@@ -219,15 +219,16 @@ def render_lock(data: dict) -> str:
 
     d = data["herd"]
     out += ["", "### (d) No thundering herd: many waiters on one key", "",
-            "Waiters spread over 4 processes (async: tasks; sync: threads). Redis cmds = INFO commandstats delta "
+            "Waiters spread over 4 processes (async: tasks; sync: threads); best of the rounds by handoffs/s "
+            "(every round's handoffs/s in the last column). Redis cmds = INFO commandstats delta "
             "(includes commands run inside Lua scripts); client cmds / round trips = what the clients sent.", ""]
     out.append(_table(
         ["library", "waiters", "handoffs/s", "wait p99 ms", "busiest", "Redis cmds/handoff", "client cmds/handoff",
-         "round trips/handoff", "Redis CPU ms/handoff", "overlaps"],
+         "round trips/handoff", "Redis CPU ms/handoff", "overlaps", "rounds"],
         [[label(r["lib"]), r["workers"], _f(r["handoffs_per_s"], 0), _f(r["wait_p99_ms"], 1),
           f"{r['busiest_share']:.0%}", _f(r["redis_commands_per_handoff"], 1),
           _f(r.get("client_commands_per_handoff"), 1), _f(r.get("client_round_trips_per_handoff"), 1),
-          _f(r["redis_cpu_ms_per_handoff"], 3), r["overlaps"]]
+          _f(r["redis_cpu_ms_per_handoff"], 3), r["overlaps"], _rounds(r)]
          for r in sorted(d, key=lambda r: (r["lib"], r["workers"]))]))
     per = [r["redis_commands_per_handoff"] for r in d if r["lib"] == "otel-lock"]
     ratio = (max(per) / min(per)) if per and min(per) else None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import pstats
 import re
@@ -45,8 +46,27 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b
 
 
-def render(name: str, data: dict) -> str:
-    return {"lock": render_lock, "middleware": render_middleware, "telemetry": render_telemetry}[name](data)
+RENDERERS = {}  # filled below: suite name -> render function
+
+
+def render(name: str, data: dict, collect: list | None = None) -> str:
+    return RENDERERS[name](data, collect)
+
+
+def render_summary(results: Path, quick: bool) -> str:
+    """Every target of every suite, from the latest results/<suite>[-quick].json files."""
+    rows = []
+    for name in ("lock", "middleware", "telemetry"):
+        path = results / f"{name}{'-quick' if quick else ''}.json"
+        if not path.exists():
+            continue
+        data = json.loads(path.read_text())
+        found: list = []
+        render(name, data, found)
+        rows += [[name, data["machine"]["date"], t, v, ok] for t, v, ok in found]
+    out = ["| suite | run | target | measured | verdict |", "|---|---|---|---|---|"]
+    out += [f"| {n} | {d} | {t} | {v} | {_verdict(ok)} |" for n, d, t, v, ok in rows]
+    return "\n".join(out) + "\n"
 
 
 def _machine(data: dict) -> list[str]:
@@ -68,7 +88,7 @@ MIDDLEWARE_LABELS = {
 }
 
 
-def render_middleware(data: dict) -> str:
+def render_middleware(data: dict, collect: list | None = None) -> str:
     out = _machine(data)
     rtt, rtt_py = data["redis_rtt_ms"]["p50"], data["redis_py_ping_ms"]["p50"]
     out += [f"One Redis round trip in this run (PING, p50): {rtt:.3f} ms on a raw socket, {rtt_py:.3f} ms through "
@@ -104,8 +124,10 @@ def render_middleware(data: dict) -> str:
         targets.append(("req/s not below the hand-written redis-py version (c=16), ratio", ours16["rps"] / hand16["rps"],
                         ours16["rps"] >= hand16["rps"]))
     out += ["", "Targets (this run):", ""]
-    out.append(_table(["target", "measured", "verdict"],
-                      [[t, _f(v, 3), _verdict(ok)] for t, v, ok in targets]))
+    shown = [[t, _f(v, 3), ok] for t, v, ok in targets]
+    out.append(_table(["target", "measured", "verdict"], [[t, v, _verdict(ok)] for t, v, ok in shown]))
+    if collect is not None:
+        collect += shown
     return "\n".join(out) + "\n"
 
 
@@ -116,7 +138,7 @@ TELEMETRY_LABELS = {
 }
 
 
-def render_telemetry(data: dict) -> str:
+def render_telemetry(data: dict, collect: list | None = None) -> str:
     out = _machine(data)
     cycle = data["cycle"]
     base = next((r for r in cycle if r["mode"] == "off"), None)
@@ -149,8 +171,10 @@ def render_telemetry(data: dict) -> str:
             targets.append((f"lock cycle client CPU overhead <= 10% ({TELEMETRY_LABELS[r['mode']]})", over,
                             over <= 0.10))
     out += ["Targets (this run):", ""]
-    out.append(_table(["target", "measured", "verdict"],
-                      [[t, f"{v:+.1%}", _verdict(ok)] for t, v, ok in targets]))
+    shown = [[t, f"{v:+.1%}", ok] for t, v, ok in targets]
+    out.append(_table(["target", "measured", "verdict"], [[t, v, _verdict(ok)] for t, v, ok in shown]))
+    if collect is not None:
+        collect += shown
     for case, rows in data.get("profile", {}).items():
         out += ["", f"cProfile, {case} (share of the profiled time, calls included):", "",
                 _table(["function", "inclusive share", "calls"],
@@ -158,7 +182,7 @@ def render_telemetry(data: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def render_lock(data: dict) -> str:
+def render_lock(data: dict, collect: list | None = None) -> str:
     out = _machine(data)
     targets = []
 
@@ -236,8 +260,10 @@ def render_lock(data: dict) -> str:
                     ratio is not None and ratio <= 1.5))
 
     out += ["", "### Targets (ratios from this run)", ""]
-    out.append(_table(["target", "measured", "verdict"],
-                      [[t, _f(v, 2) if isinstance(v, float) else _f(v), _verdict(ok)] for t, v, ok in targets]))
+    shown = [[t, _f(v, 2) if isinstance(v, float) else _f(v), ok] for t, v, ok in targets]
+    out.append(_table(["target", "measured", "verdict"], [[t, v, _verdict(ok)] for t, v, ok in shown]))
+    if collect is not None:
+        collect += shown
     if data.get("failures"):
         out += ["", "Failed runs (no row above):", ""]
         out += [f"- {f['what']}: `{f['error']}`" for f in data["failures"]]
@@ -278,3 +304,6 @@ def update_docs(path: Path, name: str, markdown: str) -> None:
         text = text.rstrip("\n") + "\n\n" + block + "\n"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
+
+
+RENDERERS.update(lock=render_lock, middleware=render_middleware, telemetry=render_telemetry)

@@ -202,6 +202,8 @@ def main(argv: list[str] | None = None) -> None:
         if not args.no_docs:
             _report.update_docs(DOCS, name, markdown)
         _say(f"{name}: {data['machine']['seconds']} s, raw numbers in {path.relative_to(RESULTS.parent.parent)}")
+    if not args.no_docs:
+        _report.update_docs(DOCS, "summary", _report.render_summary(RESULTS, args.quick))
 
 
 if __name__ == "__main__":

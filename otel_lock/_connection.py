@@ -25,13 +25,7 @@ from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 
-def _pack(args: tuple) -> bytes:
-    parts = [b"*%d\r\n" % len(args)]
-    for arg in args:
-        if not isinstance(arg, bytes):
-            arg = str(arg).encode()
-        parts.append(b"$%d\r\n%s\r\n" % (len(arg), arg))
-    return b"".join(parts)
+_pack = hiredis.pack_command  # RESP encoding in C: half the time of a Python encoder
 
 
 def _error(reply: hiredis.ReplyError) -> ResponseError:

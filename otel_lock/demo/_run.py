@@ -8,7 +8,9 @@ was oversold, no order was created twice and no job tick ran twice.
 from __future__ import annotations
 
 import asyncio
+import signal
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -63,6 +65,7 @@ def run_demo(options: DemoOptions, out: TextIO = sys.stdout) -> int:
     redis_url = options.redis_url
     server = None
     replicas = None
+    interrupted = _InterruptFlag()
     try:
         if redis_url is None:
             try:
@@ -89,7 +92,15 @@ def run_demo(options: DemoOptions, out: TextIO = sys.stdout) -> int:
     except KeyboardInterrupt:
         print("\notel-lock demo: interrupted, stopping what it started", file=sys.stderr)
         return 130
+    except Exception:
+        if not interrupted:
+            raise
+        # Ctrl-C landed while a client or a task group was unwinding and came
+        # out as another exception: it is still an interrupt.
+        print("\notel-lock demo: interrupted, stopping what it started", file=sys.stderr)
+        return 130
     finally:
+        interrupted.restore()
         if replicas is not None:
             replicas.stop()
         if server is not None:
@@ -185,3 +196,25 @@ def _unreachable(url: str) -> str | None:
 def _say(out: TextIO, text: str) -> None:
     out.write(text + "\n")
     out.flush()
+
+
+class _InterruptFlag:
+    """Remembers a Ctrl-C (then raises KeyboardInterrupt as usual), so the exit status says 130."""
+
+    def __init__(self) -> None:
+        self.seen = False
+        self._previous = None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+
+    def _on_sigint(self, signum, frame) -> None:
+        self.seen = True
+        raise KeyboardInterrupt
+
+    def __bool__(self) -> bool:
+        return self.seen
+
+    def restore(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None

@@ -76,8 +76,10 @@ class TelemetrySetup:
         """
         from opentelemetry.instrumentation.asgi import OpenTelemetryMiddleware
 
+        # No span per ASGI receive/send message: they double the middleware's
+        # cost (measured in docs/benchmarks.md) and say nothing about locks.
         return OpenTelemetryMiddleware(
-            app, excluded_urls=excluded_urls,
+            app, excluded_urls=excluded_urls, exclude_spans=["receive", "send"],
             tracer_provider=self.tracer_provider, meter_provider=self.meter_provider,
         )
 

@@ -78,10 +78,9 @@ class RedisPyFast(RedisPy):
     sleep = 0.001
 
 
-class PythonRedisLock:
-    """python-redis-lock: SET NX, BLPOP on a signal list that release pushes to. Sync only."""
+class _SyncPeer:
+    """A sync peer library over one redis-py client (its waiters are threads)."""
 
-    name = "python-redis-lock"
     sync = True
     timeouts = (NotAcquired,)
 
@@ -92,6 +91,15 @@ class PythonRedisLock:
         import redis
 
         self.client = redis.Redis.from_url(self.url, max_connections=MAX_CONNECTIONS)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class PythonRedisLock(_SyncPeer):
+    """python-redis-lock: SET NX, BLPOP on a signal list that release pushes to. Sync only."""
+
+    name = "python-redis-lock"
 
     @contextmanager
     def lock(self, key: str, wait: float):
@@ -106,24 +114,11 @@ class PythonRedisLock:
         finally:
             held.release()
 
-    def close(self) -> None:
-        self.client.close()
 
-
-class Pottery:
+class Pottery(_SyncPeer):
     """pottery.Redlock with a single master: SET NX PX, retry after a random sleep up to 200 ms."""
 
     name = "pottery Redlock (1 master)"
-    sync = True
-    timeouts = (NotAcquired,)
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-
-    def open(self) -> None:
-        import redis
-
-        self.client = redis.Redis.from_url(self.url, max_connections=MAX_CONNECTIONS)
 
     @contextmanager
     def lock(self, key: str, wait: float):
@@ -136,9 +131,6 @@ class Pottery:
             yield held
         finally:
             held.release()
-
-    def close(self) -> None:
-        self.client.close()
 
 
 ADAPTERS = {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
@@ -59,3 +60,36 @@ def problem(response: httpx.Response) -> dict:
     assert body["status"] == response.status_code
     assert {"type", "title", "status", "detail"} <= body.keys()
     return body
+
+
+async def disconnecting_call(app, path: str, disconnect: asyncio.Event, spec: str = "2.3", *,
+                             method: str = "GET", body: bytes = b"", headers=()) -> list:
+    """Drive the ASGI app by hand: a client that goes away once `disconnect` is set.
+
+    ASGI 2.3 servers tell the app with an `http.disconnect` message; with 2.4
+    `send` raises OSError as well.
+    """
+    sent = []
+    requested = False
+
+    async def receive():
+        nonlocal requested
+        if not requested:
+            requested = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await disconnect.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        if spec >= "2.4" and disconnect.is_set():
+            raise OSError("connection reset by peer")
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": spec}, "http_version": "1.1",
+             "method": method, "scheme": "http", "path": path, "raw_path": path.encode(), "root_path": "",
+             "query_string": b"", "headers": list(headers), "client": ("127.0.0.1", 5000), "server": ("test", 80)}
+    try:
+        await app(scope, receive, send)
+    except Exception:  # the 2.4 path raises ClientDisconnect out of the app, as servers expect
+        pass
+    return sent

@@ -18,9 +18,9 @@ from otel_lock import LockMiddleware, idempotent, locked
 from otel_lock._idempotency import IdempotencyKeyError, canonical_body, parse_key
 
 try:
-    from ._middleware_helpers import NAMESPACE, client_for, counter_points, make_manager, metered, problem
+    from ._middleware_helpers import NAMESPACE, client_for, counter_points, disconnecting_call, make_manager, metered, problem
 except ImportError:
-    from _middleware_helpers import NAMESPACE, client_for, counter_points, make_manager, metered, problem
+    from _middleware_helpers import NAMESPACE, client_for, counter_points, disconnecting_call, make_manager, metered, problem
 
 # One provider for the module: the telemetry cache is keyed by provider identity.
 PROVIDER, READER = metered()
@@ -419,29 +419,13 @@ async def test_client_gone_mid_response_is_outcome_unknown(redis_url, spec):
                 await asyncio.sleep(0.01)
         return StreamingResponse(body())
 
-    requested = False
-
-    async def receive():
-        nonlocal requested
-        if not requested:
-            requested = True
-            return {"type": "http.request", "body": b"{}", "more_body": False}
-        await gone.wait()
-        return {"type": "http.disconnect"}
-
-    async def send(message):
-        if spec == "2.4" and gone.is_set():
-            raise OSError("connection reset by peer")
-
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": spec}, "method": "POST", "path": "/orders",
-             "root_path": "", "query_string": b"", "headers": [(b"idempotency-key", b'"order-1"')],
-             "client": ("127.0.0.1", 5000), "scheme": "http", "http_version": "1.1"}
     async with make_manager(redis_url) as manager:
         app = app_for(manager, endless)
-        call = asyncio.create_task(app(scope, receive, send))
+        call = asyncio.create_task(disconnecting_call(app, "/orders", gone, spec, method="POST", body=b"{}",
+                                                      headers=[(b"idempotency-key", b'"order-1"')]))
         await streaming.wait()
         gone.set()
-        await asyncio.gather(asyncio.wait_for(call, 10), return_exceptions=True)
+        await asyncio.wait_for(call, 10)
         async with client_for(app) as client:
             retry = await client.post("/orders", content=b"{}", headers=KEY)
     assert runs == 1

@@ -18,9 +18,9 @@ from starlette.routing import Route
 from otel_lock import LockLost, LockMiddleware, locked
 
 try:
-    from ._middleware_helpers import client_for, counter_points, lock_key, make_manager, metered, problem
+    from ._middleware_helpers import client_for, counter_points, disconnecting_call, lock_key, make_manager, metered, problem
 except ImportError:
-    from _middleware_helpers import client_for, counter_points, lock_key, make_manager, metered, problem
+    from _middleware_helpers import client_for, counter_points, disconnecting_call, lock_key, make_manager, metered, problem
 
 
 def app_with(manager, *routes, **options) -> Starlette:
@@ -174,34 +174,6 @@ async def test_streaming_response_holds_the_lock_until_the_last_chunk(redis_url,
     assert await owner_of(redis_client, "stream") is None
 
 
-async def _disconnecting_call(app, path: str, disconnect: asyncio.Event, spec: str = "2.3") -> list:
-    """Drive the ASGI app by hand: a client that goes away once `disconnect` is set."""
-    sent = []
-    requested = False
-
-    async def receive():
-        nonlocal requested
-        if not requested:
-            requested = True
-            return {"type": "http.request", "body": b"", "more_body": False}
-        await disconnect.wait()
-        return {"type": "http.disconnect"}
-
-    async def send(message):
-        if spec >= "2.4" and disconnect.is_set():
-            raise OSError("connection reset by peer")
-        sent.append(message)
-
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": spec}, "http_version": "1.1",
-             "method": "GET", "scheme": "http", "path": path, "raw_path": path.encode(), "root_path": "",
-             "query_string": b"", "headers": [], "client": ("127.0.0.1", 5000), "server": ("test", 80)}
-    try:
-        await app(scope, receive, send)
-    except Exception:  # the 2.4 path raises ClientDisconnect out of the app, as servers expect
-        pass
-    return sent
-
-
 @pytest.mark.parametrize("spec", ["2.3", "2.4"], ids=["disconnect-message", "send-raises"])
 async def test_client_disconnect_releases_the_lock(redis_url, redis_client, spec):
     streaming, disconnect = asyncio.Event(), asyncio.Event()
@@ -216,7 +188,7 @@ async def test_client_disconnect_releases_the_lock(redis_url, redis_client, spec
 
     async with make_manager(redis_url) as manager:
         app = app_with(manager, Route("/endless", locked("endless")(endless)))
-        call = asyncio.create_task(_disconnecting_call(app, "/endless", disconnect, spec))
+        call = asyncio.create_task(disconnecting_call(app, "/endless", disconnect, spec))
         await streaming.wait()
         assert await owner_of(redis_client, "endless") is not None
         disconnect.set()

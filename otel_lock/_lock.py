@@ -332,7 +332,7 @@ class LockManager:
                 await self._waiting.start()
             except (RedisError, OSError) as exc:
                 raise RedisUnavailable(f"Redis is unavailable (subscribe): {exc}", key=keys[0]) from exc
-            waiter, _ = self._waiting.add(args("-")[1], keys[0])
+            waiter = self._waiting.add(args("-")[1], keys[0])
             if not queued:
                 sent_us = time.monotonic_ns() // 1000
                 res = await self._acquire_call(keys, args(budget()), name)
@@ -432,7 +432,7 @@ class LockManager:
     def _background_done(self, task: asyncio.Task) -> None:
         self._background.discard(task)
         if not task.cancelled() and task.exception() is not None:
-            log.warning("otel-lock: could not undo a cancelled acquire: %s", task.exception())
+            log.warning("otel-lock: background clean-up (undo or release) failed: %s", task.exception())
 
     def _poll_delay(self, pttl_ms: int) -> float:
         """Fallback poll: when the holder's lease would run out, at most `poll_cap`, jittered."""

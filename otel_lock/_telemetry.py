@@ -110,13 +110,6 @@ class Telemetry:
         if span.is_recording():
             span.set_status(Status(StatusCode.ERROR, description))
 
-    @staticmethod
-    def event(name: str, attributes: dict | None = None) -> None:
-        """An event on whatever span is current (the request's, usually)."""
-        span = trace.get_current_span()
-        if span.is_recording():
-            span.add_event(name, attributes or {})
-
 
 def current_traceparent() -> str:
     """The W3C traceparent of the current span, stored with a held lock ('' if none)."""

@@ -108,8 +108,8 @@ class Waiting:
             self._task = asyncio.create_task(self._listen(), name="otel-lock subscriber")
         await asyncio.shield(self._subscribed)
 
-    def add(self, waiter_id: str, key: str) -> tuple[Waiter, bool]:
-        """Register a waiter; returns it and whether it is the first local waiter of its key."""
+    def add(self, waiter_id: str, key: str) -> Waiter:
+        """Register a waiter, behind the other local waiters of its key."""
         waiter = Waiter(waiter_id, key)
         self._waiters[waiter_id] = waiter
         early = self._early.pop(waiter_id, None)
@@ -117,7 +117,7 @@ class Waiting:
             waiter.wake(early)
         queue = self._by_key.setdefault(key, OrderedDict())
         queue[waiter_id] = waiter
-        return waiter, len(queue) == 1
+        return waiter
 
     def is_first(self, waiter: Waiter) -> bool:
         queue = self._by_key.get(waiter.key)

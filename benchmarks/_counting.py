@@ -68,7 +68,7 @@ def _wrap_sync() -> None:
 def _wrap_otel_lock() -> None:
     """otel-lock's hot path has its own pipelined connection beside redis-py."""
     try:
-        from otel_lock._connection import Connection
+        from otel_lock.lock._connection import Connection
     except ImportError:
         return
     one, many = Connection.execute, Connection.execute_many

@@ -134,7 +134,7 @@ class Server:
     """`python -m benchmarks._apps VARIANT PORT URL` in a subprocess, stopped by pid."""
 
     def __init__(self, variant: str, url: str, env: dict | None = None) -> None:
-        from otel_lock._redis_server import free_port
+        from otel_lock.cli._redis_server import free_port
 
         self.port = free_port()
         self.proc = subprocess.Popen(

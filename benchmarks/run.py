@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from otel_lock._redis_server import RedisServer
+from otel_lock.cli._redis_server import RedisServer
 
 from . import _report
 from ._adapters import available

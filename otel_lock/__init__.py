@@ -2,10 +2,8 @@
 
 __version__ = "0.1.0"
 
-from ._errors import LockError, LockLost, LockTimeout, RedisUnavailable
-from ._lock import HeldLock, LockInfo, LockManager
-from ._middleware import LockMiddleware
-from ._annotations import idempotent, locked
+from .lock import HeldLock, LockError, LockInfo, LockLost, LockManager, LockTimeout, RedisUnavailable
+from .asgi import LockMiddleware, idempotent, locked
 
 __all__ = [
     "HeldLock",

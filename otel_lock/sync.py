@@ -14,7 +14,7 @@ import threading
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-from ._lock import HeldLock, LockManager
+from .lock._manager import HeldLock, LockManager
 
 
 class SyncHeldLock:

@@ -6,7 +6,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from otel_lock._redis_server import RedisServer
+from otel_lock.cli._redis_server import RedisServer
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from otel_lock._local_stack import render_prometheus_config
+from otel_lock.cli._local_stack import render_prometheus_config
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMETHEUS = ROOT / "deploy" / "prometheus"

@@ -90,7 +90,7 @@ def test_unlock_accepts_the_key_as_locks_prints_it():
 
 
 def test_unreachable_redis_is_a_clear_error(capsys):
-    from otel_lock._redis_server import free_port
+    from otel_lock.cli._redis_server import free_port
 
     code = main(["locks", "--redis-url", f"redis://u:secret@127.0.0.1:{free_port()}/0"])
     assert code == 1
@@ -126,9 +126,9 @@ def test_each_command_has_help(command, capsys):
 
 def test_stack_passes_every_argument_to_the_local_stack(monkeypatch):
     seen = []
-    fake = types.ModuleType("otel_lock._local_stack")
+    fake = types.ModuleType("otel_lock.cli._local_stack")
     fake.main = lambda argv: seen.append(argv) or 3
-    monkeypatch.setitem(sys.modules, "otel_lock._local_stack", fake)
+    monkeypatch.setitem(sys.modules, "otel_lock.cli._local_stack", fake)
     assert main(["stack", "up", "--help"]) == 3
     assert seen == [["up", "--help"]]
 
@@ -176,7 +176,7 @@ def test_demo_without_redis_says_how_to_get_one():
 
 
 def test_demo_with_an_unreachable_redis_fails_fast(capsys):
-    from otel_lock._redis_server import free_port
+    from otel_lock.cli._redis_server import free_port
 
     assert main(["demo", "--redis-url", f"redis://:secret@127.0.0.1:{free_port()}/0"]) == 1
     err = capsys.readouterr().err

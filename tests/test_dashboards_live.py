@@ -24,9 +24,9 @@ from opentelemetry.sdk.metrics import MeterProvider
 from prometheus_client import CollectorRegistry, start_http_server
 
 from otel_lock import LockManager, LockTimeout, RedisUnavailable
-from otel_lock._load_loop import LoadLoop
-from otel_lock._local_stack import LocalStack
-from otel_lock._redis_server import RedisServer, free_port
+from otel_lock.cli._load_loop import LoadLoop
+from otel_lock.cli._local_stack import LocalStack
+from otel_lock.cli._redis_server import RedisServer, free_port
 
 pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None,
                                 reason="prometheus binary not on PATH (Debian: apt-get install prometheus)")

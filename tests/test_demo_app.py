@@ -275,7 +275,7 @@ async def test_a_lost_product_lock_answers_503_not_500(redis_url, redis_client):
 
 
 def test_summary_quantiles_interpolate_like_histogram_quantile():
-    from otel_lock.demo._metrics import Histogram
+    from otel_lock.cli._scrape import Histogram
 
     hist = Histogram(count=10)
     hist.buckets.update({0.1: 5, 0.5: 10, float("inf"): 10})

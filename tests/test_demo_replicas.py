@@ -14,9 +14,9 @@ from collections import Counter
 import httpx
 import pytest
 
-from otel_lock._redis_server import RedisServer
-from otel_lock.demo._load import cache_missing_sniffio, clients, double_submit, problem_type, seckill
-from otel_lock.demo._replicas import Replicas
+from otel_lock.cli._redis_server import RedisServer
+from otel_lock.cli._demo_load import cache_missing_sniffio, clients, double_submit, problem_type, seckill
+from otel_lock.cli._replicas import Replicas
 
 JOB_INTERVAL = 0.3
 
@@ -141,7 +141,7 @@ async def test_without_locks_the_job_runs_on_every_replica(unlocked_replicas, cl
 def test_replica_whose_port_was_taken_is_respawned_on_another(redis, monkeypatch):
     import socket
 
-    from otel_lock.demo import _replicas
+    from otel_lock.cli import _replicas
 
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from otel_lock import LockMiddleware, idempotent, locked
-from otel_lock._idempotency import IdempotencyKeyError, canonical_body, parse_key
+from otel_lock.asgi._idempotency import IdempotencyKeyError, canonical_body, parse_key
 
 try:
     from ._middleware_helpers import NAMESPACE, client_for, counter_points, disconnecting_call, make_manager, metered, problem

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from otel_lock import locked
-from otel_lock._keys import MAX_NAME, MAX_PART, Part, TemplateValueError, escape, json_value, parse_template
+from otel_lock.asgi._keys import MAX_NAME, MAX_PART, Part, TemplateValueError, escape, json_value, parse_template
 
 SECRET = b"test-secret"
 
@@ -112,7 +112,7 @@ def test_distinct_value_tuples_never_give_the_same_key(template, first, second, 
 
 
 def test_secret_resolution(monkeypatch):
-    from otel_lock._keys import SECRET_ENV, resolve_secret
+    from otel_lock.asgi._keys import SECRET_ENV, resolve_secret
 
     monkeypatch.delenv(SECRET_ENV, raising=False)
     assert resolve_secret("explicit", "ns") == b"explicit"

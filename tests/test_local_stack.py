@@ -12,7 +12,7 @@ import sys
 import httpx
 import pytest
 
-from otel_lock._local_stack import main
+from otel_lock.cli._local_stack import main
 
 needs_prometheus = pytest.mark.skipif(shutil.which("prometheus") is None,
                                       reason="prometheus binary not on PATH (Debian: apt-get install prometheus)")

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from otel_lock import LockError, LockLost, LockManager, LockTimeout, RedisUnavailable
-from otel_lock._redis_server import free_port
+from otel_lock.cli._redis_server import free_port
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 
 from otel_lock import LockLost, LockManager, LockTimeout, RedisUnavailable
-from otel_lock._redis_server import free_port
+from otel_lock.cli._redis_server import free_port
 
 
 class Telemetry:

@@ -12,7 +12,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Mount, Route, Router
 
 from otel_lock import LockMiddleware, idempotent, locked
-from otel_lock._routing import RouteResolver
+from otel_lock.asgi._routing import RouteResolver
 
 try:
     from ._middleware_helpers import client_for, lock_key, make_manager

@@ -16,7 +16,7 @@ from starlette.applications import Starlette
 from starlette.routing import Route
 
 from otel_lock import telemetry
-from otel_lock._telemetry import LockCounts, get_telemetry
+from otel_lock.telemetry._instruments import LockCounts, get_telemetry
 
 
 @pytest.fixture(autouse=True)
@@ -147,7 +147,7 @@ def test_whole_path_in_a_fresh_process():
         from starlette.responses import JSONResponse
         from starlette.routing import Route
         from otel_lock import telemetry
-        from otel_lock._telemetry import get_telemetry
+        from otel_lock.telemetry._instruments import get_telemetry
 
         installed = telemetry.setup("shop", "replica-a")
 

@@ -25,7 +25,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from .. import LockLost, LockManager, LockMiddleware, LockTimeout, RedisUnavailable, idempotent, locked
-from .._keys import escape
+from ..asgi._keys import escape
 from ..telemetry import metrics_endpoint
 from ._job import run_job
 from ._problems import Problem, http_exception_handler, problem_handler, problem_response, unexpected_error_handler

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Awaitable, Callable
 
 from redis.exceptions import RedisError
 
-from .._errors import RedisUnavailable
+from ..lock._errors import RedisUnavailable
 
 if TYPE_CHECKING:
     from .. import LockManager

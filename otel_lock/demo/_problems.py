@@ -12,7 +12,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
-from .._problem import CONTENT_TYPE, problem_body
+from ..asgi._problem import CONTENT_TYPE, problem_body
 
 
 class Problem(Exception):

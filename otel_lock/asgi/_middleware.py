@@ -15,8 +15,8 @@ from typing import Any
 from urllib.parse import parse_qsl
 
 from ._annotations import MIB, Locked
-from ._asgi import ASGIApp, Message, Receive, ResponseEnd, Scope, Send
-from ._errors import LockLost, LockTimeout, RedisUnavailable
+from ._types import ASGIApp, Message, Receive, ResponseEnd, Scope, Send
+from ..lock._errors import LockLost, LockTimeout, RedisUnavailable
 from ._idempotency import IdempotencyGate
 from ._keys import Part, TemplateValueError, json_value, resolve_secret
 from ._problem import send_problem

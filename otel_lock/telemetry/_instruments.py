@@ -19,7 +19,7 @@ from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.trace import INVALID_SPAN, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from . import __version__
+from .. import __version__
 
 SCOPE = "otel_lock"
 WAIT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)

@@ -33,8 +33,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.requests import ClientDisconnect, Request
 
 from ._annotations import Idempotent
-from ._asgi import Message, Receive, ResponseEnd, Scope, Send
-from ._errors import LockTimeout, RedisUnavailable
+from ._types import Message, Receive, ResponseEnd, Scope, Send
+from ..lock._errors import LockTimeout, RedisUnavailable
 from ._problem import send_problem
 
 log = logging.getLogger("otel_lock.idempotency")

@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING
 from redis.exceptions import NoScriptError, RedisError
 
 from . import _scripts
-from ._telemetry import suppressed
+from ..telemetry._instruments import suppressed
 
 if TYPE_CHECKING:
-    from ._lock import Lease, LockManager
+    from ._manager import Lease, LockManager
 
 log = logging.getLogger("otel_lock")
 

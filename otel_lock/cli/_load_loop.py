@@ -8,7 +8,7 @@ duplicates (409 conflict) and, now and then, a missing or ill-formed key
 (400). Used by the compose stack's `loadgen` service and by
 `otel-lock stack --load`.
 
-    python -m otel_lock._load_loop --target http://127.0.0.1:8001 --target http://127.0.0.1:8002
+    python -m otel_lock.cli._load_loop --target http://127.0.0.1:8001 --target http://127.0.0.1:8002
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ class LoadLoop:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m otel_lock._load_loop", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m otel_lock.cli._load_loop", description=__doc__.split("\n")[0])
     parser.add_argument("--target", action="append", required=True, help="replica base URL (repeat)")
     parser.add_argument("--workers", type=int, default=8, help="concurrent buyers (default: %(default)s)")
     parser.add_argument("--pause", type=float, default=0.02, help="seconds between a worker's requests")

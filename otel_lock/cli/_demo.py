@@ -16,12 +16,12 @@ import uuid
 from dataclasses import dataclass
 from typing import TextIO
 
-from .._redis_server import RedisServer, RedisServerNotFound
-from ..cli import redact_url
-from ._app import STOCK_LOCK
-from ._load import (DoubleSubmitResult, JobResult, SeckillResult, cache_missing_sniffio, clients, double_submit,
+from ._redis_server import RedisServer, RedisServerNotFound, redact_url
+
+from ..demo._app import STOCK_LOCK
+from ._demo_load import (DoubleSubmitResult, JobResult, SeckillResult, cache_missing_sniffio, clients, double_submit,
                     job_runs, percentiles, seckill)
-from ._metrics import Scrape, scrape
+from ._scrape import Scrape, scrape
 from ._replicas import ReplicaFailed, Replicas
 
 

@@ -13,7 +13,7 @@ from ._errors import LockLost, RedisUnavailable
 from ._watchdog import NEVER
 
 if TYPE_CHECKING:
-    from ._lock import LockManager
+    from ._manager import LockManager
 
 log = logging.getLogger("otel_lock")
 

@@ -33,7 +33,7 @@ from . import _scripts
 from ._connection import Connection
 from ._errors import LockError, LockLost, LockTimeout, RedisUnavailable
 from ._held import HeldLock, Lease, LockInfo, _LockContext
-from ._telemetry import LockCounts, Telemetry, current_traceparent, get_telemetry, suppressed
+from ..telemetry._instruments import LockCounts, Telemetry, current_traceparent, get_telemetry, suppressed
 from ._waiting import PROMOTED, Grant, Waiting
 from ._watchdog import Watchdog
 

@@ -17,6 +17,8 @@ import sys
 import time
 from urllib.parse import urlsplit
 
+from ._redis_server import redact_url
+
 DEFAULT_NAMESPACE = "otel-lock"
 AUDIT_STREAM_LEN = 10_000
 
@@ -74,11 +76,6 @@ def _namespace(value: str) -> str:
                                          f"wildcards or whitespace: {value!r}")
     return value
 
-
-def redact_url(url: str) -> str:
-    """A Redis URL fit for logs: never its password."""
-    head, sep, tail = url.rpartition("@")
-    return f"{head.split('://')[0]}://***@{tail}" if sep else url
 
 
 def _add_redis(parser: argparse.ArgumentParser, default: str | None) -> None:
@@ -158,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .demo._run import DemoOptions, run_demo
+    from ._demo import DemoOptions, run_demo
 
     return run_demo(DemoOptions(redis_url=args.redis_url, replicas=args.replicas, buyers=args.buyers,
                                 items=args.items, double_submits=args.double_submits, namespace=args.namespace,
@@ -168,8 +165,8 @@ def _demo(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from . import telemetry
-    from .demo import DemoSettings, create_app
+    from .. import telemetry
+    from ..demo import DemoSettings, create_app
 
     name = args.replica_name or f"{socket.gethostname()}-{os.getpid()}"
     setup = telemetry.setup(service_name="otel-lock-demo", service_instance_id=name)
@@ -182,7 +179,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _manager(args: argparse.Namespace):
-    from . import LockManager
+    from .. import LockManager
 
     return LockManager.from_url(args.redis_url, namespace=args.namespace, socket_timeout=2.0)
 
@@ -190,7 +187,7 @@ def _manager(args: argparse.Namespace):
 def _unreachable() -> tuple[type[BaseException], ...]:
     from redis.exceptions import ConnectionError, TimeoutError
 
-    from . import RedisUnavailable
+    from .. import RedisUnavailable
 
     return RedisUnavailable, ConnectionError, TimeoutError
 
@@ -258,6 +255,3 @@ def _unlock(args: argparse.Namespace) -> int:
           + (f" (reason: {args.reason})" if args.reason else ""), file=sys.stderr)
     return 0 if released else 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from .._redis_server import free_port
+from ._redis_server import free_port
 
 
 class ReplicaFailed(RuntimeError):

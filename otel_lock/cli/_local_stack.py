@@ -27,7 +27,7 @@ import httpx
 
 from ._redis_server import RedisServer, free_port, stop_process
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy" / "prometheus"
 REPLICA_JOB = "otel-lock-replicas"
 
@@ -155,7 +155,7 @@ class LocalStack:
         self.prometheus: Prometheus | None = None
 
     def start(self) -> "LocalStack":
-        from .demo._replicas import Replicas
+        from ._replicas import Replicas
 
         try:
             if self.redis_url is None:

@@ -101,3 +101,8 @@ class RedisServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+def redact_url(url: str) -> str:
+    """A Redis URL fit for logs: never its password."""
+    head, sep, tail = url.rpartition("@")
+    return f"{head.split('://')[0]}://***@{tail}" if sep else url

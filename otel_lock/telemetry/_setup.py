@@ -33,7 +33,7 @@ from opentelemetry import metrics, trace
 from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
-from . import __version__
+from .. import __version__
 
 __all__ = ["TelemetrySetup", "setup", "metrics_endpoint", "default_instance_id"]
 
@@ -236,7 +236,7 @@ def _reset_for_tests() -> None:
             _current.meter_provider.shutdown()
             if _current.otlp:
                 _current.tracer_provider.shutdown()
-            # Kept alive: otel_lock._telemetry caches instruments by id(provider), and a
+            # Kept alive: otel_lock.telemetry._instruments caches instruments by id(provider), and a
             # freed provider's id could be reused by the next test's provider.
             _retired.append(_current)
         _current = None

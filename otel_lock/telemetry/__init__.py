@@ -1,0 +1,20 @@
+"""Telemetry: the lock's instruments (OpenTelemetry API only) and `setup()` for apps without an SDK.
+
+`setup`, `current`, `metrics_endpoint` and `TelemetrySetup` need the
+`[telemetry]` extra; they are imported on first use, so the core never loads
+the SDK.
+"""
+
+from typing import Any
+
+_SETUP_NAMES = ("TelemetrySetup", "current", "default_instance_id", "metrics_endpoint", "setup", "_reset_for_tests")
+
+__all__ = ["TelemetrySetup", "current", "default_instance_id", "metrics_endpoint", "setup"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SETUP_NAMES:
+        from . import _setup
+
+        return getattr(_setup, name)
+    raise AttributeError(f"module 'otel_lock.telemetry' has no attribute {name!r}")

@@ -99,14 +99,15 @@ async def test_sibling_tasks_taking_a_new_key_exclude_each_other(locks):
     assert len(set(entered)) == 3
 
 
-async def test_child_task_re_enters_a_key_its_parent_holds(locks):
-    async with locks.lock("a") as parent:
+async def test_a_task_spawned_by_the_holder_is_another_caller(locks):
+    """Issue 7.2: re-entry belongs to the task that acquired the lock, like threading.RLock."""
+    async with locks.lock("a"):
         async def child():
-            async with locks.lock("a", wait=0) as held:
-                return held.depth, held.owner
+            async with locks.lock("a", wait=0):
+                pass
 
-        depth, owner = await asyncio.create_task(child())
-    assert (depth, owner) == (2, parent.owner)
+        with pytest.raises(LockTimeout):
+            await asyncio.create_task(child())
 
 
 async def test_two_managers_are_two_clients_even_in_one_task(locks, other):

@@ -82,7 +82,10 @@ async def test_acquired_lock_records_span_and_metrics(locks, otel):
     assert span.attributes["lock.outcome"] == "acquired"
     assert span.status.status_code == StatusCode.UNSET
     request = next(s for s in otel.spans.get_finished_spans() if s.name == "request")
-    assert "lock released" in [e.name for e in request.events]
+    [hold] = [s for s in otel.spans.get_finished_spans() if s.name == "lock hold stock:{path.product_id}"]
+    assert hold.parent.span_id == request.context.span_id
+    assert hold.attributes["lock.release.outcome"] == "released"
+    assert hold.attributes["lock.token"] == held.token
 
     [(metric, point)] = otel.points("otel_lock.wait.duration")
     assert metric.unit == "s"
@@ -178,8 +181,10 @@ async def test_lost_lease_is_counted_and_put_on_the_span(redis_url, otel):
                         await asyncio.Event().wait()
     assert {"lock.name": "k", "lock.renewal.outcome": "lost"} in otel.attrs("otel_lock.renewals")
     assert {"lock.name": "k", "lock.release.outcome": "lost"} in otel.attrs("otel_lock.hold.duration")
-    request = next(s for s in otel.spans.get_finished_spans() if s.name == "request")
-    assert "lock lost" in [e.name for e in request.events]
+    [hold] = [s for s in otel.spans.get_finished_spans() if s.name == "lock hold k"]
+    assert "lock lost" in [e.name for e in hold.events]
+    assert hold.attributes["lock.release.outcome"] == "lost"
+    assert hold.status.status_code == StatusCode.ERROR
 
 
 async def test_reentrant_hold_is_a_depth_two_span(locks, otel):

@@ -21,18 +21,30 @@ from typing import Any, Callable
 import hiredis
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import (AuthenticationError, BusyLoadingError, ClusterDownError, MasterDownError, NoScriptError, ReadOnlyError,
+                              ResponseError, TryAgainError)
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 
 _pack = hiredis.pack_command  # RESP encoding in C: half the time of a Python encoder
 
 
-def _error(reply: hiredis.ReplyError) -> ResponseError:
+def _error(reply: hiredis.ReplyError) -> Exception:
+    """The redis-py exception for an error reply, as redis-py's own parser would pick it."""
     message = str(reply)
-    if message.startswith("NOSCRIPT"):
+    code = message.split(" ", 1)[0]
+    if code == "NOSCRIPT":
         return NoScriptError(message)
-    return ResponseError(message)
+    if code == "LOADING":
+        return BusyLoadingError(message)  # a ConnectionError: Redis is not ready yet
+    return _RESPONSE_ERRORS.get(code, ResponseError)(message)
+
+
+# Error replies that mean "this server cannot serve right now", not "you asked wrong".
+_RESPONSE_ERRORS: dict[str, type[Exception]] = {
+    "MASTERDOWN": MasterDownError, "TRYAGAIN": TryAgainError, "READONLY": ReadOnlyError,
+    "CLUSTERDOWN": ClusterDownError, "WRONGPASS": AuthenticationError, "NOAUTH": AuthenticationError,
+}
 
 
 def _is_push(reply: Any) -> bool:
@@ -139,11 +151,15 @@ class Connection:
                         await self._send(protocol, auth)
                     if self._db:
                         await self._send(protocol, ("SELECT", self._db))
-            except TimeoutError as exc:
+            except BaseException as exc:
+                # A refused AUTH or SELECT (a rotated password, a wrong db) must
+                # not leave its socket behind: one per attempt would exhaust maxclients.
                 protocol.abort()
-                raise RedisTimeoutError(f"connecting to Redis timed out after {self._connect_timeout} s") from exc
-            except OSError as exc:
-                raise RedisConnectionError(f"cannot connect to Redis: {exc}") from exc
+                if isinstance(exc, TimeoutError):
+                    raise RedisTimeoutError(f"connecting to Redis timed out after {self._connect_timeout} s") from exc
+                if isinstance(exc, OSError):
+                    raise RedisConnectionError(f"cannot connect to Redis: {exc}") from exc
+                raise
             protocol.on_push, protocol.on_lost = self._on_push, self._on_lost
             self._protocol = protocol
 

@@ -10,6 +10,10 @@ Bad arguments raise ValueError with a message that names the problem.
 
 from __future__ import annotations
 
+from redis.exceptions import ClusterDownError, ReadOnlyError, TryAgainError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
 
 class LockError(Exception):
     """Base class; `key` is the lock's Redis key when one is concerned."""
@@ -29,3 +33,14 @@ class LockLost(LockError):
 
 class RedisUnavailable(LockError):
     """Redis did not answer (refused, reset, or timed out)."""
+
+
+# Errors that mean "Redis cannot serve right now": refused, reset, timed out,
+# still loading its data (LOADING is a ConnectionError in redis-py), a master
+# that lost its link (MASTERDOWN) or a failover under way (READONLY,
+# TRYAGAIN, CLUSTERDOWN). They become RedisUnavailable (HTTP 503), never 500.
+_UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, OSError, ClusterDownError, ReadOnlyError, TryAgainError)
+
+
+def is_unavailable(error: BaseException) -> bool:
+    return isinstance(error, _UNAVAILABLE)

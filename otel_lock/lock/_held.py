@@ -1,21 +1,27 @@
-"""What a caller holds: the lease in Redis, the (possibly nested) holds on it, `async with`."""
+"""What a caller holds: the lease in Redis, the (possibly nested) holds on it, `async with`.
+
+A Lease is one lock held in Redis by one owner. Holds on it nest: the task
+that acquired it may re-enter it (depth + 1), and with
+`share_with_children=True` so may the tasks it spawns while holding it; the
+outer hold's release then waits until those children have released theirs.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from types import TracebackType
+from typing import Any, Callable, Protocol
 
 from opentelemetry import trace
 
 from ._errors import LockLost, RedisUnavailable
-from ._watchdog import NEVER
-
-if TYPE_CHECKING:
-    from ._manager import LockManager
 
 log = logging.getLogger("otel_lock")
+
+NEVER = math.inf
 
 
 @dataclass(frozen=True)
@@ -29,35 +35,53 @@ class LockInfo:
     token: int
 
 
-class Lease:
-    """One lock held in Redis by one owner; reentrant holds share it."""
+class Releaser(Protocol):
+    """The manager, as a hold sees it (kept abstract so this module imports no manager)."""
 
-    def __init__(self, manager: LockManager, key: str, name: str, owner: str, token: int,
-                 lease: float, renew: bool, cancel_on_lost: bool, now: float, granted_for: float) -> None:
+    def _forget(self, held: HeldLock) -> None: ...
+
+    async def _release(self, held: HeldLock) -> bool: ...
+
+
+class Lease:
+    """One lock held in Redis by one owner; reentrant holds share it.
+
+    Validity is counted from `valid_from`, the loop time at which the
+    acquiring request was *sent*: Redis set the expiry after that moment, so
+    the lease cannot run out earlier than this side believes, however late
+    the reply was read.
+    """
+
+    def __init__(self, manager: Releaser, key: str, redis_key: str, name: str, owner: str, token: int,
+                 lease: float, renew_every: float, cancel_on_lost: bool, valid_from: float, acquired_at: float,
+                 explicit_owner: bool, share_with_children: bool) -> None:
         self.manager, self.name, self.owner, self.token = manager, name, owner, token
         self.lock_key = key
-        self.key = manager._keys(key)[0]
+        self.key = redis_key
+        self.lease_seconds = lease
         self.renew_ms = int(lease * 1000)
-        self.renew = renew
-        self.renew_every = manager.renew_interval if renew else NEVER
+        self.renew = renew_every != NEVER
+        self.renew_every = renew_every
         self.drift = lease * 0.01 + 0.002
         self.cancel_on_lost = cancel_on_lost
         self.task = asyncio.current_task()
-        self.span = trace.get_current_span()
-        self.acquired_at = now
+        self.span: trace.Span = trace.INVALID_SPAN  # the `lock hold` span, set by the manager
+        self.acquired_at = acquired_at
+        self.expires_at = valid_from + lease - self.drift
+        self.renew_at = valid_from + renew_every
         self.depth = 1
+        self.child_holds = 0             # holds of spawned tasks (share_with_children)
+        self.children_done = asyncio.Event()
+        self.children_done.set()
+        self.closing = False             # the final release has begun: no more re-entry
         self.lost = asyncio.Event()
         self.lost_reason = ""
-        self.shared = False  # owner= given explicitly: other holders may count on the Redis depth
+        self.on_lost: list[Callable[[], None]] = []
+        self.explicit_owner = explicit_owner  # other holders may count on the Redis depth
+        self.share_with_children = share_with_children
         self.cancelled_by_us = False
+        self.counted = True              # still counted in `otel_lock.active`
         self.ended = False
-        if granted_for < lease:
-            # handed over with the short grace lease: top it up soon, trust it for half
-            self.expires_at = now + granted_for / 2
-            self.renew_at = now + granted_for / 4
-        else:
-            self.expires_at = now + lease - self.drift
-            self.renew_at = now + self.renew_every
 
     def confirmed(self, sent_at: float) -> None:
         self.expires_at = sent_at + self.renew_ms / 1000 - self.drift
@@ -67,18 +91,39 @@ class Lease:
 class HeldLock:
     """What `lock()` yields and `try_lock()` returns: one (possibly nested) hold."""
 
-    __slots__ = ("_lease", "depth", "_release")
+    __slots__ = ("_lease", "depth", "_release", "_outer", "_child")
 
-    def __init__(self, lease: Lease, depth: int) -> None:
+    def __init__(self, lease: Lease, depth: int, *, outer: bool = False, child: bool = False) -> None:
         self._lease = lease
         self.depth = depth
-        self._release: asyncio.Future | None = None
+        self._release: asyncio.Future[bool] | None = None
+        self._outer = outer
+        self._child = child
 
-    key = property(lambda self: self._lease.key, doc="The full Redis key.")
-    name = property(lambda self: self._lease.name, doc="The `lock.name` of metrics and spans.")
-    owner = property(lambda self: self._lease.owner, doc="The owner id in Redis.")
-    token = property(lambda self: self._lease.token, doc="Fencing token: strictly increasing per key.")
-    lost = property(lambda self: self._lease.lost, doc="asyncio.Event set once the lease is known lost.")
+    @property
+    def key(self) -> str:
+        """The full Redis key."""
+        return self._lease.key
+
+    @property
+    def name(self) -> str:
+        """The `lock.name` of metrics and spans."""
+        return self._lease.name
+
+    @property
+    def owner(self) -> str:
+        """The owner id in Redis."""
+        return self._lease.owner
+
+    @property
+    def token(self) -> int:
+        """Fencing token: strictly increasing per key."""
+        return self._lease.token
+
+    @property
+    def lost(self) -> asyncio.Event:
+        """Set once the lease is known lost."""
+        return self._lease.lost
 
     async def release(self) -> bool:
         """Release this hold; False if the lock was no longer ours. Idempotent, safe to cancel."""
@@ -91,20 +136,23 @@ class HeldLock:
         return f"<HeldLock {self.key} owner={self.owner} token={self.token} depth={self.depth}>"
 
 
-class _LockContext:
+class LockContext:
     """`async with manager.lock(...)`: acquire on enter, release on exit, LockLost on loss."""
 
-    __slots__ = ("_manager", "_args", "_held")
+    __slots__ = ("_acquire", "_held")
 
-    def __init__(self, manager: LockManager, args: dict) -> None:
-        self._manager, self._args, self._held = manager, args, None
+    def __init__(self, acquire: Callable[[], Any]) -> None:
+        self._acquire, self._held = acquire, None
 
     async def __aenter__(self) -> HeldLock:
-        self._held = await self._manager.acquire(**self._args)
-        return self._held
+        held: HeldLock = await self._acquire()
+        self._held = held
+        return held
 
-    async def __aexit__(self, exc_type, exc, tb) -> None:
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
         held, self._held = self._held, None
+        assert held is not None, "__aexit__ without __aenter__"
         lease = held._lease
         try:
             await held.release()

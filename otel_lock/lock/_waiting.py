@@ -1,12 +1,16 @@
 """Wake-on-release: one subscriber connection per manager, one waiter woken per release.
 
-A release hands the lock to the first live waiter in the lock's Redis queue
-and publishes `<waiter id> <token> <redis time>` on that waiter's manager
-channel, so only the new holder wakes. Locally, waiters of one lock are kept in arrival order
-and only the first of them polls Redis as a fallback (bounded by the holder's
-remaining TTL), so a lost message never strands anybody and the poll rate
-does not grow with the number of waiters. After the subscriber reconnects
-(messages may have been lost meanwhile) every waiter polls once.
+A release reserves the lock for the first live waiter in the lock's Redis
+queue and publishes `<waiter id> <lock key>` on that waiter's manager channel,
+so only that waiter wakes; its own ACQUIRE then takes the lock. A notice for
+a waiter this manager no longer has is passed on at once (`on_orphan`), so
+the lock does not idle for the reservation's grace. Waiters are registered
+before their first queued request, so a notice can never arrive "too early".
+
+Locally, waiters of one lock are kept in arrival order and only the first of
+them polls Redis as a fallback (bounded by the holder's remaining TTL), so a
+lost message never strands anybody and the poll rate does not grow with the
+number of waiters. After the subscriber reconnects every waiter polls once.
 """
 
 from __future__ import annotations
@@ -15,87 +19,66 @@ import asyncio
 import contextlib
 import logging
 from collections import OrderedDict
-from typing import NamedTuple
+from typing import Any, Callable
 
 from redis.exceptions import RedisError
 
 log = logging.getLogger("otel_lock")
 
-class Grant(NamedTuple):
-    """The lock was handed to this waiter: its token, and Redis' time of the hand-over (us)."""
-
-    token: int
-    at_us: int
-
-
-POLL = "poll"          # look at Redis now
+NOTICE = "notice"      # the lock was reserved for this waiter: claim it now
+POLL = "poll"          # look at Redis now (the subscriber may have missed notices)
 PROMOTED = "promoted"  # became the first local waiter: start the fallback poll
 RECONNECT_DELAY = 0.2
 HEALTH_INTERVAL = 2.0  # seconds between PINGs on an idle subscriber connection
-EARLY_LIMIT = 1024     # grants for waiters not (or no longer) registered, kept briefly
+_RANK = {None: 0, PROMOTED: 1, POLL: 2, NOTICE: 3}
 
 
 class Waiter:
-    """One caller waiting for one lock; resolved with a Grant, POLL, PROMOTED, or None (timer)."""
+    """One caller waiting for one lock; `next()` gives NOTICE, POLL, PROMOTED, or None (timer)."""
 
-    __slots__ = ("id", "key", "_future", "_loop")
+    __slots__ = ("id", "key", "_value", "_event")
 
     def __init__(self, waiter_id: str, key: str) -> None:
         self.id = waiter_id
         self.key = key
-        self._loop = asyncio.get_running_loop()
-        self._future: asyncio.Future = self._loop.create_future()
+        self._value: str | None = None
+        self._event = asyncio.Event()
 
-    def wake(self, value: object) -> None:
-        future = self._future
-        if future.done():
-            # A grant beats a pending POLL/PROMOTED/timer: never lose one.
-            if future.cancelled() or (isinstance(value, Grant) and not isinstance(future.result(), Grant)):
-                future = self._future = self._loop.create_future()
-            else:
-                return
-        future.set_result(value)
+    def wake(self, value: str) -> None:
+        # Wake-ups are not queued: the strongest unread one wins (a notice beats a poll).
+        if not self._event.is_set() or _RANK[value] > _RANK[self._value]:
+            self._value = value
+            self._event.set()
 
-    async def next(self, timeout: float | None) -> object | None:
-        """The next wake-up, or None after `timeout` seconds (one timer, no extra task)."""
-        future = self._future
-        handle = None if timeout is None else self._loop.call_later(timeout, _expire, future)
-        try:
-            value = await future
-        finally:
-            if handle is not None:
-                handle.cancel()
-        if self._future is future and not isinstance(value, Grant):
-            self._future = self._loop.create_future()
+    @property
+    def noticed(self) -> bool:
+        """An unread notice: the lock may be reserved for this waiter right now."""
+        return self._event.is_set() and self._value == NOTICE
+
+    async def next(self, timeout: float | None) -> str | None:
+        """The next wake-up, consumed, or None after `timeout` seconds."""
+        if not self._event.is_set():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):
+                    await self._event.wait()
+        value, self._value = self._value, None
+        self._event.clear()
         return value
-
-    def grant(self) -> Grant | None:
-        """The grant if the lock was handed to this waiter already."""
-        future = self._future
-        if future.done() and not future.cancelled() and isinstance(future.result(), Grant):
-            return future.result()
-        return None
-
-
-def _expire(future: asyncio.Future) -> None:
-    if not future.done():
-        future.set_result(None)
 
 
 class Waiting:
     """The manager's subscriber and its registry of local waiters."""
 
-    def __init__(self, redis, channel: str, subscriber=None) -> None:
+    def __init__(self, redis: Any, channel: str, subscriber: Callable[..., Any] | None = None,
+                 on_orphan: Callable[[str, str], None] | None = None) -> None:
         self._redis = redis
         self._subscriber = subscriber  # makes a lean Connection, when the client allows one
+        self._on_orphan = on_orphan
         self.channel = channel
         self._waiters: dict[str, Waiter] = {}
         self._by_key: dict[str, OrderedDict[str, Waiter]] = {}
-        # Grants that arrived before their waiter registered: the enqueue
-        # reply and the grant travel on different connections, in any order.
-        self._early: OrderedDict[str, Grant] = OrderedDict()
-        self._task: asyncio.Task | None = None
-        self._subscribed: asyncio.Future | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._subscribed: asyncio.Future[None] | None = None
 
     @property
     def ready(self) -> bool:
@@ -106,17 +89,14 @@ class Waiting:
         if self._task is None or self._task.done():
             self._subscribed = asyncio.get_running_loop().create_future()
             self._task = asyncio.create_task(self._listen(), name="otel-lock subscriber")
+        assert self._subscribed is not None
         await asyncio.shield(self._subscribed)
 
     def add(self, waiter_id: str, key: str) -> Waiter:
         """Register a waiter, behind the other local waiters of its key."""
         waiter = Waiter(waiter_id, key)
         self._waiters[waiter_id] = waiter
-        early = self._early.pop(waiter_id, None)
-        if early is not None:
-            waiter.wake(early)
-        queue = self._by_key.setdefault(key, OrderedDict())
-        queue[waiter_id] = waiter
+        self._by_key.setdefault(key, OrderedDict())[waiter_id] = waiter
         return waiter
 
     def is_first(self, waiter: Waiter) -> bool:
@@ -139,14 +119,32 @@ class Waiting:
         for waiter in list(self._waiters.values()):
             waiter.wake(POLL)
 
+    def _deliver(self, data: bytes | str) -> None:
+        if isinstance(data, bytes):
+            data = data.decode()
+        waiter_id, _, lock_key = data.partition(" ")
+        waiter = self._waiters.get(waiter_id)
+        if waiter is not None:
+            waiter.wake(NOTICE)
+        elif self._on_orphan is not None and lock_key:
+            self._on_orphan(waiter_id, lock_key)
+
     async def _listen(self) -> None:
         if self._subscriber is not None:
             await self._listen_direct()
         else:
             await self._listen_redis_py()
 
+    def _set_subscribed(self, error: BaseException | None = None) -> None:
+        if self._subscribed is not None and not self._subscribed.done():
+            if error is None:
+                self._subscribed.set_result(None)
+            else:
+                self._subscribed.set_exception(error)
+
     async def _listen_direct(self) -> None:
         """Subscriber on the lean connection: a reply per message, no timers."""
+        assert self._subscriber is not None
         lost = asyncio.Event()
         first = True
         while True:
@@ -156,15 +154,15 @@ class Waiting:
             except (RedisError, OSError) as exc:
                 await connection.aclose()
                 if first:
-                    self._subscribed.set_exception(exc)
+                    self._set_subscribed(exc)
                     return
                 await asyncio.sleep(RECONNECT_DELAY)
                 continue
             if first:
                 first = False
-                self._subscribed.set_result(None)
+                self._set_subscribed()
             else:
-                self._poll_all()  # re-subscribed: grants may have been missed meanwhile
+                self._poll_all()  # re-subscribed: notices may have been missed meanwhile
             try:
                 await self._watch(connection, lost)
             finally:
@@ -175,7 +173,7 @@ class Waiting:
             await asyncio.sleep(RECONNECT_DELAY)
 
     @staticmethod
-    async def _watch(connection, lost: asyncio.Event) -> None:
+    async def _watch(connection: Any, lost: asyncio.Event) -> None:
         """Until the connection drops; a PING now and then finds one that went silent (half-open)."""
         while not lost.is_set():
             try:
@@ -187,7 +185,7 @@ class Waiting:
                 except (RedisError, OSError):
                     return
 
-    def _on_push(self, reply) -> None:
+    def _on_push(self, reply: Any) -> None:
         if reply[0] == b"message":
             self._deliver(reply[2])
 
@@ -203,7 +201,7 @@ class Waiting:
                     message = await pubsub.get_message(timeout=1.0)
                 except (RedisError, OSError) as exc:
                     if first:
-                        self._subscribed.set_exception(exc)
+                        self._set_subscribed(exc)
                         return
                     log.warning("otel-lock subscriber lost its connection (%s); waiters poll", exc)
                     self._poll_all()
@@ -218,7 +216,7 @@ class Waiting:
                 if kind in ("subscribe", b"subscribe"):
                     if first:
                         first = False
-                        self._subscribed.set_result(None)
+                        self._set_subscribed()
                     else:
                         self._poll_all()
                 elif kind in ("message", b"message"):
@@ -226,19 +224,6 @@ class Waiting:
         finally:
             with contextlib.suppress(Exception):
                 await asyncio.shield(pubsub.aclose())
-
-    def _deliver(self, data: bytes | str) -> None:
-        if isinstance(data, bytes):
-            data = data.decode()
-        waiter_id, token, at_us = data.rsplit(" ", 2)
-        grant = Grant(int(token), int(at_us))
-        waiter = self._waiters.get(waiter_id)
-        if waiter is not None:
-            waiter.wake(grant)
-        else:
-            self._early[waiter_id] = grant
-            if len(self._early) > EARLY_LIMIT:
-                self._early.popitem(last=False)
 
     async def aclose(self) -> None:
         if self._task is not None:

@@ -1,7 +1,6 @@
 """One renewal loop per manager: batched lease renewals and lost-lease detection.
 
-Every lease with `lease=None` is renewed every lease/3; a lease that was
-handed over with the short hand-over grace gets one top-up to its full lease.
+Every lease with `lease=None` is renewed every lease/3.
 All leases that are at least half-way to their renewal time go out together
 in one pipelined round trip, so 10,000 held locks cost a few round trips per
 tick, not 10,000 tasks. A lease is lost when Redis says the owner changed, or
@@ -13,30 +12,38 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
-from typing import TYPE_CHECKING
+from typing import Any, Protocol, Sequence
 
 from redis.exceptions import NoScriptError, RedisError
 
 from . import _scripts
 from ..telemetry._instruments import suppressed
-
-if TYPE_CHECKING:
-    from ._manager import Lease, LockManager
+from ._held import NEVER, Lease
 
 log = logging.getLogger("otel_lock")
 
-NEVER = math.inf
 BATCH = 1000            # keys per script call (the pipeline carries all calls in one round trip)
 RETRY_AFTER_ERROR = 0.5
 
 
+class Renewer(Protocol):
+    """The manager, as its watchdog sees it (abstract, so this module imports no manager)."""
+
+    redis: Any
+    _direct: Any
+    _client: Any
+
+    def _lose(self, lease: Lease, reason: str, count: bool = True) -> None: ...
+
+    def _count_renewal(self, lease: Lease, outcome: str, error: BaseException | None = None) -> None: ...
+
+
 class Watchdog:
-    def __init__(self, manager: LockManager) -> None:
+    def __init__(self, manager: Renewer) -> None:
         self._manager = manager
         self._leases: set[Lease] = set()
         self._changed = asyncio.Event()
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         self._wake_at = NEVER
 
     def add(self, lease: Lease) -> None:
@@ -91,9 +98,9 @@ class Watchdog:
                 lease.confirmed(sent_at)
                 manager._count_renewal(lease, "ok")
 
-    async def _send(self, chunks):
+    async def _send(self, chunks: Sequence[list[Lease]]) -> list[Any]:
         manager = self._manager
-        calls = []
+        calls: list[tuple[Any, ...]] = []
         for chunk in chunks:
             keys = [l.key for l in chunk]
             calls.append(("EVALSHA", _scripts.renew.sha, len(keys), *keys,

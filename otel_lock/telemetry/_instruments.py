@@ -95,6 +95,17 @@ class Telemetry:
         ) as span:
             yield span
 
+    def start_hold_span(self, name: str, attributes: dict) -> trace.Span:
+        """`lock hold {name}`: from acquired to released, a child of the current span if it records."""
+        if not trace.get_current_span().is_recording():
+            return INVALID_SPAN
+        return self.tracer.start_span(f"lock hold {name}", kind=SpanKind.INTERNAL, attributes=attributes,
+                                      record_exception=False, set_status_on_exception=False)
+
+    @staticmethod
+    def redact(attributes: dict) -> dict:
+        return attributes
+
     @staticmethod
     def link_holder(span: trace.Span, holder_context: str | None) -> None:
         """Link a waiter's span to the span that held the lock when it arrived."""
@@ -142,6 +153,12 @@ class LockCounts:
         self.meter_provider = meter_provider
         self.active: Counter = Counter()
         self.pending: Counter = Counter()
+
+    def hold_started(self, hold) -> None:
+        self.active[hold.name] += 1
+
+    def hold_ended(self, hold) -> None:
+        self.active[hold.name] -= 1
 
 
 # Keyed by the providers themselves (kept alive here), not their id(): a freed

@@ -65,39 +65,38 @@ class SyncLockManager:
             held.release()
 
     def try_lock(self, key: str, **options: Any) -> SyncHeldLock | None:
-        held = self._held_map().get(key)
-        if held is None:
-            found = self._run(self._manager.try_lock(key, **options))
-            return None if found is None else self._wrap(key, found)
-        return self.acquire(key, **options)
+        if key in self._held_map() and "owner" not in options:
+            return self.acquire(key, **options)
+        found = self._run(self._manager.try_lock(key, **options))
+        return None if found is None else self._wrap(key, found)
 
     def acquire(self, key: str, **options: Any) -> SyncHeldLock:
-        """Block until held (LockTimeout after `wait`); re-enters a key this thread holds."""
+        """Block until held (LockTimeout after `wait`); re-enters a key this thread holds.
+
+        A nested acquire of a lease that was lost raises LockLost, as in the
+        async API: it never takes the lock afresh under the outer hold's feet.
+        """
         outer = self._held_map().get(key)
-        if outer is not None and not outer.lost.is_set():
-            options["owner"] = outer.owner
-        held = self._run(self._manager.acquire(key, **options))
+        if outer is not None and "owner" not in options:
+            held = self._run(self._manager._reenter(outer._held._lease, child=False))
+        else:
+            held = self._run(self._manager.acquire(key, **options))
         return self._wrap(key, held)
 
     def _wrap(self, key: str, held: HeldLock) -> SyncHeldLock:
         held_map = self._held_map()
         outer = held_map.get(key)
-        lost = outer.lost if outer is not None else threading.Event()
-        if outer is None:
-            self._loop.call_soon_threadsafe(self._watch_lost, held, lost)
+        if outer is not None and outer._held._lease is held._lease:
+            return SyncHeldLock(self, held, outer.lost)
+        lost = threading.Event()
+        # Told by the manager's loop thread the moment the lease is known lost: no task per hold.
+        held._lease.on_lost.append(lost.set)
+        if held.lost.is_set():
+            lost.set()
         wrapped = SyncHeldLock(self, held, lost)
         if outer is None:
             held_map[key] = wrapped
         return wrapped
-
-    @staticmethod
-    def _watch_lost(held: HeldLock, lost: threading.Event) -> None:
-        async def watch() -> None:
-            await held.lost.wait()
-            lost.set()
-
-        task = asyncio.ensure_future(watch())
-        held._lease.lost_watch = task  # keep a reference; it ends with the lease's event
 
     def _release(self, wrapped: SyncHeldLock) -> bool:
         held_map = self._held_map()

@@ -318,3 +318,21 @@ def test_summary_quantiles_interpolate_like_histogram_quantile():
     tail.buckets.update({0.1: 5, 0.5: 8, float("inf"): 10})
     assert tail.quantile(0.99) == 0.5  # in the +Inf bucket: the highest finite bound, as Prometheus does
     assert Histogram().quantile(0.5) is None
+
+
+async def test_the_lock_or_script_snippet_of_middleware_md_runs_as_pasted(redis_url, redis_client):
+    # docs/middleware.md, "When a lock, when a script": the snippet, with only the Redis URL changed.
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "middleware.md").read_text()
+    section = doc.split("## When a lock, when a script", 1)[1]
+    source = re.search(r"```python\n(.*?)```", section, flags=re.S).group(1)
+    namespace: dict = {"__name__": "docs_snippet"}
+    exec(compile(source.replace("redis://127.0.0.1:6379/0", redis_url), "middleware.md", "exec"), namespace)
+    await redis_client.set("stock:7", 2)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(namespace["app"]), base_url="http://x") as client:
+        answers = [await client.post("/api/stock/7/deduct") for _ in range(3)]
+    await namespace["redis"].aclose()
+    assert [a.status_code for a in answers] == [200, 200, 409]
+    assert [a.json() for a in answers[:2]] == [{"stock": 1}, {"stock": 0}]

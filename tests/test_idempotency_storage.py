@@ -178,3 +178,32 @@ def test_sensible_options_are_accepted():
 def test_middleware_principal_must_be_callable(redis_url):
     with pytest.raises(ValueError, match="principal"):
         LockMiddleware(Starlette(), manager=object(), principal="x-user-id")
+
+
+async def test_a_lost_route_lock_is_outcome_unknown_not_a_free_retry(redis_url):
+    # The middleware's `503 lock-lost` carries Retry-After, but the handler was cut off
+    # half-way: a retry must not run it again.
+    import asyncio
+
+    entered = asyncio.Event()
+    runs = []
+
+    @idempotent(shared_scope=True)
+    @locked("order:{path.order}")
+    async def pay(request):
+        runs.append(1)
+        entered.set()
+        await asyncio.Event().wait()  # charging the card... until the lease is lost
+
+    async with make_manager(redis_url, lease=0.3) as manager, make_manager(redis_url) as operator:
+        app = Starlette(routes=[Route("/orders/{order}/pay", pay, methods=["POST"])])
+        app.add_middleware(LockMiddleware, manager=manager)
+        async with client_for(app) as client:
+            first = asyncio.create_task(client.post("/orders/1/pay", json={}, headers=KEY))
+            await entered.wait()
+            assert await operator.force_release("order:1")
+            lost = await asyncio.wait_for(first, 10)
+            retry = await asyncio.wait_for(client.post("/orders/1/pay", json={}, headers=KEY), 10)
+    assert lost.status_code == 503 and problem(lost)["type"] == "lock-lost"
+    assert retry.status_code == 409 and problem(retry)["type"] == "idempotency-outcome-unknown"
+    assert "interrupted" in problem(retry)["detail"] and runs == [1]

@@ -311,3 +311,38 @@ def test_gate_check_names_the_route_for_a_startup_walk(redis_url):
     IdempotencyGate(manager=None, secret=b"s", principal=by_user).check(idempotent(), "/api/orders")
     with pytest.raises(ValueError, match="principal"):
         IdempotencyGate(manager=None, secret=b"s", principal="x-user-id")
+
+
+async def test_rules_use_the_middleware_principal(redis_url):
+    runs = []
+
+    async def order(request: Request) -> JSONResponse:
+        runs.append(request.headers["x-tenant"])
+        return JSONResponse({"tenant": request.headers["x-tenant"]}, status_code=201)
+
+    async with make_manager(redis_url) as manager:
+        app = Starlette(routes=[Route("/orders", order, methods=["POST"])])
+        app.add_middleware(LockMiddleware, manager=manager, rules={"POST /orders": idempotent()},
+                           principal=lambda request: request.headers.get("x-tenant"))
+        async with client_for(app) as client:
+            answers = [await client.post("/orders", json={}, headers={**KEY, "x-tenant": t}) for t in ("a", "b", "a")]
+    assert runs == ["a", "b"] and answers[2].headers["idempotent-replayed"] == "true"
+    assert answers[1].json() == {"tenant": "b"}
+
+
+async def test_http_exception_headers_that_are_not_latin1_do_not_break_the_answer(redis_url):
+    def rejects(request):
+        raise HTTPException(403, "nope", headers={"X-Why": "tenant é ✓"})
+
+    app = FastAPI()
+
+    @app.post("/pay")
+    @idempotent(principal=rejects)
+    async def pay():
+        return {}
+
+    async with make_manager(redis_url) as manager:
+        app.add_middleware(LockMiddleware, manager=manager)
+        async with client_for(app) as client:
+            answer = await client.post("/pay", json={}, headers=KEY)
+    assert answer.status_code == 403 and problem(answer)["type"] == "idempotency-principal-rejected"

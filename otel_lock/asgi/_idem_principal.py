@@ -60,7 +60,8 @@ async def resolve(source: Callable | str, request: Request, route: str) -> str:
             value = await value
     except HTTPException as error:
         if 400 <= error.status_code < 500:
-            headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in (error.headers or {}).items()]
+            headers = [(str(k).lower().encode("latin-1", "replace"), str(v).encode("latin-1", "replace"))
+                       for k, v in (error.headers or {}).items()]
             raise PrincipalProblem(error.status_code, "idempotency-principal-rejected", str(error.detail),
                                    headers) from None
         raise _failed(route, error) from error

@@ -207,3 +207,28 @@ async def test_a_lost_route_lock_is_outcome_unknown_not_a_free_retry(redis_url):
     assert lost.status_code == 503 and problem(lost)["type"] == "lock-lost"
     assert retry.status_code == 409 and problem(retry)["type"] == "idempotency-outcome-unknown"
     assert "interrupted" in problem(retry)["detail"] and runs == [1]
+
+
+async def test_app_failing_after_the_response_makes_the_stored_answer_unknown(redis_url):
+    # FastAPI runs a yield dependency's exit code (the session-per-request commit)
+    # after the response went out; if the commit fails, the stored 201 is a lie.
+    app = FastAPI()
+    runs = []
+
+    async def session():
+        yield "db"
+        raise RuntimeError("commit failed")
+
+    @app.post("/orders", status_code=201)
+    @idempotent(shared_scope=True)
+    async def orders(db: str = Depends(session)):
+        runs.append(db)
+        return {"order": len(runs)}
+
+    async with make_manager(redis_url) as manager:
+        app.add_middleware(LockMiddleware, manager=manager)
+        async with client_for(app) as client:
+            await client.post("/orders", json={}, headers=KEY)
+            retry = await client.post("/orders", json={}, headers=KEY)
+    assert retry.status_code == 409 and problem(retry)["type"] == "idempotency-outcome-unknown"
+    assert runs == ["db"]

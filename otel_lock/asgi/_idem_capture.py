@@ -46,6 +46,7 @@ class Capture:
     size: int = 0
     messages: int = 0
     finished: bool = False     # the final body message went out
+    stored: bool = False       # ... and was stored for replay
 
     def start(self, message: Message) -> None:
         self.status = message["status"]

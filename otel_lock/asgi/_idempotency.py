@@ -244,6 +244,10 @@ class _Flow:
         except BaseException as error:
             if not capture.finished:
                 await _shielded(self._settle(held, capture, error))
+            elif capture.stored and isinstance(error, Exception) and not isinstance(error, (OSError, ClientDisconnect)):
+                # The answer went out, then the app failed (a yield dependency's commit,
+                # a background task): what the stored answer claims may not have happened.
+                await _shielded(self._unsettle(held))
             raise
         if not entered["handler"]:
             await self._forget()  # the business lock was not taken: nothing ran, a retry may run it
@@ -269,6 +273,7 @@ class _Flow:
                     return
                 if verdict == STORE and capture.finished and error is None:
                     await self._store_answer(capture)
+                    capture.stored = True
                     self.gate.count(self.route, "stored")
                     return
             failed = not (gone or interrupted) and (
@@ -283,6 +288,14 @@ class _Flow:
         except _REDIS_DOWN as exc:
             log.warning("otel-lock: could not store the idempotency outcome (the claim stays 'started', "
                         "retries will get outcome-unknown): %s", exc)
+
+    async def _unsettle(self, held: Any) -> None:
+        if held.lost.is_set():
+            return
+        try:
+            await self._store({"state": UNKNOWN, "fp": self.fp, "route": self.route, "cause": "failed"})
+        except _REDIS_DOWN as exc:
+            log.warning("otel-lock: could not mark the idempotency outcome unknown: %s", exc)
 
     async def _store_answer(self, capture: Capture) -> None:
         if capture.chunks is None:

@@ -27,14 +27,16 @@ def test_demo_end_to_end_starts_its_own_redis_and_passes():
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
     assert "started redis-server" in out
-    assert "sold          20 of 20 items" in out
-    assert "oversell      0\n" in out
+    # The seckill both ways, side by side: under the lock, then as one Lua script.
+    assert re.search(r"^seckill +lock \(POST \.\.\./deduct\) +script \(POST \.\.\./deduct-atomic\)$", out, re.M)
+    assert re.search(r"^sold +20 of 20 items +20 of 20 items$", out, re.M)
+    assert re.search(r"^oversell +0 +0$", out, re.M)
     assert "orders        1 created for 6 copies" in out
     assert "late retry    replayed the stored 201" in out
     assert re.search(r"^job +([1-4]) of 4 ticks ran, \1 runs", out, re.M)  # never twice per tick
     assert "wait (lock)" in out and "hold (lock)" in out and "renewals" in out
     assert "verdict       OK" in out
-    assert "buyers: 40/40 answered" in result.stderr  # progress
+    assert "buyers: 40/40 answered" in result.stderr and "buyers (script): 40/40 answered" in result.stderr
 
 
 def test_demo_exits_1_when_the_locks_are_off():
@@ -43,6 +45,8 @@ def test_demo_exits_1_when_the_locks_are_off():
     result = run_cli("demo", "--buyers", "40", "--items", "20", "--double-submits", "6", env=env)
     assert result.returncode == 1, result.stdout + result.stderr
     assert "6 DUPLICATE(S)" in result.stdout  # 7 orders: 6 copies + the late retry, none deduplicated
+    # The lock-free script needs no lock: only the locked way oversells.
+    assert re.search(r"^oversell +[1-9]\d* +<-- OVERSOLD +0$", result.stdout, re.M)
     assert "RAN ON SEVERAL REPLICAS" in result.stdout
     assert "verdict       FAILED" in result.stdout
 

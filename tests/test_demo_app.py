@@ -37,14 +37,40 @@ def kind(response: httpx.Response) -> str:
     return response.json()["type"]
 
 
-async def test_stock_put_get_deduct_and_sold_out(client):
+@pytest.mark.parametrize("deduct", ["deduct", "deduct-atomic"])
+async def test_stock_put_get_deduct_and_sold_out(client, deduct):
     assert (await client.put("/api/stock/p1", json={"stock": 3})).json() == {"product_id": "p1", "stock": 3}
     assert (await client.get("/api/stock/p1")).json() == {"product_id": "p1", "stock": 3}
-    assert (await client.post("/api/stock/p1/deduct")).json()["stock"] == 2
-    assert (await client.post("/api/stock/p1/deduct", json={"quantity": 2})).json()["stock"] == 0
-    sold_out = await client.post("/api/stock/p1/deduct")
+    assert (await client.post(f"/api/stock/p1/{deduct}")).json() == {"product_id": "p1", "stock": 2}
+    assert (await client.post(f"/api/stock/p1/{deduct}", json={"quantity": 2})).json()["stock"] == 0
+    sold_out = await client.post(f"/api/stock/p1/{deduct}")
     assert sold_out.status_code == 409 and kind(sold_out) == "out-of-stock"
+    assert "out-of-stock" in sold_out.json()["type"] and "0 left" in sold_out.json()["detail"]
     assert (await client.get("/api/stock/p1")).json()["stock"] == 0
+
+
+async def test_atomic_deduct_never_oversells_even_with_locks_off(redis_url):
+    # The script needs no lock: with every lock removed, 60 concurrent buyers of 20 items sell 20.
+    import asyncio
+
+    app, client = shop(redis_url, locks_enabled=False, work=0.005)
+    async with client:
+        await client.put("/api/stock/p1", json={"stock": 20})
+        answers = await asyncio.gather(*(client.post("/api/stock/p1/deduct-atomic") for _ in range(60)))
+        left = (await client.get("/api/stock/p1")).json()["stock"]
+    await app.state.shop.locks.aclose()
+    sold = [a.json()["stock"] for a in answers if a.status_code == 200]
+    assert sorted(sold) == list(range(20)) and left == 0
+    assert sum(a.status_code == 409 and kind(a) == "out-of-stock" for a in answers) == 40
+
+
+async def test_orders_are_scoped_to_the_demo_principal_x_user_id(client):
+    await client.put("/api/stock/p1", json={"stock": 5})
+    key = {"Idempotency-Key": '"same-key"'}
+    alice = await client.post("/api/orders", json={"product_id": "p1"}, headers={**key, "X-User-Id": "alice"})
+    bob = await client.post("/api/orders", json={"product_id": "p1"}, headers={**key, "X-User-Id": "bob"})
+    assert alice.status_code == bob.status_code == 201
+    assert bob.json()["user"] == "bob" and "idempotent-replayed" not in bob.headers
 
 
 async def test_order_is_created_once_and_listed(client):
@@ -64,6 +90,12 @@ async def test_order_is_created_once_and_listed(client):
 @pytest.mark.parametrize("method, path, kwargs, status, problem", [
     ("GET", "/api/stock/nope", {}, 404, "unknown-product"),
     ("POST", "/api/stock/nope/deduct", {}, 404, "unknown-product"),
+    ("POST", "/api/stock/nope/deduct-atomic", {}, 404, "unknown-product"),
+    ("POST", "/api/stock/p1/deduct-atomic", {"json": {"quantity": 0}}, 400, "invalid-body"),
+    ("POST", "/api/stock/p1/deduct-atomic", {"json": {"quantity": "1"}}, 400, "invalid-body"),
+    ("POST", "/api/stock/p1/deduct-atomic", {"content": b"{"}, 400, "invalid-json"),
+    ("POST", "/api/stock/a%3Ab/deduct-atomic", {}, 400, "invalid-product-id"),
+    ("POST", "/api/stock/p1/deduct-atomic", {"json": {"quantity": 11}}, 409, "out-of-stock"),
     ("PUT", "/api/stock/p1", {"content": b"{not json"}, 400, "invalid-json"),
     ("PUT", "/api/stock/p1", {"content": b"[" * 60000}, 400, "invalid-json"),
     ("PUT", "/api/stock/p1", {"json": [1]}, 400, "invalid-body"),
@@ -203,6 +235,7 @@ bodies = st.one_of(
 
 ROUTES = [
     ("PUT", "/api/stock/{id}"), ("GET", "/api/stock/{id}"), ("POST", "/api/stock/{id}/deduct"),
+    ("POST", "/api/stock/{id}/deduct-atomic"),
     ("POST", "/api/orders"), ("GET", "/api/orders?user={id}"), ("GET", "/api/jobs"), ("GET", "/healthz"),
 ]
 METHODS = ["GET", "PUT", "POST", "DELETE", "PATCH", "HEAD", "OPTIONS"]
@@ -285,3 +318,21 @@ def test_summary_quantiles_interpolate_like_histogram_quantile():
     tail.buckets.update({0.1: 5, 0.5: 8, float("inf"): 10})
     assert tail.quantile(0.99) == 0.5  # in the +Inf bucket: the highest finite bound, as Prometheus does
     assert Histogram().quantile(0.5) is None
+
+
+async def test_the_lock_or_script_snippet_of_middleware_md_runs_as_pasted(redis_url, redis_client):
+    # docs/middleware.md, "When a lock, when a script": the snippet, with only the Redis URL changed.
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "middleware.md").read_text()
+    section = doc.split("## When a lock, when a script", 1)[1]
+    source = re.search(r"```python\n(.*?)```", section, flags=re.S).group(1)
+    namespace: dict = {"__name__": "docs_snippet"}
+    exec(compile(source.replace("redis://127.0.0.1:6379/0", redis_url), "middleware.md", "exec"), namespace)
+    await redis_client.set("stock:7", 2)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(namespace["app"]), base_url="http://x") as client:
+        answers = [await client.post("/api/stock/7/deduct") for _ in range(3)]
+    await namespace["redis"].aclose()
+    assert [a.status_code for a in answers] == [200, 200, 409]
+    assert [a.json() for a in answers[:2]] == [{"stock": 1}, {"stock": 0}]

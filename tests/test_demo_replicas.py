@@ -76,6 +76,22 @@ async def test_seckill_on_two_replicas_sells_exactly_the_stock(replicas, pool, c
     assert sorted(result.remaining) == list(range(100))
 
 
+async def test_atomic_script_seckill_on_two_replicas_sells_exactly_the_stock(replicas, pool, client):
+    two = replicas[:2]
+    await put_stock(client, two[0], "seckill-atomic", 100)
+    result = await seckill(pool, two, "seckill-atomic", buyers=200, endpoint="deduct-atomic")
+    assert not result.failed and not result.retries  # no lock: nothing to wait for, nothing to retry
+    assert result.sold == 100 and result.out_of_stock == 100 and result.oversold == 0
+    assert sorted(result.remaining) == list(range(100))
+
+
+async def test_without_locks_the_atomic_script_still_sells_exactly_the_stock(unlocked_replicas, pool, client):
+    # The same broken shop that oversells below: the script does not depend on the lock.
+    await put_stock(client, unlocked_replicas[0], "seckill-atomic", 100)
+    result = await seckill(pool, unlocked_replicas, "seckill-atomic", buyers=200, endpoint="deduct-atomic")
+    assert result.sold == 100 and result.stock_left == 0 and result.oversold == 0
+
+
 async def test_without_locks_the_same_seckill_oversells(unlocked_replicas, pool, client):
     await put_stock(client, unlocked_replicas[0], "seckill", 100)
     result = await seckill(pool, unlocked_replicas, "seckill", buyers=200)

@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from otel_lock import LockMiddleware, idempotent, locked
-from otel_lock.asgi._idempotency import IdempotencyKeyError, canonical_body, parse_key
+from otel_lock.asgi._idem_request import IdempotencyKeyError, canonical_body, parse_key
 
 try:
     from ._middleware_helpers import NAMESPACE, client_for, counter_points, disconnecting_call, make_manager, metered, problem
@@ -25,6 +25,11 @@ except ImportError:
 # One provider for the module: the telemetry cache is keyed by provider identity.
 PROVIDER, READER = metered()
 KEY = {"idempotency-key": '"order-1"'}
+
+
+def caller(request) -> str:
+    """The tests' principal: a (trusted, in tests) X-User-Id, one user when absent."""
+    return request.headers.get("x-user-id", "tester")
 
 
 class Orders:
@@ -46,7 +51,7 @@ def app_for(manager, handler, annotation=None, path="/orders", **options) -> Sta
     endpoint = (annotation or idempotent())(getattr(handler, "fn", handler))
     app = Starlette(routes=[Route(path, endpoint, methods=["POST"]),
                             Route("/other", idempotent()(Orders().fn), methods=["POST"])])
-    app.add_middleware(LockMiddleware, manager=manager, **options)
+    app.add_middleware(LockMiddleware, manager=manager, **{"principal": caller, **options})
     return app
 
 
@@ -149,8 +154,8 @@ async def test_another_principal_is_never_served_the_first_response(redis_url):
         handler = Orders()
         app = app_for(manager, handler)
         async with client_for(app) as client:
-            alice = await client.post("/orders", json={}, headers={**KEY, "authorization": "Bearer alice"})
-            bob = await client.post("/orders", json={}, headers={**KEY, "authorization": "Bearer bob"})
+            alice = await client.post("/orders", json={}, headers={**KEY, "x-user-id": "alice"})
+            bob = await client.post("/orders", json={}, headers={**KEY, "x-user-id": "bob"})
     assert handler.runs == 2
     assert alice.json()["order"] == 1 and bob.json()["order"] == 2
     assert "idempotent-replayed" not in bob.headers
@@ -241,19 +246,19 @@ async def test_handler_raised_is_outcome_unknown_and_not_rerun(redis_url):
 
 async def test_5xx_is_outcome_unknown_unless_retry_on_5xx(redis_url):
     async with make_manager(redis_url) as manager:
-        strict, lenient = Orders(status=502), Orders(status=502)
+        strict, lenient = Orders(status=500), Orders(status=500)
         app = Starlette(routes=[
             Route("/strict", idempotent()(strict.fn), methods=["POST"]),
             Route("/lenient", idempotent(retry_on_5xx=True)(lenient.fn), methods=["POST"]),
         ])
-        app.add_middleware(LockMiddleware, manager=manager)
+        app.add_middleware(LockMiddleware, manager=manager, principal=caller)
         async with client_for(app) as client:
             for path in ("/strict", "/lenient"):
                 for _ in range(2):
                     last = await client.post(path, json={}, headers={"idempotency-key": path})
             strict_retry = await client.post("/strict", json={}, headers={"idempotency-key": "/strict"})
     assert strict.runs == 1 and problem(strict_retry)["type"] == "idempotency-outcome-unknown"
-    assert lenient.runs == 2 and last.status_code == 502
+    assert lenient.runs == 2 and last.status_code == 500
 
 
 async def test_streamed_and_oversized_responses_are_tombstoned(redis_url):
@@ -272,7 +277,7 @@ async def test_streamed_and_oversized_responses_are_tombstoned(redis_url):
             Route("/stream", idempotent()(stream), methods=["POST"]),
             Route("/big", idempotent(max_body=1000)(big), methods=["POST"]),
         ])
-        app.add_middleware(LockMiddleware, manager=manager)
+        app.add_middleware(LockMiddleware, manager=manager, principal=caller)
         async with client_for(app) as client:
             for path in ("/stream", "/big"):
                 first = await client.post(path, headers={"idempotency-key": path})
@@ -363,7 +368,7 @@ async def test_fastapi_order_endpoint_with_idempotent_and_locked(redis_url):
         return {"order_id": len(runs), "product_id": order.product_id}
 
     async with make_manager(redis_url) as manager:
-        app.add_middleware(LockMiddleware, manager=manager)
+        app.add_middleware(LockMiddleware, manager=manager, principal=caller)
         async with client_for(app) as client:
             headers = {**KEY, "x-user-id": "u1"}
             first = await client.post("/api/orders", json={"product_id": "p1", "quantity": 1}, headers=headers)
@@ -395,7 +400,7 @@ async def test_arbitrary_keys_and_bodies_never_give_5xx(redis_url, keys, body, r
 
     async with make_manager(redis_url) as manager:
         app = Starlette(routes=[Route("/e", idempotent()(echo), methods=["POST"])])
-        app.add_middleware(LockMiddleware, manager=manager)
+        app.add_middleware(LockMiddleware, manager=manager, principal=caller)
         async with client_for(app) as client:
             headers = [("idempotency-key", k) for k in keys]
             for _ in range(2 if repeat else 1):

@@ -27,9 +27,11 @@ async def shop(redis_client):
     release = asyncio.Event()
     entered = asyncio.Event()
 
-    @idempotent(ttl=60, required=True)
+    @idempotent(ttl=60, required=True, shared_scope=True)
     async def create(request: Request) -> JSONResponse:
         body = await request.json()
+        if body.get("busy"):
+            return JSONResponse({"busy": True}, status_code=429, headers={"Retry-After": "1"})
         if body.get("slow"):
             entered.set()
             await release.wait()
@@ -91,6 +93,10 @@ async def _conflict(client):
     assert (await first).status_code == 201
 
 
+async def _not_stored(client):
+    assert (await _post(client, {"busy": True})).status_code == 429
+
+
 async def _missing_key(client):
     assert (await _post(client, {"n": 1}, key=None)).status_code == 400
 
@@ -101,12 +107,13 @@ async def _invalid_key(client):
 
 @pytest.mark.parametrize("outcome, scenario", [
     ("stored", _stored), ("replayed", _replayed), ("mismatch", _mismatch),
-    ("conflict", _conflict), ("missing_key", _missing_key), ("invalid_key", _invalid_key),
+    ("conflict", _conflict), ("not_stored", _not_stored), ("missing_key", _missing_key),
+    ("invalid_key", _invalid_key),
 ])
 async def test_outcome_is_counted_with_the_route_template(shop, outcome, scenario):
     client, reader = shop
     await scenario(client)
     counts = _counts(reader)
     assert counts.get((ROUTE, outcome)) == 1, counts
-    if outcome in ("missing_key", "invalid_key"):
+    if outcome in ("missing_key", "invalid_key", "not_stored"):
         assert (ROUTE, "stored") not in counts  # rejected before the handler ran

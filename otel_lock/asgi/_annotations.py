@@ -12,6 +12,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from ._idem_options import check_idempotent_options
 from ._keys import KeyTemplate, parse_template
 
 ATTR = "__otel_lock__"
@@ -66,6 +67,7 @@ class Idempotent:
     retry_on_5xx: bool = False
     max_body: int = MIB
     retry_after: float = 1.0
+    shared_scope: bool = False
 
     kind = "idempotent"
 
@@ -90,18 +92,19 @@ def locked(
 
 def idempotent(
     *, ttl: float = 86400, required: bool = True, principal: Callable[[Any], Any] | None = None,
-    wait_for_inflight: float = 0, retry_on_5xx: bool = False, max_body: int = MIB, retry_after: float = 1,
+    shared_scope: bool = False, wait_for_inflight: float = 0, retry_on_5xx: bool = False, max_body: int = MIB,
+    retry_after: float = 1,
 ) -> Idempotent:
-    """Honour the Idempotency-Key header: run once, replay the stored response to retries."""
-    _check_seconds("ttl", ttl, allow_zero=False)
-    _check_seconds("wait_for_inflight", wait_for_inflight, allow_zero=True)
-    _check_seconds("retry_after", retry_after, allow_zero=True)
-    if principal is not None and not callable(principal):
-        raise ValueError("principal must be a callable taking the request")
-    if not isinstance(max_body, int) or max_body < 0:
-        raise ValueError(f"max_body must be a non-negative number of bytes, got {max_body!r}")
+    """Honour the Idempotency-Key header: run once, replay the stored response to retries.
+
+    Keys are scoped to `principal(request)` (here or on LockMiddleware), or to
+    one space shared by every caller with `shared_scope=True`: say which.
+    """
+    check_idempotent_options(ttl=ttl, required=required, principal=principal, shared_scope=shared_scope,
+                             wait_for_inflight=wait_for_inflight, retry_on_5xx=retry_on_5xx,
+                             max_body=max_body, retry_after=retry_after)
     return Idempotent(float(ttl), required, principal, float(wait_for_inflight), retry_on_5xx, max_body,
-                      float(retry_after))
+                      float(retry_after), shared_scope)
 
 
 def annotations_of(endpoint: Any, method: str | None = None) -> dict[str, Any]:

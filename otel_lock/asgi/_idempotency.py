@@ -11,8 +11,11 @@ by itself. The record says what happened:
     unknown    the handler raised, answered 5xx or the client went away (-> 409)
     tombstone  completed, but streamed or larger than max_body: not replayable
 
-The route is stored (it is part of the fingerprint), so a key reused on
-another route is a 422 like a changed payload, never a second execution.
+An answer that asks for a retry, or rejects the caller, leaves no record
+(`_idem_capture`). The fingerprint (`_idem_request`) covers the method, the
+route, the concrete path and query and the body, so a key reused for
+another request is a 422, never a replay. The principal (`_idem_principal`)
+is named by the app, never guessed.
 """
 
 from __future__ import annotations
@@ -21,11 +24,8 @@ import asyncio
 import base64
 import hashlib
 import hmac
-import inspect
 import json
 import logging
-import re
-from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -33,148 +33,58 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.requests import ClientDisconnect, Request
 
 from ._annotations import Idempotent
+from ._idem_capture import FREE, STORE, Capture
+from ._idem_principal import PrincipalProblem, check_callable, choose, missing_setting, resolve
+from ._idem_request import MAX_KEY, IdempotencyKeyError, canonical_body, fingerprint, parse_key
 from ._types import Message, Receive, ResponseEnd, Scope, Send
 from ..lock._errors import LockTimeout, RedisUnavailable
 from ._problem import send_problem
 
+__all__ = ["MAX_KEY", "IdempotencyGate", "IdempotencyKeyError", "canonical_body", "fingerprint", "parse_key"]
+
 log = logging.getLogger("otel_lock.idempotency")
 
-MAX_KEY = 255
-HEADER = b"idempotency-key"
 RECORD_SUFFIX = ":idempotency"
-# Replayed as stored; everything else (Set-Cookie, Authorization, hop-by-hop,
-# Content-Length, which is recomputed) is dropped.
-STORED_HEADERS = frozenset({
-    "content-type", "content-encoding", "content-language", "content-location", "location", "etag",
-    "last-modified", "link", "cache-control", "expires", "vary",
-})
-_BARE = re.compile(r"^[A-Za-z0-9\-._~+/=:]+$")
 _REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, OSError, RedisUnavailable)
 
 STARTED, DONE, UNKNOWN, TOMBSTONE = "started", "done", "unknown", "tombstone"
 _UNKNOWN_CAUSES = {
     "failed": "failed (the handler raised or answered 5xx)",
-    "interrupted": "was interrupted (client gone or replica died)",
+    "interrupted": "was interrupted (client gone, lock lost or replica died)",
 }
 
 # Runs the business lock and the app; returns whether the handler was entered.
 Inner = Callable[[Scope, Receive, Send], Awaitable[bool]]
 
 
-class IdempotencyKeyError(ValueError):
-    """The Idempotency-Key header is not a valid key (-> 400)."""
-
-
-def parse_key(headers: list[tuple[bytes, bytes]]) -> str | None:
-    """The key from an sf-string (`"abc"`), or a bare token (`abc`, accepted for compatibility)."""
-    values = [value for name, value in headers if name.lower() == HEADER]
-    if not values:
-        return None
-    if len(values) > 1:
-        raise IdempotencyKeyError("Idempotency-Key was sent more than once")
-    raw = values[0].decode("latin-1").strip(" \t")
-    key = _sf_string(raw) if raw.startswith('"') else _bare(raw)
-    if not 1 <= len(key) <= MAX_KEY:
-        raise IdempotencyKeyError(f"Idempotency-Key must be 1 to {MAX_KEY} characters long")
-    return key
-
-
-def _sf_string(raw: str) -> str:
-    """RFC 8941 sf-string: quoted printable ASCII with `\\"` and `\\\\` escapes, nothing after it."""
-    out, i = [], 1
-    while i < len(raw):
-        ch = raw[i]
-        if ch == "\\":
-            if i + 1 >= len(raw) or raw[i + 1] not in '"\\':
-                raise IdempotencyKeyError('Idempotency-Key: only \\" and \\\\ may be escaped')
-            out.append(raw[i + 1])
-            i += 2
-        elif ch == '"':
-            if i != len(raw) - 1:
-                raise IdempotencyKeyError("Idempotency-Key must be a single quoted string (no parameters)")
-            return "".join(out)
-        elif not 0x20 <= ord(ch) <= 0x7E:
-            raise IdempotencyKeyError("Idempotency-Key must be printable ASCII")
-        else:
-            out.append(ch)
-            i += 1
-    raise IdempotencyKeyError("Idempotency-Key has an unterminated quoted string")
-
-
-def _bare(raw: str) -> str:
-    if not _BARE.match(raw):
-        raise IdempotencyKeyError(
-            'Idempotency-Key must be a quoted string ("...") or a bare token of letters, digits and -._~+/=:')
-    return raw
-
-
-def default_principal(request: Request) -> str:
-    """The caller: a hash of the Authorization header, else the client address."""
-    auth = request.headers.get("authorization")
-    if auth:
-        return "auth:" + hashlib.sha256(auth.encode("latin-1", "replace")).hexdigest()
-    client = request.client
-    return "addr:" + (client.host if client else "unknown")
-
-
-def canonical_body(body: bytes, content_type: str) -> bytes:
-    """Canonical JSON (sorted keys, no whitespace) when the body is JSON, else the raw bytes."""
-    if body and ("json" in content_type or not content_type):
-        try:
-            doc = json.loads(body)
-            return b"j" + json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
-        except (ValueError, RecursionError, UnicodeDecodeError):
-            pass
-    return b"b" + body
-
-
-def fingerprint(secret: bytes, method: str, route: str, body: bytes, content_type: str) -> str:
-    mac = hmac.new(secret, digestmod=hashlib.sha256)
-    for piece in (method.encode(), route.encode(), canonical_body(body, content_type)):
-        mac.update(len(piece).to_bytes(8, "big"))  # length-prefixed: no piece can spill into the next
-        mac.update(piece)
-    return mac.hexdigest()
-
-
-@dataclass
-class _Capture:
-    """What the handler sent, kept only while it stays replayable."""
-
-    max_body: int
-    status: int = 0
-    headers: list | None = None
-    chunks: list | None = None
-    size: int = 0
-    messages: int = 0
-    finished: bool = False     # the final body message went out
-
-    def start(self, message: Message) -> None:
-        self.status = message["status"]
-        self.headers = [[k.decode("latin-1"), v.decode("latin-1")] for k, v in message.get("headers", [])
-                        if k.decode("latin-1").lower() in STORED_HEADERS]
-        self.chunks = []
-
-    def body(self, message: Message) -> None:
-        chunk = message.get("body", b"")
-        self.messages += 1
-        self.size += len(chunk)
-        if self.chunks is not None and self.size <= self.max_body and self.messages == 1:
-            self.chunks.append(chunk)
-        else:
-            self.chunks = None  # streamed or too large: a tombstone, not a replay
-
-
 class IdempotencyGate:
-    """Runs `inner` at most once per (principal, key); answers retries from the record."""
+    """Runs `inner` at most once per (principal, key); answers retries from the record.
 
-    def __init__(self, manager: Any, secret: bytes) -> None:
+    The middleware's one seam: `await gate(idem, route, scope, receive, send, body, inner)`
+    once the body is buffered; `check(idem, route)` for a start-up walk of the routes.
+    """
+
+    def __init__(self, manager: Any, secret: bytes, principal: Callable[[Request], Any] | None = None) -> None:
+        check_callable(principal, "LockMiddleware")
         self.manager = manager
         self.secret = secret
+        self.principal = principal
+        self._reported: set[str] = set()
 
     async def __call__(self, idem: Idempotent, route: str, scope: Scope, receive: Receive, send: Send,
                        body: bytes, inner: Inner) -> None:
         flow = _Flow(self, idem, route, scope, receive, send)
         await flow.run(body, inner)
+
+    def check(self, idem: Idempotent, route: str) -> None:
+        """Raise ValueError naming the route and the setting if it has no principal."""
+        if choose(idem, self.principal) is None:
+            raise ValueError(missing_setting(route))
+
+    def report_missing(self, route: str) -> None:
+        if route not in self._reported:  # once per route, not once per request
+            self._reported.add(route)
+            log.error("otel-lock: %s", missing_setting(route))
 
     def count(self, route: str, outcome: str) -> None:
         self.manager.telemetry.idempotency_requests.add(1, {"http.route": route, "idempotency.outcome": outcome})
@@ -192,6 +102,11 @@ class _Flow:
         self.handler_called = False
 
     async def run(self, body: bytes, inner: Inner) -> None:
+        source = choose(self.idem, self.gate.principal)
+        if source is None:
+            self.gate.report_missing(self.route)
+            return await send_problem(self.send, 500, "idempotency-principal-not-configured",
+                                      missing_setting(self.route))
         try:
             key = parse_key(self.scope.get("headers", []))
         except IdempotencyKeyError as error:
@@ -204,13 +119,16 @@ class _Flow:
                                           "this operation requires an Idempotency-Key header")
             await inner(self.scope, self.receive, self.send)
             return
-        principal = await self._principal()
+        try:
+            principal = await resolve(source, Request(self.scope, _body_once(body)), self.route)
+        except PrincipalProblem as problem:
+            return await send_problem(self.send, problem.status, problem.type, problem.detail,
+                                      headers=problem.headers)
         scoped = f"{principal}\0{key}".encode("utf-8", "surrogatepass")
         scope_id = hmac.new(self.gate.secret, scoped, hashlib.sha256).hexdigest()[:32]
         self.lock_key = f"idem:{scope_id}"
         self.record_key = f"{self.gate.manager.namespace}:{{{self.lock_key}}}{RECORD_SUFFIX}"
-        content_type = _header(self.scope, b"content-type")
-        self.fp = fingerprint(self.gate.secret, self.scope["method"], self.route, body, content_type)
+        self.fp = fingerprint(self.gate.secret, self.scope, self.route, body)
         try:
             await self._gate(inner)
         except _REDIS_DOWN as error:
@@ -223,15 +141,6 @@ class _Flow:
                     "error.type": "redis_unavailable"})
             await send_problem(self.send, 503, "redis-unavailable", "the idempotency store is unavailable",
                                retry_after=self.idem.retry_after)
-
-    async def _principal(self) -> str:
-        if self.idem.principal is None:
-            return default_principal(Request(self.scope))
-        value = self.idem.principal(Request(self.scope))
-        if inspect.isawaitable(value):
-            value = await value
-        # None or "" means "no opinion": fall back to the default rather than merge all callers.
-        return default_principal(Request(self.scope)) if value is None or value == "" else "p:" + str(value)
 
     async def _gate(self, inner: Inner) -> None:
         record = await self._load()
@@ -264,7 +173,7 @@ class _Flow:
             self.gate.count(self.route, "mismatch")
             await send_problem(self.send, 422, "idempotency-key-mismatch",
                                "this Idempotency-Key was already used with a different request "
-                               "(payload, method or route); use a new key for a new request")
+                               "(payload, method, route, path or query); use a new key for a new request")
             return True
         state = record.get("state")
         if state == DONE:
@@ -309,7 +218,7 @@ class _Flow:
             await self._answer_settled(record)
             return
         await self._store({"state": STARTED, "fp": self.fp, "route": self.route})
-        capture = _Capture(self.idem.max_body)
+        capture = Capture(self.idem.max_body)
         entered = {"handler": False}
         end = ResponseEnd()
 
@@ -335,34 +244,43 @@ class _Flow:
         except BaseException as error:
             if not capture.finished:
                 await _shielded(self._settle(held, capture, error))
+            elif capture.stored and isinstance(error, Exception) and not isinstance(error, (OSError, ClientDisconnect)):
+                # The answer went out, then the app failed (a yield dependency's commit,
+                # a background task): what the stored answer claims may not have happened.
+                await _shielded(self._unsettle(held))
             raise
         if not entered["handler"]:
             await self._forget()  # the business lock was not taken: nothing ran, a retry may run it
         elif not capture.finished:
             await self._settle(held, capture, None)  # client went away mid-response
 
-    async def _settle(self, held: Any, capture: _Capture, error: BaseException | None) -> None:
+    async def _settle(self, held: Any, capture: Capture, error: BaseException | None) -> None:
         """Write the final record; on a lost lease someone else owns the record now."""
         if held.lost.is_set():
             return
         try:
-            if capture.finished and capture.status < 500 and error is None:
-                if capture.chunks is None:
-                    await self._store({"state": TOMBSTONE, "fp": self.fp, "route": self.route})
-                else:
-                    await self._store({
-                        "state": DONE, "fp": self.fp, "route": self.route, "status": capture.status,
-                        "headers": capture.headers,
-                        "body": base64.b64encode(b"".join(capture.chunks)).decode(),
-                    })
-                self.gate.count(self.route, "stored")
-                return
+            interrupted = _business_lock_lost(self.scope)
             # A client that went away (disconnect message, or the server's send
             # raising) is not a failure of the handler: 409, like a crash.
             gone = isinstance(error, (OSError, ClientDisconnect))
-            failed = (isinstance(error, Exception) and not gone) or (capture.finished and capture.status >= 500)
+            if capture.status and not interrupted and (error is None or gone):
+                verdict = capture.verdict()
+                if verdict == FREE:
+                    # The answer asks for a retry or rejects the caller: it says nothing
+                    # about the operation, so the retry must run the handler.
+                    await self._forget()
+                    self.gate.count(self.route, "not_stored")
+                    return
+                if verdict == STORE and capture.finished and error is None:
+                    await self._store_answer(capture)
+                    capture.stored = True
+                    self.gate.count(self.route, "stored")
+                    return
+            failed = not (gone or interrupted) and (
+                isinstance(error, Exception) or (capture.finished and capture.status >= 500))
             if failed and self.idem.retry_on_5xx:
                 await self._forget()
+                self.gate.count(self.route, "not_stored")
                 return
             await self._store({"state": UNKNOWN, "fp": self.fp, "route": self.route,
                                "cause": "failed" if failed else "interrupted"})
@@ -370,6 +288,23 @@ class _Flow:
         except _REDIS_DOWN as exc:
             log.warning("otel-lock: could not store the idempotency outcome (the claim stays 'started', "
                         "retries will get outcome-unknown): %s", exc)
+
+    async def _unsettle(self, held: Any) -> None:
+        if held.lost.is_set():
+            return
+        try:
+            await self._store({"state": UNKNOWN, "fp": self.fp, "route": self.route, "cause": "failed"})
+        except _REDIS_DOWN as exc:
+            log.warning("otel-lock: could not mark the idempotency outcome unknown: %s", exc)
+
+    async def _store_answer(self, capture: Capture) -> None:
+        if capture.chunks is None:
+            await self._store({"state": TOMBSTONE, "fp": self.fp, "route": self.route})
+            return
+        await self._store({
+            "state": DONE, "fp": self.fp, "route": self.route, "status": capture.status,
+            "headers": capture.headers, "body": base64.b64encode(b"".join(capture.chunks)).decode(),
+        })
 
     async def _replay(self, record: dict) -> None:
         body = base64.b64decode(record.get("body", ""))
@@ -399,11 +334,18 @@ class _Flow:
             log.warning("otel-lock: could not drop an unused idempotency claim: %s", exc)
 
 
-def _header(scope: Scope, name: bytes) -> str:
-    for key, value in scope.get("headers", []):
-        if key.lower() == name:
-            return value.decode("latin-1").lower()
-    return ""
+def _business_lock_lost(scope: Scope) -> bool:
+    """The route's `@locked` lease was lost mid-way (the 503 lock-lost): the effects are unknown."""
+    held = (scope.get("state") or {}).get("lock")
+    lost = getattr(held, "lost", None)
+    return bool(lost is not None and lost.is_set())
+
+
+def _body_once(body: bytes) -> Receive:
+    """A receive for the principal's Request: the buffered body, so `await request.body()` works."""
+    async def receive() -> Message:
+        return {"type": "http.request", "body": body, "more_body": False}
+    return receive
 
 
 async def _release_quietly(held: Any) -> None:

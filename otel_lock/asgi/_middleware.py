@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 from urllib.parse import parse_qsl
 
 from ._annotations import MIB, Locked
@@ -29,7 +29,8 @@ class LockMiddleware:
     """Takes each annotated route's lock before the app runs; see docs/middleware.md."""
 
     def __init__(self, app: ASGIApp, manager: Any, rules: dict[str, Any] | None = None,
-                 hash_secret: str | bytes | None = None, max_body: int = MIB) -> None:
+                 hash_secret: str | bytes | None = None, max_body: int = MIB,
+                 principal: Callable[[Any], Any] | None = None) -> None:
         if manager is None:
             raise ValueError("LockMiddleware needs manager=LockManager(...)")
         if not isinstance(max_body, int) or max_body < 0:
@@ -41,7 +42,8 @@ class LockMiddleware:
             hash_secret = getattr(manager, "hash_secret", None)
         self.secret = resolve_secret(hash_secret, getattr(manager, "namespace", "otel-lock"))
         self.max_body = max_body
-        self.gate = IdempotencyGate(manager, self.secret)
+        # principal: whose Idempotency-Keys these are, for @idempotent routes that don't say.
+        self.gate = IdempotencyGate(manager, self.secret, principal=principal)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

@@ -20,7 +20,7 @@ from ._redis_server import RedisServer, RedisServerNotFound, redact_url
 
 from ..demo._app import STOCK_LOCK
 from ._demo_load import (DoubleSubmitResult, JobResult, SeckillResult, cache_missing_sniffio, clients, double_submit,
-                    job_runs, percentiles, seckill)
+                         job_runs, percentiles, seckill)
 from ._scrape import Scrape, scrape
 from ._replicas import ReplicaFailed, Replicas
 
@@ -113,16 +113,22 @@ async def _bursts(options: DemoOptions, urls: list[str], out: TextIO) -> int:
     cache_missing_sniffio()
     async with clients(max(options.buyers, options.double_submits)) as pool:
         client = pool[0]
-        product, order_product = f"seckill-{run}", f"gift-{run}"
-        for pid, stock in ((product, options.items), (order_product, options.double_submits)):
+        # One product per way: the locked read-modify-write and the script must not share a counter.
+        product, atomic_product, order_product = f"seckill-{run}", f"seckill-atomic-{run}", f"gift-{run}"
+        for pid, stock in ((product, options.items), (atomic_product, options.items),
+                           (order_product, options.double_submits)):
             (await client.put(f"{urls[0]}/api/stock/{pid}", json={"stock": stock})).raise_for_status()
 
         _say(out, f"\nseckill   : {options.buyers} concurrent buyers, {options.items} items, "
-                  f"round-robin over {len(urls)} replicas")
-        progress = Progress("buyers", options.buyers, sys.stderr)
-        began = time.perf_counter()
-        sale = await seckill(pool, urls, product, options.buyers, progress.step)
-        elapsed = time.perf_counter() - began
+                  f"round-robin over {len(urls)} replicas, two ways")
+        await _warm_up(pool, urls)  # both ways start with open connections
+        sales = []
+        for endpoint, label in (("deduct", "lock"), ("deduct-atomic", "script")):
+            progress = Progress("buyers" if label == "lock" else "buyers (script)", options.buyers, sys.stderr)
+            began = time.perf_counter()
+            sale = await seckill(pool, urls, atomic_product if label == "script" else product, options.buyers,
+                                 progress.step, endpoint=endpoint)
+            sales.append(Way(label, endpoint, sale, time.perf_counter() - began))
 
         _say(out, f"double    : {options.double_submits} concurrent copies of one order "
                   f"(same Idempotency-Key), then one late retry")
@@ -131,21 +137,60 @@ async def _bursts(options: DemoOptions, urls: list[str], out: TextIO) -> int:
         _say(out, f"job       : every {options.job_interval:g}s on each replica, once per tick if the lock works")
         jobs = await job_runs(client, urls[0], first_tick, options.job_ticks, options.job_interval)
         metrics = await scrape(client, urls)
-    _summary(out, sale, elapsed, dup, jobs, metrics)
-    return 0 if sale.oversold == 0 and dup.duplicates == 0 and jobs.doubled == 0 else 1
+    _summary(out, sales, dup, jobs, metrics)
+    oversold = sum(way.sale.oversold for way in sales)
+    return 0 if oversold == 0 and dup.duplicates == 0 and jobs.doubled == 0 else 1
 
 
-def _summary(out: TextIO, sale: SeckillResult, elapsed: float, dup: DoubleSubmitResult, jobs: JobResult,
-             metrics: Scrape) -> None:
-    failed = ", ".join(f"{n} x {what}" for what, n in sale.failed.items()) or "none"
-    retried = ", ".join(f"{n} x {what}" for what, n in sale.retries.items()) or "none"
+async def _warm_up(pool, urls: list[str]) -> None:
+    for client in pool:
+        for url in urls:
+            await client.get(f"{url}/healthz")
+
+
+@dataclass
+class Way:
+    """One seckill run: `lock` (POST .../deduct) or `script` (POST .../deduct-atomic)."""
+
+    label: str
+    endpoint: str
+    sale: SeckillResult
+    elapsed: float
+
+
+def seckill_table(ways: list[Way]) -> list[str]:
+    """The seckill both ways, side by side: sold, oversell, time, rejections, latency."""
+    def row(name: str, cells: list[str]) -> str:
+        return f"{name:<14}" + "".join(f"{cell:<34}" for cell in cells).rstrip()
+
+    def problems(sale: SeckillResult) -> str:
+        other = sum(sale.failed.values())
+        return f"{sale.out_of_stock} x 409 out-of-stock" + (f", {other} other" if other else "")
+
+    return [
+        row("seckill", [f"{w.label} (POST .../{w.endpoint})" for w in ways]),
+        row("sold", [f"{w.sale.sold} of {w.sale.items} items" for w in ways]),
+        row("oversell", [f"{w.sale.oversold}" + ("" if w.sale.oversold == 0 else "  <-- OVERSOLD") for w in ways]),
+        row("time", [f"{w.elapsed:.2f}s for {w.sale.buyers} buyers" for w in ways]),
+        row("rejected", [problems(w.sale) for w in ways]),
+        row("retried", [", ".join(f"{n} x {k}" for k, n in w.sale.retries.items()) or "none" for w in ways]),
+        row("stock left", [f"{w.sale.stock_left}" for w in ways]),
+        row("request p50", [_ms(percentiles(w.sale.latencies)[0]) for w in ways]),
+        row("request p99", [_ms(percentiles(w.sale.latencies)[2]) for w in ways]),
+    ]
+
+
+def _ms(value: float | None) -> str:
+    return "n/a" if value is None else f"{value * 1000:.1f} ms"
+
+
+def _summary(out: TextIO, ways: list[Way], dup: DoubleSubmitResult, jobs: JobResult, metrics: Scrape) -> None:
+    oversold = sum(way.sale.oversold for way in ways)
     lines = [
         "",
         "== summary ==",
-        f"sold          {sale.sold} of {sale.items} items ({sale.buyers} buyers, {elapsed:.2f}s)",
-        f"rejected      {sale.out_of_stock} x 409 out-of-stock; retried: {retried}; other failures: {failed}",
-        f"stock left    {sale.stock_left}",
-        f"oversell      {sale.oversold}" + ("" if sale.oversold == 0 else "   <-- OVERSOLD"),
+        *seckill_table(ways),
+        "              ^ request: deduct round trip, measured client-side",
         f"orders        {dup.orders_created} created for {dup.requests} copies of one order"
         + ("" if dup.duplicates == 0 else f"   <-- {dup.duplicates} DUPLICATE(S)"),
         f"duplicates    {dup.replayed} replayed (Idempotent-Replayed: true), {dup.in_flight} rejected 409 "
@@ -157,14 +202,13 @@ def _summary(out: TextIO, sale: SeckillResult, elapsed: float, dup: DoubleSubmit
         _quantiles("wait (lock)", metrics.histogram("otel_lock_wait_duration_seconds", STOCK_LOCK)),
         _quantiles("hold (lock)", metrics.histogram("otel_lock_hold_duration_seconds", STOCK_LOCK)),
         "              ^ stock lock, from the replicas' /metrics histograms (histogram_quantile)",
-        "request       " + _fmt(percentiles(sale.latencies)) + "   (deduct round trip, measured client-side)",
         f"renewals      ok {metrics.counter('otel_lock_renewals_total', lock_renewal_outcome='ok'):.0f}, "
         f"lost {metrics.counter('otel_lock_renewals_total', lock_renewal_outcome='lost'):.0f}, "
         f"error {metrics.counter('otel_lock_renewals_total', lock_renewal_outcome='error'):.0f}"
         "   (the watchdog renews a lease every lease/3; short holds need none)",
         "",
         "verdict       " + ("OK: no oversell, no duplicate order, one job run per tick"
-                            if sale.oversold == 0 and dup.duplicates == 0 and jobs.doubled == 0
+                            if oversold == 0 and dup.duplicates == 0 and jobs.doubled == 0
                             else "FAILED: a lock or the idempotency key did not hold"),
     ]
     _say(out, "\n".join(lines))

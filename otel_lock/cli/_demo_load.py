@@ -97,15 +97,18 @@ class SeckillResult:
 
 
 async def seckill(pool: "httpx.AsyncClient | Sequence[httpx.AsyncClient]", urls: list[str], product: str, buyers: int,
-                  on_answer: Callable[[], None] = lambda: None) -> SeckillResult:
-    """`buyers` concurrent buyers, one item each; retries only what the server says to retry."""
+                  on_answer: Callable[[], None] = lambda: None, endpoint: str = "deduct") -> SeckillResult:
+    """`buyers` concurrent buyers, one item each; retries only what the server says to retry.
+
+    `endpoint` is `deduct` (under the product's lock) or `deduct-atomic` (one Lua script).
+    """
     client = _pick(pool, 0)
     stock = (await client.get(f"{urls[0]}/api/stock/{product}")).json()["stock"]
     result = SeckillResult(buyers=buyers, items=stock)
     start = asyncio.Event()
 
     async def buyer(index: int) -> None:
-        url = f"{urls[index % len(urls)]}/api/stock/{product}/deduct"
+        url = f"{urls[index % len(urls)]}/api/stock/{product}/{endpoint}"
         mine = _pick(pool, index // len(urls))  # neighbours go to different replicas
         await start.wait()  # everyone fires together
         for _ in range(MAX_ATTEMPTS):

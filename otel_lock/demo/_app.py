@@ -2,8 +2,9 @@
 
 Read it as the how-to: `@locked` on the stock routes, `@idempotent` +
 `@locked` on order submission, a nested `locks.lock(...)` for the product
-inside the order handler, the fencing token on every stock write, and a
-`try_lock` job that runs on one replica per tick.
+inside the order handler, the fencing token on every stock write, a
+`try_lock` job that runs on one replica per tick, and, for comparison,
+`deduct-atomic`: the same sale as one Lua script, no lock.
 """
 
 from __future__ import annotations
@@ -190,12 +191,32 @@ async def deduct(request: Request) -> JSONResponse:
     return _stock_body(product_id, remaining)
 
 
+async def deduct_atomic(request: Request) -> JSONResponse:
+    """The same sale as `deduct`, without a lock: one Lua script checks and decrements.
+
+    Right for one counter; a lock is needed once the critical section spans
+    several keys, another system, or slow work (docs/middleware.md).
+    """
+    product_id = _product_id(request.path_params["product_id"])
+    quantity = _int_field(await _json_object(request, optional=True), "quantity", 1, MAX_QUANTITY, default=1)
+    outcome, stock = await _shop(request).store.deduct_atomic(product_id, quantity)
+    if outcome < 0:
+        raise Problem(404, "unknown-product", f"no product {product_id}; create it with PUT first")
+    if outcome == 0:
+        raise Problem(409, "out-of-stock", f"product {product_id} has {stock} left, {quantity} asked")
+    return _stock_body(product_id, stock)
+
+
 # -- orders --------------------------------------------------------------
 
 
-def user_principal(request) -> str:
-    """Idempotency keys are scoped to the X-User-Id caller (the demo has no auth)."""
-    return request.headers.get("x-user-id", "")
+def user_principal(request: Request) -> str | None:
+    """Idempotency keys are scoped to the X-User-Id caller.
+
+    Demo only: the header is client-controlled, so any client can claim any
+    user. A real shop names a verified principal (docs/idempotency.md).
+    """
+    return request.headers.get("x-user-id")
 
 
 @idempotent(ttl=86400, required=True, principal=user_principal)
@@ -281,6 +302,7 @@ def create_app(settings: DemoSettings | None = None, locks: LockManager | None =
             Route("/api/stock/{product_id}", put_stock, methods=["PUT"]),
             Route("/api/stock/{product_id}", get_stock, methods=["GET"]),
             Route("/api/stock/{product_id}/deduct", deduct, methods=["POST"]),
+            Route("/api/stock/{product_id}/deduct-atomic", deduct_atomic, methods=["POST"]),
             Route("/api/orders", create_order, methods=["POST"]),
             Route("/api/orders", list_orders, methods=["GET"]),
             Route("/api/jobs", list_jobs, methods=["GET"]),

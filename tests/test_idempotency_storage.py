@@ -1,0 +1,234 @@
+"""Issue 8, items 6 and 11: which answers are stored, and options checked at decoration time."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import pytest
+from fastapi import Depends, FastAPI, HTTPException, Request
+from starlette.applications import Starlette
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from otel_lock import LockMiddleware, idempotent, locked
+from otel_lock.asgi._idem_capture import FREE, STORE, UNKNOWN, verdict
+
+try:
+    from ._middleware_helpers import client_for, make_manager, problem
+except ImportError:
+    from _middleware_helpers import client_for, make_manager, problem
+
+KEY = {"idempotency-key": '"k-1"'}
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "idempotency.md"
+
+
+class Flaky:
+    """Answers `first` once (status, headers), then 201: counts the handler's runs."""
+
+    def __init__(self, status: int, headers: dict | None = None) -> None:
+        self.runs = 0
+
+        @idempotent(shared_scope=True)
+        async def endpoint(request):
+            self.runs += 1
+            if self.runs == 1:
+                return JSONResponse({"try": 1}, status_code=status, headers=headers)
+            return JSONResponse({"try": self.runs}, status_code=201)
+        self.fn = endpoint
+
+
+async def _twice_then_again(redis_url, flaky: Flaky):
+    async with make_manager(redis_url) as manager:
+        app = Starlette(routes=[Route("/op", flaky.fn, methods=["POST"])])
+        app.add_middleware(LockMiddleware, manager=manager)
+        async with client_for(app) as client:
+            return [await client.post("/op", json={}, headers=KEY) for _ in range(3)]
+
+
+@pytest.mark.parametrize("status, headers", [
+    (408, None), (409, None), (425, None), (429, None), (502, None), (503, None), (504, None),
+    (401, {"WWW-Authenticate": "Bearer"}), (403, None),
+    (200, {"Retry-After": "5"}), (202, {"Retry-After": "1"}), (400, {"Retry-After": "1"}),
+    (500, {"Retry-After": "1"}),
+], ids=lambda v: str(v) if isinstance(v, int) else "retry-after" if v and "Retry-After" in v else "")
+async def test_answers_that_ask_for_a_retry_are_not_stored(redis_url, status, headers):
+    flaky = Flaky(status, headers)
+    first, retry, again = await _twice_then_again(redis_url, flaky)
+    assert first.status_code == status and "idempotent-replayed" not in first.headers
+    assert retry.status_code == 201 and "idempotent-replayed" not in retry.headers  # the handler ran again
+    assert again.status_code == 201 and again.headers["idempotent-replayed"] == "true"  # now stored
+    assert flaky.runs == 2
+
+
+@pytest.mark.parametrize("status", [200, 201, 204, 400, 404, 410, 422])
+async def test_final_answers_are_stored(redis_url, status):
+    flaky = Flaky(status)
+    first, retry, _ = await _twice_then_again(redis_url, flaky)
+    assert retry.status_code == status and retry.headers["idempotent-replayed"] == "true"
+    assert flaky.runs == 1
+
+
+@pytest.mark.parametrize("status", [500, 501, 505])
+async def test_other_5xx_leave_the_outcome_unknown(redis_url, status):
+    flaky = Flaky(status)
+    first, retry, _ = await _twice_then_again(redis_url, flaky)
+    assert retry.status_code == 409 and problem(retry)["type"] == "idempotency-outcome-unknown"
+    assert flaky.runs == 1
+
+
+async def test_a_handlers_own_lock_timeout_is_not_stored(redis_url):
+    # The handler takes a second lock itself and answers 409 lock-timeout with
+    # Retry-After while it is busy; the client's retry must run it again.
+    runs = []
+
+    @idempotent(shared_scope=True)
+    @locked("order:{path.order}", wait=0)
+    async def pay(request):
+        runs.append(1)
+        held = await request.app.state.manager.try_lock("card:4711")
+        if held is None:
+            return JSONResponse({"type": "lock-timeout"}, status_code=409, headers={"Retry-After": "1"})
+        await held.release()
+        return JSONResponse({"paid": True}, status_code=201)
+
+    async with make_manager(redis_url) as manager, make_manager(redis_url) as other:
+        app = Starlette(routes=[Route("/orders/{order}/pay", pay, methods=["POST"])])
+        app.state.manager = manager
+        app.add_middleware(LockMiddleware, manager=manager)
+        card = await other.try_lock("card:4711")
+        async with client_for(app) as client:
+            busy = await client.post("/orders/1/pay", json={}, headers=KEY)
+            await card.release()
+            retry = await client.post("/orders/1/pay", json={}, headers=KEY)
+    assert busy.status_code == 409 and retry.status_code == 201 and "idempotent-replayed" not in retry.headers
+    assert len(runs) == 2
+
+
+async def test_auth_failure_from_a_fastapi_dependency_is_not_stored(redis_url):
+    app = FastAPI()
+    runs = []
+    valid = {"expired": False}
+
+    def session(request: Request) -> str:
+        if valid["expired"]:
+            raise HTTPException(401, "session expired", headers={"WWW-Authenticate": "Bearer"})
+        return "alice"
+
+    @app.post("/orders", status_code=201)
+    @idempotent(principal=lambda request: "alice")
+    async def orders(user: str = Depends(session)):
+        runs.append(user)
+        return {"user": user}
+
+    async with make_manager(redis_url) as manager:
+        app.add_middleware(LockMiddleware, manager=manager)
+        async with client_for(app) as client:
+            valid["expired"] = True
+            rejected = await client.post("/orders", json={}, headers=KEY)
+            valid["expired"] = False
+            after_login = await client.post("/orders", json={}, headers=KEY)
+    assert rejected.status_code == 401 and after_login.status_code == 201 and runs == ["alice"]
+
+
+def test_the_docs_table_of_stored_answers_matches_the_code():
+    """docs/idempotency.md's 'Which answers are stored' table is what verdict() does."""
+    text = DOCS.read_text()
+    section = text.split("## Which answers are stored", 1)[1].split("\n## ", 1)[0]
+    expected = {"stored": STORE, "not stored": FREE, "outcome unknown": UNKNOWN}
+    checked = 0
+    for row in section.splitlines():
+        cells = [c.strip() for c in row.strip().strip("|").split("|")]
+        if not row.startswith("|") or len(cells) != 3 or cells[1] not in expected:
+            continue
+        statuses = [int(s) for s in re.findall(r"`(\d{3})`", cells[0])]
+        retry_after = "with a `Retry-After`" in cells[0]
+        for status in statuses:
+            assert verdict(status, retry_after) == expected[cells[1]], (status, cells)
+            checked += 1
+    assert checked >= 15
+
+
+# -- item 11: nonsense options fail when the route is decorated ----------------------
+
+@pytest.mark.parametrize("options, names", [
+    ({"ttl": 0.0001}, "ttl"), ({"ttl": 0}, "ttl"), ({"ttl": -1}, "ttl"), ({"ttl": math.nan}, "ttl"),
+    ({"ttl": math.inf}, "ttl"), ({"ttl": "60"}, "ttl"), ({"ttl": True}, "ttl"), ({"ttl": 10**12}, "ttl"),
+    ({"wait_for_inflight": -1}, "wait_for_inflight"), ({"wait_for_inflight": math.nan}, "wait_for_inflight"),
+    ({"ttl": 60, "wait_for_inflight": 120}, "wait_for_inflight"),
+    ({"retry_after": math.inf}, "retry_after"), ({"retry_after": -0.5}, "retry_after"),
+    ({"max_body": -1}, "max_body"), ({"max_body": 1.5}, "max_body"), ({"max_body": True}, "max_body"),
+    ({"max_body": 2**40}, "max_body"),
+    ({"required": "yes"}, "required"), ({"retry_on_5xx": 1}, "retry_on_5xx"), ({"shared_scope": "no"}, "shared_scope"),
+    ({"principal": "x-user-id"}, "principal"), ({"principal": lambda: "u"}, "principal"),
+    ({"principal": lambda request: "u", "shared_scope": True}, "principal"),
+], ids=lambda v: repr(v) if isinstance(v, dict) else v)
+def test_nonsense_options_fail_at_decoration_time(options, names):
+    with pytest.raises(ValueError, match=names):
+        idempotent(**options)
+
+
+def test_sensible_options_are_accepted():
+    for options in ({"ttl": 1}, {"ttl": 366 * 86400}, {"ttl": 60, "wait_for_inflight": 60}, {"max_body": 0},
+                    {"retry_after": 0}, {"principal": lambda request, extra=None: "u"}, {"shared_scope": True}):
+        idempotent(**options)
+
+
+def test_middleware_principal_must_be_callable(redis_url):
+    with pytest.raises(ValueError, match="principal"):
+        LockMiddleware(Starlette(), manager=object(), principal="x-user-id")
+
+
+async def test_a_lost_route_lock_is_outcome_unknown_not_a_free_retry(redis_url):
+    # The middleware's `503 lock-lost` carries Retry-After, but the handler was cut off
+    # half-way: a retry must not run it again.
+    import asyncio
+
+    entered = asyncio.Event()
+    runs = []
+
+    @idempotent(shared_scope=True)
+    @locked("order:{path.order}")
+    async def pay(request):
+        runs.append(1)
+        entered.set()
+        await asyncio.Event().wait()  # charging the card... until the lease is lost
+
+    async with make_manager(redis_url, lease=0.3) as manager, make_manager(redis_url) as operator:
+        app = Starlette(routes=[Route("/orders/{order}/pay", pay, methods=["POST"])])
+        app.add_middleware(LockMiddleware, manager=manager)
+        async with client_for(app) as client:
+            first = asyncio.create_task(client.post("/orders/1/pay", json={}, headers=KEY))
+            await entered.wait()
+            assert await operator.force_release("order:1")
+            lost = await asyncio.wait_for(first, 10)
+            retry = await asyncio.wait_for(client.post("/orders/1/pay", json={}, headers=KEY), 10)
+    assert lost.status_code == 503 and problem(lost)["type"] == "lock-lost"
+    assert retry.status_code == 409 and problem(retry)["type"] == "idempotency-outcome-unknown"
+    assert "interrupted" in problem(retry)["detail"] and runs == [1]
+
+
+async def test_app_failing_after_the_response_makes_the_stored_answer_unknown(redis_url):
+    # FastAPI runs a yield dependency's exit code (the session-per-request commit)
+    # after the response went out; if the commit fails, the stored 201 is a lie.
+    app = FastAPI()
+    runs = []
+
+    async def session():
+        yield "db"
+        raise RuntimeError("commit failed")
+
+    @app.post("/orders", status_code=201)
+    @idempotent(shared_scope=True)
+    async def orders(db: str = Depends(session)):
+        runs.append(db)
+        return {"order": len(runs)}
+
+    async with make_manager(redis_url) as manager:
+        app.add_middleware(LockMiddleware, manager=manager)
+        async with client_for(app) as client:
+            await client.post("/orders", json={}, headers=KEY)
+            retry = await client.post("/orders", json={}, headers=KEY)
+    assert retry.status_code == 409 and problem(retry)["type"] == "idempotency-outcome-unknown"
+    assert runs == ["db"]

@@ -62,6 +62,20 @@ def problem(response: httpx.Response) -> dict:
     return body
 
 
+def empty_then_silent():
+    """A server's receive for a request without a body whose client then stays connected and quiet."""
+    requested = False
+
+    async def receive():
+        nonlocal requested
+        if not requested:
+            requested = True
+            return {"type": "http.request", "body": b"", "more_body": False}
+        await asyncio.Event().wait()
+
+    return receive
+
+
 async def disconnecting_call(app, path: str, disconnect: asyncio.Event, spec: str = "2.3", *,
                              method: str = "GET", body: bytes = b"", headers=()) -> list:
     """Drive the ASGI app by hand: a client that goes away once `disconnect` is set.

@@ -107,3 +107,30 @@ async def disconnecting_call(app, path: str, disconnect: asyncio.Event, spec: st
     except Exception:  # the 2.4 path raises ClientDisconnect out of the app, as servers expect
         pass
     return sent
+
+
+async def run_lifespan(app) -> list:
+    """Start the app's lifespan as a server would, then shut it down; the messages the app sent."""
+    inbox: asyncio.Queue = asyncio.Queue()
+    sent: list = []
+    started = asyncio.Event()
+
+    async def receive():
+        return await inbox.get()
+
+    async def send(message):
+        sent.append(message)
+        if message["type"].startswith("lifespan.startup"):
+            started.set()
+
+    await inbox.put({"type": "lifespan.startup"})
+    scope = {"type": "lifespan", "asgi": {"version": "3.0", "spec_version": "2.0"}, "state": {}}
+    task = asyncio.create_task(app(scope, receive, send))
+    await started.wait()
+    if sent[0]["type"] == "lifespan.startup.complete":
+        await inbox.put({"type": "lifespan.shutdown"})
+        await task
+    else:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    return sent

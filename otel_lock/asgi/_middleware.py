@@ -78,7 +78,7 @@ class LockMiddleware:
         scope.setdefault("route", _RouteTemplate(match.route))
         await Flow(self, match, match.route, None, self.app, scope, receive, send).run()
 
-    def prepare(self, outer_app: Any = None) -> list[Problem]:
+    def prepare(self, outer_app: Any = None, startup: bool = False) -> list[Problem]:
         """Walk the routes once: wrap annotated ones, document them, report mistakes (logged)."""
         self.prepared = True
         routes = find_routes(self.app)
@@ -86,6 +86,10 @@ class LockMiddleware:
             self.plain = RuleMatcher(self.rules)
             return []
         plans, problems = plan(routes, self.rules)
+        if startup:
+            # Settings the idempotency gate needs (a principal): at start-up they fail the start;
+            # on first use the gate answers for itself.
+            problems += self._gate_problems(plans)
         for route_plan in plans:
             _install(route_plan.route, RouteHandle(self, route_plan, _original_handle(route_plan.route)))
         for problem in problems:
@@ -99,11 +103,24 @@ class LockMiddleware:
         _warn_about_cors(self.app)
         return problems
 
+    def _gate_problems(self, plans: list[RoutePlan]) -> list[Problem]:
+        check = getattr(self.gate, "check", None)
+        found = []
+        for route_plan in plans if check is not None else ():
+            for annotated in route_plan.methods.values():
+                if annotated.idempotent is not None:
+                    try:
+                        check(annotated.idempotent, route_plan.template)
+                    except ValueError as error:
+                        found.append(Problem(route_plan.template, str(error)))
+                        break
+        return found
+
     def _startup_checked(self, scope: Scope, send: Send) -> Send:
         """Prepare once the app's own startup is done; a mistake fails the startup, naming it."""
         async def checked(message: Message) -> None:
             if message["type"] == "lifespan.startup.complete" and not self.prepared:
-                problems = self.prepare(scope.get("app"))
+                problems = self.prepare(scope.get("app"), startup=True)
                 if problems:
                     text = "otel-lock: " + "; ".join(str(p) for p in problems)
                     await send({"type": "lifespan.startup.failed", "message": text})

@@ -278,3 +278,19 @@ def test_a_rule_for_no_route_is_reported(redis_url, caplog):
     app = LockMiddleware(Starlette(routes=[Route("/real", plain)]), manager=object(), rules={"POST /typo": locked("t")})
     app.prepare()
     assert "/typo" in caplog.text and "matches no route" in caplog.text
+
+
+async def test_http_endpoint_methods_are_locked_through_the_middleware(redis_url):
+    class Items(HTTPEndpoint):
+        @locked("items:{path.item_id}")
+        async def post(self, request):
+            return await held_key(request)
+
+        async def get(self, request):
+            return await held_key(request)
+
+    async with make_manager(redis_url) as manager:
+        app = Starlette(routes=[Mount("/shop/{tenant}", routes=[Route("/items/{item_id:int}", Items)])])
+        app.add_middleware(LockMiddleware, manager=manager)
+        await assert_locked(app, "POST", "/shop/acme/items/007", "items:7", manager)
+        await assert_locked(app, "GET", "/shop/acme/items/7", None, manager)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from ..lock._errors import LockLost, LockTimeout, RedisUnavailable
 from ._annotations import Locked
 from ._guard import PROTECTED, ROUTE_STATE, UNCHECKED
-from ._keys import TemplateValueError, escape, keyed_hash
+from ._keys import TemplateValueError
 from ._problem import send_problem
 from ._routing import Annotated
 from ._typed import INVALID, TypedFields, Values
@@ -75,17 +75,15 @@ class Flow:
                         self.scope.get("method"), self.route, error)
 
     async def _key(self, locked: Locked) -> Any:
+        """The lock name, or INVALID when the framework will reject a value (422) anyway."""
         values = Values(self.scope, self.body, self.typed)
-        secret = self.mw.secret if locked.hash_parts else None
-        template = locked.template
-        out = [template.literals[0]]
-        for part, literal in zip(template.parts, template.literals[1:]):
+        found = {}
+        for part in locked.template.parts:
             value = await values.get(part)
             if value is INVALID:
                 return INVALID
-            out.append(keyed_hash(secret, value) if secret is not None else escape(value))
-            out.append(literal)
-        return "".join(out)
+            found[part] = value
+        return locked.template.render(found.__getitem__, self.mw.secret if locked.hash_parts else None)
 
     async def _read_body(self) -> bool:
         """Read the whole body (413 above max_body, 408 past body_timeout), then replay it to the app."""

@@ -337,3 +337,22 @@ async def test_openapi_is_right_at_start_up_before_any_request(redis_url):
     stock_op = schema["paths"]["/v1/stock/{pid}"]["post"]
     assert {"400", "408", "409", "413", "503"} <= _problem_statuses(stock_op)
     assert idempotency_headers("/v1/stock/{pid}") == []
+
+
+async def test_starlette_path_convertors_type_the_key(redis_url):
+    from starlette.applications import Starlette
+    from starlette.routing import Route
+
+    shelf = Shelf(**{"7": 1})
+
+    async def deduct(request):
+        return await shelf.buy(str(request.path_params["pid"]), request.url.path)
+
+    async with make_manager(redis_url) as manager:
+        app = Starlette(routes=[Route("/stock/{pid:int}/deduct", locked("stock:{path.pid}", wait=5)(deduct),
+                                      methods=["POST"])])
+        app.add_middleware(LockMiddleware, manager=manager)
+        async with client_for(app) as client:
+            answers = await asyncio.gather(*(client.post(f"/stock/{p}/deduct") for p in ("7", "07", "007", "0007")))
+    assert sorted(r.status_code for r in answers) == [200, 409, 409, 409]
+    assert len(shelf.sold) == 1

@@ -13,7 +13,6 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ._guard import guard
 from ._keys import KeyTemplate, parse_template
 
 ATTR = "__otel_lock__"
@@ -28,6 +27,8 @@ def _attach(obj: Any, kind: str, annotation: Any) -> Any:
     # A new dict, never an update: functools.wraps shares __dict__ between a
     # wrapper and its target, and annotating one must not annotate the other.
     setattr(obj, ATTR, {**existing, kind: annotation})
+    from ._guard import guard
+
     guarded = guard(obj)
     if guarded is not obj:
         setattr(guarded, ATTR, {**existing, kind: annotation})

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from ._annotations import MIB
 from ._flow import Flow
@@ -35,6 +35,7 @@ class LockMiddleware:
 
     def __init__(self, app: ASGIApp, manager: Any, rules: dict[str, Any] | None = None,
                  hash_secret: str | bytes | None = None, max_body: int = MIB,
+                 principal: Callable[[Any], Any] | None = None,
                  body_timeout: float = 5.0, send_timeout: float = 10.0, enabled: bool = True) -> None:
         if manager is None:
             raise ValueError("LockMiddleware needs manager=LockManager(...)")
@@ -52,7 +53,8 @@ class LockMiddleware:
         self.max_body = max_body
         self.body_timeout = float(body_timeout)
         self.send_timeout = float(send_timeout)
-        self.gate = IdempotencyGate(manager, self.secret)
+        # principal: whose Idempotency-Keys these are, for @idempotent routes that don't say.
+        self.gate = IdempotencyGate(manager, self.secret, **({} if principal is None else {"principal": principal}))
         # enabled=False: a deliberate switch (demos, load tests) that runs annotated
         # handlers without their locks instead of refusing them; logged at start-up.
         self.enabled = bool(enabled)

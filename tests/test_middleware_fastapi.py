@@ -298,14 +298,17 @@ async def test_openapi_is_right_at_start_up_before_any_request(redis_url):
     async with make_manager(redis_url) as manager:
         app = FastAPI()
 
+        def caller(request):
+            return request.headers.get("x-user-id")
+
         @app.post("/orders")
-        @idempotent()
+        @idempotent(principal=caller)
         @locked("orders:{json.product_id}")
         async def orders(body: Order):
             return {}
 
         @app.post("/declared")
-        @idempotent(required=False)
+        @idempotent(required=False, principal=caller)
         async def declared(key: Annotated[str | None, Header(alias="Idempotency-Key", max_length=255)] = None):
             return {}
 

@@ -181,3 +181,24 @@ async def test_enabled_false_runs_annotated_handlers_unlocked_on_purpose(redis_u
             response = await client.post("/x")
     assert response.status_code == 200 and response.json() == {"lock": False}
     assert "enabled=False" in caplog.text and lock_key("x")
+
+
+async def test_an_annotated_http_endpoint_class_without_the_middleware_fails_closed():
+    from starlette.endpoints import HTTPEndpoint
+
+    ran = []
+
+    @locked("items:{path.item_id}")
+    class Items(HTTPEndpoint):
+        async def post(self, request):
+            ran.append("post")
+            return JSONResponse({})
+
+        def put(self, request):
+            ran.append("put")
+            return JSONResponse({})
+
+    app = Starlette(routes=[Route("/items/{item_id}", Items)])
+    async with client_for(app) as client:
+        answers = [await client.post("/items/1"), await client.put("/items/1")]
+    assert [r.status_code for r in answers] == [500, 500] and ran == []

@@ -411,3 +411,19 @@ async def test_answers_of_the_middleware_carry_the_route_template_for_http_metri
         await held.release()
     assert busy.status_code == 409
     assert seen == ["/s/{pid}"]
+
+
+async def test_routes_are_found_behind_a_middleware_that_hides_its_app(redis_url):
+    def opaque(app):
+        async def middleware(scope, receive, send):   # a closure: no `.app` to walk through
+            await app(scope, receive, send)
+        return middleware
+
+    async with make_manager(redis_url) as manager:
+        starlette_app = Starlette(routes=[Route("/s/{pid}", locked("stock:{path.pid}")(info()), methods=["POST"])])
+        starlette_app.add_middleware(LockMiddleware, manager=manager)
+        starlette_app.add_middleware(opaque)
+        starlette_app.user_middleware.reverse()   # LockMiddleware outside the opaque one
+        async with client_for(starlette_app) as client:
+            response = await client.post("/s/4")
+    assert response.status_code == 200 and response.json()["key"] == lock_key("stock:4")

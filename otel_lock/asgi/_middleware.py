@@ -84,6 +84,8 @@ class LockMiddleware:
         """Walk the routes once: wrap annotated ones, document them, report mistakes (logged)."""
         self.prepared = True
         routes = find_routes(self.app)
+        if routes is None and isinstance(getattr(outer_app, "routes", None), list):
+            routes = outer_app.routes   # a middleware in between that hides its `.app`
         if routes is None:
             self.plain = RuleMatcher(self.rules)
             return []

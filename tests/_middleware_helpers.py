@@ -62,6 +62,20 @@ def problem(response: httpx.Response) -> dict:
     return body
 
 
+def empty_then_silent():
+    """A server's receive for a request without a body whose client then stays connected and quiet."""
+    requested = False
+
+    async def receive():
+        nonlocal requested
+        if not requested:
+            requested = True
+            return {"type": "http.request", "body": b"", "more_body": False}
+        await asyncio.Event().wait()
+
+    return receive
+
+
 async def disconnecting_call(app, path: str, disconnect: asyncio.Event, spec: str = "2.3", *,
                              method: str = "GET", body: bytes = b"", headers=()) -> list:
     """Drive the ASGI app by hand: a client that goes away once `disconnect` is set.
@@ -92,4 +106,31 @@ async def disconnecting_call(app, path: str, disconnect: asyncio.Event, spec: st
         await app(scope, receive, send)
     except Exception:  # the 2.4 path raises ClientDisconnect out of the app, as servers expect
         pass
+    return sent
+
+
+async def run_lifespan(app) -> list:
+    """Start the app's lifespan as a server would, then shut it down; the messages the app sent."""
+    inbox: asyncio.Queue = asyncio.Queue()
+    sent: list = []
+    started = asyncio.Event()
+
+    async def receive():
+        return await inbox.get()
+
+    async def send(message):
+        sent.append(message)
+        if message["type"].startswith("lifespan.startup"):
+            started.set()
+
+    await inbox.put({"type": "lifespan.startup"})
+    scope = {"type": "lifespan", "asgi": {"version": "3.0", "spec_version": "2.0"}, "state": {}}
+    task = asyncio.create_task(app(scope, receive, send))
+    await started.wait()
+    if sent[0]["type"] == "lifespan.startup.complete":
+        await inbox.put({"type": "lifespan.shutdown"})
+        await task
+    else:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
     return sent

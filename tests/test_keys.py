@@ -121,3 +121,25 @@ def test_secret_resolution(monkeypatch):
     monkeypatch.setenv(SECRET_ENV, "from-env")
     assert resolve_secret(None, "ns") == b"from-env"
     assert resolve_secret(b"bytes", "ns") == b"bytes"
+
+
+def test_typed_values_render_canonically():
+    import datetime
+    import decimal
+    import enum
+    import uuid
+
+    from otel_lock.asgi._typed import render
+
+    class Color(enum.Enum):
+        RED = "red"
+
+    part = Part("json", "x", "{json.x}")
+    cases = [(7, "7"), (True, "true"), (7.0, "7.0"), (decimal.Decimal("7.50"), "7.5"), (Color.RED, "red"),
+             (uuid.UUID(int=1), "00000000-0000-0000-0000-000000000001"), (datetime.date(2026, 1, 2), "2026-01-02"),
+             ("07", "07")]
+    for value, text in cases:
+        assert render(value, part) == text
+    for bad in (None, "", [1], {"a": 1}):
+        with pytest.raises(TemplateValueError):
+            render(bad, part)

@@ -18,9 +18,9 @@ from starlette.routing import Route
 from otel_lock import LockLost, LockMiddleware, locked
 
 try:
-    from ._middleware_helpers import client_for, counter_points, disconnecting_call, lock_key, make_manager, metered, problem
+    from ._middleware_helpers import client_for, counter_points, disconnecting_call, empty_then_silent, lock_key, make_manager, metered, problem
 except ImportError:
-    from _middleware_helpers import client_for, counter_points, disconnecting_call, lock_key, make_manager, metered, problem
+    from _middleware_helpers import client_for, counter_points, disconnecting_call, empty_then_silent, lock_key, make_manager, metered, problem
 
 
 def app_with(manager, *routes, **options) -> Starlette:
@@ -226,8 +226,7 @@ async def test_lease_lost_mid_stream_aborts_the_response(redis_url, redis_client
 
     sent = []
 
-    async def receive():
-        await asyncio.Event().wait()
+    receive = empty_then_silent()
 
     async def send(message):
         sent.append(message)
@@ -338,8 +337,9 @@ async def test_arbitrary_input_never_gives_5xx(redis_url, pid, user, body):
 
 
 @pytest.mark.parametrize("kind", ["body", "pathsend"])
-async def test_lock_is_released_when_the_response_is_out_before_background_tasks(redis_url, redis_client,
-                                                                                   tmp_path, kind):
+@pytest.mark.parametrize("release_after", ["app", "response"])
+async def test_background_tasks_run_under_the_lock_unless_release_after_response(redis_url, redis_client,
+                                                                                  tmp_path, kind, release_after):
     in_background, finish = asyncio.Event(), asyncio.Event()
     seen_during_background = []
 
@@ -359,8 +359,7 @@ async def test_lock_is_released_when_the_response_is_out_before_background_tasks
 
     sent = []
 
-    async def receive():
-        await asyncio.Event().wait()
+    receive = empty_then_silent()
 
     async def send(message):
         sent.append(message["type"])
@@ -369,12 +368,16 @@ async def test_lock_is_released_when_the_response_is_out_before_background_tasks
              "root_path": "", "query_string": b"", "headers": [], "scheme": "http", "http_version": "1.1",
              "extensions": {"http.response.pathsend": {}} if kind == "pathsend" else {}}
     async with make_manager(redis_url) as manager:
-        app = LockMiddleware(Starlette(routes=[Route("/bg", locked("bg")(handler))]), manager=manager)
+        app = LockMiddleware(Starlette(routes=[Route("/bg", locked("bg", release_after=release_after)(handler))]),
+                             manager=manager)
         call = asyncio.create_task(app(scope, receive, send))
         await in_background.wait()
         finish.set()
         await call
-    assert seen_during_background == [None]
+        owner_after = await owner_of(redis_client, "bg")
+    # Default: held until the app call returns; "response": let go once the last body message is out.
+    assert (seen_during_background[0] is None) == (release_after == "response")
+    assert owner_after is None
     assert sent[-1] == ("http.response.pathsend" if kind == "pathsend" else "http.response.body")
 
 
@@ -408,3 +411,19 @@ async def test_answers_of_the_middleware_carry_the_route_template_for_http_metri
         await held.release()
     assert busy.status_code == 409
     assert seen == ["/s/{pid}"]
+
+
+async def test_routes_are_found_behind_a_middleware_that_hides_its_app(redis_url):
+    def opaque(app):
+        async def middleware(scope, receive, send):   # a closure: no `.app` to walk through
+            await app(scope, receive, send)
+        return middleware
+
+    async with make_manager(redis_url) as manager:
+        starlette_app = Starlette(routes=[Route("/s/{pid}", locked("stock:{path.pid}")(info()), methods=["POST"])])
+        starlette_app.add_middleware(LockMiddleware, manager=manager)
+        starlette_app.add_middleware(opaque)
+        starlette_app.user_middleware.reverse()   # LockMiddleware outside the opaque one
+        async with client_for(starlette_app) as client:
+            response = await client.post("/s/4")
+    assert response.status_code == 200 and response.json()["key"] == lock_key("stock:4")

@@ -1,4 +1,4 @@
-"""Route matching before the router: Starlette routes, FastAPI (either decorator order), prefixes, mounts, rules."""
+"""Which routes get protected: Starlette routes, FastAPI (either decorator order), prefixes, mounts, rules."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Mount, Route, Router
 
 from otel_lock import LockMiddleware, idempotent, locked
-from otel_lock.asgi._routing import RouteResolver
+from otel_lock.asgi._routing import parse_rules, plan
 
 try:
     from ._middleware_helpers import client_for, lock_key, make_manager
@@ -20,8 +20,10 @@ except ImportError:
     from _middleware_helpers import client_for, lock_key, make_manager
 
 
-def scope(method: str, path: str) -> dict:
-    return {"type": "http", "method": method, "path": path, "root_path": "", "headers": [], "query_string": b""}
+def planned(routes, rules=None):
+    """{(template, method): annotations} of what the middleware would protect, and the problems found."""
+    plans, problems = plan(routes, parse_rules(rules))
+    return {(p.template, m): a for p in plans for m, a in p.methods.items()}, problems
 
 
 async def held_key(request):
@@ -34,34 +36,26 @@ async def locked_item(request):
     return await held_key(request)
 
 
-# -- the resolver on its own ---------------------------------------------------
+# -- the plan made at start-up ---------------------------------------------------
 
-def test_first_full_match_wins_and_partial_is_not_locked():
+def test_every_annotated_route_is_planned_with_its_template():
     other = locked("other:{path.x}")
     routes = [
         Route("/items/{item_id:int}", locked_item, methods=["POST"]),
         Route("/items/{x}", other(lambda r: None), methods=["POST"]),
+        Route("/free", held_key),
     ]
-    resolver = RouteResolver()
-    match = resolver.resolve(scope("POST", "/items/7"), routes)
-    assert match.route == "/items/{item_id:int}" and match.path_params == {"item_id": 7}
-    assert match.locked.template.template == "item:{path.item_id}"
-    assert resolver.resolve(scope("GET", "/items/7"), routes) is None  # 405 is the router's business
-    assert resolver.resolve(scope("POST", "/nowhere"), routes) is None
+    found, problems = planned(routes)
+    assert found[("/items/{item_id:int}", "POST")].locked.template.template == "item:{path.item_id}"
+    assert found[("/items/{x}", "POST")].locked is other
+    assert ("/items/{item_id:int}", "GET") not in found  # a 405 is the router's business
+    assert not any(template == "/free" for template, _ in found) and problems == []
 
 
 def test_mount_and_nested_router_prefixes_compose_the_template():
     inner = Router(routes=[Route("/items/{item_id}", locked_item, methods=["POST"])])
-    routes = [Mount("/api/{tenant}", routes=[Mount("/v1", app=inner)])]
-    match = RouteResolver().resolve(scope("POST", "/api/acme/v1/items/9"), routes)
-    assert match.route == "/api/{tenant}/v1/items/{item_id}"
-    assert match.path_params == {"tenant": "acme", "item_id": "9"}
-
-
-def test_a_mount_that_takes_the_request_is_the_only_candidate():
-    # The router gives /a/... to the Mount even if nothing inside matches: so must we.
-    routes = [Mount("/a", routes=[Route("/x", held_key)]), Route("/a/y", locked_item, methods=["GET"])]
-    assert RouteResolver().resolve(scope("GET", "/a/y"), routes) is None
+    found, problems = planned([Mount("/api/{tenant}", routes=[Mount("/v1", app=inner)])])
+    assert list(found) == [("/api/{tenant}/v1/items/{item_id}", "POST")] and problems == []
 
 
 def test_http_endpoint_methods_are_annotated_one_by_one():
@@ -73,10 +67,8 @@ def test_http_endpoint_methods_are_annotated_one_by_one():
         async def get(self, request):
             return await held_key(request)
 
-    routes = [Route("/items/{item_id}", Items)]
-    resolver = RouteResolver()
-    assert resolver.resolve(scope("POST", "/items/1"), routes).locked is not None
-    assert resolver.resolve(scope("GET", "/items/1"), routes) is None
+    found, _ = planned([Route("/items/{item_id}", Items)])
+    assert ("/items/{item_id}", "POST") in found and ("/items/{item_id}", "GET") not in found
 
 
 def test_functools_wraps_copies_are_found():
@@ -95,30 +87,29 @@ def test_functools_wraps_copies_are_found():
 
     over = logged(inner)  # registered wrapper whose target carries the annotation
     for endpoint, name in ((under, "a:{path.x}"), (over, "b:{path.x}")):
-        match = RouteResolver().resolve(scope("GET", "/1"), [Route("/{x}", endpoint)])
-        assert match.locked.template.template == name
+        found, _ = planned([Route("/{x}", endpoint)])
+        assert found[("/{x}", "GET")].locked.template.template == name
 
 
 def test_annotating_a_wrapper_does_not_annotate_its_target():
     async def target(request): ...
     wrapper = functools.wraps(target)(lambda request: target(request))
     locked("w:{path.x}")(wrapper)
-    assert RouteResolver().resolve(scope("GET", "/1"), [Route("/{x}", target)]) is None
+    assert planned([Route("/{x}", target)]) == ({}, [])
 
 
 def test_rules_match_route_templates_with_or_without_convertors():
     async def plain(request): ...
     routes = [Route("/stock/{pid:int}/deduct", plain, methods=["POST"])]
-    resolver = RouteResolver({"POST /stock/{pid}/deduct": locked("stock:{path.pid}")})
-    assert resolver.resolve(scope("POST", "/stock/3/deduct"), routes).locked is not None
-    assert resolver.resolve(scope("PUT", "/stock/3/deduct"), routes) is None
+    found, problems = planned(routes, {"POST /stock/{pid}/deduct": locked("stock:{path.pid}")})
+    assert found[("/stock/{pid:int}/deduct", "POST")].locked is not None and problems == []
+    assert ("/stock/{pid:int}/deduct", "PUT") not in found
 
 
 def test_rules_override_decorators():
     rule = locked("rule:{path.item_id}")
-    resolver = RouteResolver({"POST /items/{item_id}": rule})
-    match = resolver.resolve(scope("POST", "/items/1"), [Route("/items/{item_id}", locked_item, methods=["POST"])])
-    assert match.locked is rule
+    found, _ = planned([Route("/items/{item_id}", locked_item, methods=["POST"])], {"POST /items/{item_id}": rule})
+    assert found[("/items/{item_id}", "POST")].locked is rule
 
 
 @pytest.mark.parametrize("rules, message", [
@@ -128,7 +119,7 @@ def test_rules_override_decorators():
 ])
 def test_bad_rules_are_rejected(rules, message):
     with pytest.raises(ValueError, match=message):
-        RouteResolver(rules)
+        parse_rules(rules)
 
 
 def test_duplicate_decorator_is_rejected():
@@ -271,21 +262,35 @@ def test_annotating_an_http_endpoint_class_covers_every_method():
 
         async def put(self, request): ...
 
-    routes = [Route("/items/{item_id}", Items)]
-    for method in ("GET", "HEAD", "PUT"):
-        assert RouteResolver().resolve(scope(method, "/items/1"), routes).locked is not None
+    found, _ = planned([Route("/items/{item_id}", Items)])
+    assert {m for _, m in found} >= {"GET", "HEAD", "PUT"}
 
 
 def test_rules_do_not_lock_404_or_405_of_a_routed_app():
     async def plain(request): ...
-    resolver = RouteResolver({"/x": locked("x"), "/nowhere": locked("n")})
-    routes = [Route("/x", plain, methods=["GET"])]
-    assert resolver.resolve(scope("GET", "/x"), routes) is not None
-    assert resolver.resolve(scope("POST", "/x"), routes) is None
-    assert resolver.resolve(scope("GET", "/nowhere"), routes) is None
+    found, problems = planned([Route("/x", plain, methods=["GET"])], {"/x": locked("x"), "/nowhere": locked("n")})
+    assert ("/x", "GET") in found and ("/x", "POST") not in found
+    assert [p.route for p in problems] == ["/nowhere"] and "matches no route" in problems[0].message
 
 
-def test_a_rule_for_no_route_is_reported(caplog):
+def test_a_rule_for_no_route_is_reported(redis_url, caplog):
     async def plain(request): ...
-    RouteResolver({"POST /typo": locked("t")}).prepare_openapi([Route("/real", plain)])
-    assert "matches no route" in caplog.text
+    app = LockMiddleware(Starlette(routes=[Route("/real", plain)]), manager=object(), rules={"POST /typo": locked("t")})
+    app.prepare()
+    assert "/typo" in caplog.text and "matches no route" in caplog.text
+
+
+async def test_http_endpoint_methods_are_locked_through_the_middleware(redis_url):
+    class Items(HTTPEndpoint):
+        @locked("items:{path.item_id}")
+        async def post(self, request):
+            return await held_key(request)
+
+        async def get(self, request):
+            return await held_key(request)
+
+    async with make_manager(redis_url) as manager:
+        app = Starlette(routes=[Mount("/shop/{tenant}", routes=[Route("/items/{item_id:int}", Items)])])
+        app.add_middleware(LockMiddleware, manager=manager)
+        await assert_locked(app, "POST", "/shop/acme/items/007", "items:7", manager)
+        await assert_locked(app, "GET", "/shop/acme/items/7", None, manager)

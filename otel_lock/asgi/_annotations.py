@@ -1,9 +1,10 @@
 """`@locked(...)` and `@idempotent(...)`: route annotations read by LockMiddleware.
 
-They wrap nothing: FastAPI and Starlette register the very function object,
-so the decorator only records itself in an attribute, which makes it work in
-either order around `@app.post(...)`. The same objects are the values of
-`LockMiddleware(rules={...})`.
+The decorator records itself in an attribute of the function (so it works in
+either order around `@app.post(...)`) and returns a thin guard around it
+(`_guard`): placed below `@app.post`, the registered handler then refuses to
+run without LockMiddleware instead of running unlocked. The same objects are
+the values of `LockMiddleware(rules={...})`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from ._keys import KeyTemplate, parse_template
 
 ATTR = "__otel_lock__"
 MIB = 1024 * 1024
+RELEASE_AFTER = ("app", "response")   # when the app call returns (default), or after the last body message
 
 
 def _attach(obj: Any, kind: str, annotation: Any) -> Any:
@@ -26,7 +28,12 @@ def _attach(obj: Any, kind: str, annotation: Any) -> Any:
     # A new dict, never an update: functools.wraps shares __dict__ between a
     # wrapper and its target, and annotating one must not annotate the other.
     setattr(obj, ATTR, {**existing, kind: annotation})
-    return obj
+    from ._guard import guard
+
+    guarded = guard(obj)
+    if guarded is not obj:
+        setattr(guarded, ATTR, {**existing, kind: annotation})
+    return guarded
 
 
 def _check_seconds(what: str, value: float | None, *, allow_zero: bool) -> None:
@@ -46,6 +53,7 @@ class Locked:
     hash_parts: bool = False
     name: str | None = None
     retry_after: float | None = None
+    release_after: str = "app"
 
     kind = "locked"
 
@@ -78,8 +86,13 @@ class Idempotent:
 def locked(
     template: str, *, wait: float | None = None, lease: float | None = None, status: int = 409,
     fail_open: bool = False, hash_parts: bool = False, name: str | None = None, retry_after: float | None = None,
+    release_after: str = "app",
 ) -> Locked:
-    """Take the lock named by `template` before the handler runs; release after the response."""
+    """Take the lock named by `template` before the handler runs; release when the app call returns.
+
+    `release_after="response"` releases right after the last body message
+    instead: background tasks and yield-dependency exit code then run unlocked.
+    """
     _check_seconds("wait", wait, allow_zero=True)
     _check_seconds("lease", lease, allow_zero=False)
     _check_seconds("retry_after", retry_after, allow_zero=True)
@@ -87,7 +100,10 @@ def locked(
         raise ValueError(f"status must be a 4xx or 5xx code, got {status!r}")
     if name is not None and (not isinstance(name, str) or not name):
         raise ValueError("name must be a non-empty string")
-    return Locked(parse_template(template), wait, lease, status, fail_open, hash_parts, name, retry_after)
+    if release_after not in RELEASE_AFTER:
+        raise ValueError(f"release_after must be one of {', '.join(map(repr, RELEASE_AFTER))}, got {release_after!r}")
+    return Locked(parse_template(template), wait, lease, status, fail_open, hash_parts, name, retry_after,
+                  release_after)
 
 
 def idempotent(

@@ -1,26 +1,31 @@
-"""LockMiddleware: match route -> read body -> build key -> idempotency -> acquire -> run app -> release.
+"""LockMiddleware: at start-up, wrap each annotated route; per request, cost nothing elsewhere.
 
-Pure ASGI. It runs before the router, so it resolves the route itself
-(`_routing`), and wraps `send` to release the lock right after the last body
-message went out (streaming included). Per-request state lives in a
-`_Request` object, never on the middleware.
+Pure ASGI. It does not route: when the app starts (lifespan startup, or the
+first request for servers and test clients without lifespan) it walks the
+app's routes once (`_routing.plan`), replaces the `handle` of each route
+that carries `@locked`/`@idempotent` or a rule with a `RouteHandle`, fixes
+the OpenAPI schema, and checks the annotations. The router's one match then
+leads straight into `_flow.Flow` for protected routes; other routes and
+other requests never touch this code. A plain ASGI app without Starlette
+routes gets its rules matched here instead.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable
-from urllib.parse import parse_qsl
 
-from ._annotations import MIB, Locked
-from ._types import ASGIApp, Message, Receive, ResponseEnd, Scope, Send
-from ..lock._errors import LockLost, LockTimeout, RedisUnavailable
+from ._annotations import MIB
+from ._flow import Flow
+from ._guard import PROTECTED, ROUTE_STATE
 from ._idempotency import IdempotencyGate
-from ._keys import Part, TemplateValueError, json_value, resolve_secret
+from ._keys import resolve_secret
+from ._openapi import document
 from ._problem import send_problem
-from ._routing import RouteMatch, RouteResolver, find_routes
+from ._routing import Problem, RoutePlan, RuleMatcher, effective_context, find_routes, parse_rules, plan
+from ._typed import TypedFields
+from ._types import ASGIApp, Message, Receive, Scope, Send
 
 log = logging.getLogger("otel_lock.middleware")
 
@@ -30,226 +35,181 @@ class LockMiddleware:
 
     def __init__(self, app: ASGIApp, manager: Any, rules: dict[str, Any] | None = None,
                  hash_secret: str | bytes | None = None, max_body: int = MIB,
-                 principal: Callable[[Any], Any] | None = None) -> None:
+                 principal: Callable[[Any], Any] | None = None,
+                 body_timeout: float = 5.0, send_timeout: float = 10.0, enabled: bool = True) -> None:
         if manager is None:
             raise ValueError("LockMiddleware needs manager=LockManager(...)")
         if not isinstance(max_body, int) or max_body < 0:
             raise ValueError(f"max_body must be a non-negative number of bytes, got {max_body!r}")
+        for what, value in (("body_timeout", body_timeout), ("send_timeout", send_timeout)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{what} must be a positive number of seconds, got {value!r}")
         self.app = app
         self.manager = manager
-        self.resolver = RouteResolver(rules)
+        self.rules = parse_rules(rules)
         if hash_secret is None:
             hash_secret = getattr(manager, "hash_secret", None)
         self.secret = resolve_secret(hash_secret, getattr(manager, "namespace", "otel-lock"))
         self.max_body = max_body
+        self.body_timeout = float(body_timeout)
+        self.send_timeout = float(send_timeout)
         # principal: whose Idempotency-Keys these are, for @idempotent routes that don't say.
-        self.gate = IdempotencyGate(manager, self.secret, principal=principal)
+        self.gate = IdempotencyGate(manager, self.secret, **({} if principal is None else {"principal": principal}))
+        # enabled=False: a deliberate switch (demos, load tests) that runs annotated
+        # handlers without their locks instead of refusing them; logged at start-up.
+        self.enabled = bool(enabled)
+        self.plain: RuleMatcher | None = None
+        self.prepared = False
+        self._typed: dict[int, tuple[Any, TypedFields]] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] == "lifespan":
+            await self.app(scope, receive, self._startup_checked(scope, send))
+            return
+        if not self.prepared:
+            self.prepare(scope.get("app"))
+        if scope["type"] != "http" or self.plain is None or not self.enabled:
             await self.app(scope, receive, send)
             return
-        routes = find_routes(self.app, scope)
-        self.resolver.prepare_openapi(routes)
-        match = self.resolver.resolve(scope, routes)
+        match = self.plain.resolve(scope)
         if match is None:
             await self.app(scope, receive, send)
             return
-        await _Request(self, match, scope, receive, send).run()
-
-
-class _Request:
-    """One request's trip through the middleware."""
-
-    def __init__(self, mw: LockMiddleware, match: RouteMatch, scope: Scope, receive: Receive, send: Send) -> None:
-        self.mw, self.match = mw, match
-        self.scope, self.receive, self.send = scope, receive, send
-        self.body = b""
-        self.json: Any = _UNPARSED
-        # What the router would set: HTTP instrumentations read the route
-        # template from it, also for answers the middleware gives by itself.
+        scope["path_params"] = {**scope.get("path_params", {}), **match.path_params}
+        # What a router would set: HTTP instrumentations read the route template from it.
         scope.setdefault("route", _RouteTemplate(match.route))
+        await Flow(self, match, match.route, None, self.app, scope, receive, send).run()
 
-    async def run(self) -> None:
-        locked, idem = self.match.locked, self.match.idempotent
-        if idem is not None or (locked is not None and locked.template.needs_body):
-            if not await self._buffer_body():
-                return
-        name = None
-        if locked is not None:
-            try:
-                secret = self.mw.secret if locked.hash_parts else None
-                name = locked.template.render(self._value, secret)
-            except TemplateValueError as error:
-                await send_problem(self.send, 400, "lock-key-invalid", str(error))
-                return
-        inner = _Locked(self.mw, locked, name)
-        if idem is None:
-            await inner(self.scope, self.receive, self.send)
-        else:
-            await self.mw.gate(idem, self.match.route, self.scope, self.receive, self.send, self.body, inner)
+    def prepare(self, outer_app: Any = None, startup: bool = False) -> list[Problem]:
+        """Walk the routes once: wrap annotated ones, document them, report mistakes (logged)."""
+        self.prepared = True
+        routes = find_routes(self.app)
+        if routes is None and isinstance(getattr(outer_app, "routes", None), list):
+            routes = outer_app.routes   # a middleware in between that hides its `.app`
+        if routes is None:
+            self.plain = RuleMatcher(self.rules)
+            return []
+        plans, problems = plan(routes, self.rules)
+        if startup:
+            # Settings the idempotency gate needs (a principal): at start-up they fail the start;
+            # on first use the gate answers for itself.
+            problems += self._gate_problems(plans)
+        for route_plan in plans:
+            _install(route_plan.route, RouteHandle(self, route_plan, _original_handle(route_plan.route)))
+        for problem in problems:
+            log.error("otel-lock: %s", problem)
+            if problem.target is not None:
+                _install(problem.target, _Refuse(problem, _original_handle(problem.target)))
+        document(plans, outer_app)
+        if not self.enabled:
+            log.warning("otel-lock: LockMiddleware(enabled=False): %d annotated routes run WITHOUT their locks "
+                        "and idempotency", len(plans))
+        _warn_about_cors(self.app)
+        return problems
 
-    async def _buffer_body(self) -> bool:
-        """Read the body once (413 above max_body), then replay it to the app unchanged."""
-        limit = self.mw.max_body
-        declared = _header(self.scope, b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > limit):
-            await self._too_large(declared.isdigit())
-            return False
-        chunks, size = [], 0
-        while True:
-            message = await self.receive()
-            if message["type"] == "http.disconnect":
-                return False  # the client is gone: nothing to lock for
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                await self._too_large(True)
-                return False
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        self.body = b"".join(chunks)
-        self.receive = _replay(self.body, self.receive)
-        return True
+    def _gate_problems(self, plans: list[RoutePlan]) -> list[Problem]:
+        check = getattr(self.gate, "check", None)
+        found = []
+        for route_plan in plans if check is not None else ():
+            for annotated in route_plan.methods.values():
+                if annotated.idempotent is not None:
+                    try:
+                        check(annotated.idempotent, route_plan.template)
+                    except ValueError as error:
+                        found.append(Problem(route_plan.template, str(error)))
+                        break
+        return found
 
-    async def _too_large(self, numeric: bool) -> None:
-        if not numeric:
-            await send_problem(self.send, 400, "invalid-content-length", "Content-Length is not a number")
-        else:
-            await send_problem(self.send, 413, "request-too-large",
-                               f"the request body exceeds {self.mw.max_body} bytes")
-
-    def _value(self, part: Part) -> str:
-        if part.source == "path":
-            if part.field not in self.match.path_params:
-                raise TemplateValueError(f"the route has no path parameter {part.field!r} (needed by {part.text})")
-            value = str(self.match.path_params[part.field])
-        elif part.source == "query":
-            found = [v for k, v in parse_qsl(self.scope.get("query_string", b"").decode("latin-1"),
-                                              keep_blank_values=True) if k == part.field]
-            value = _single(found, f"query parameter {part.field!r}", part)
-        elif part.source == "header":
-            found = [v.decode("latin-1") for k, v in self.scope.get("headers", [])
-                     if k.decode("latin-1").lower() == part.field]
-            value = _single(found, f"header {part.field!r}", part)
-        else:
-            value = json_value(self._json(), part)
-        if value == "":
-            raise TemplateValueError(f"{part.text} is empty")
-        return value
-
-    def _json(self) -> Any:
-        if self.json is _UNPARSED:
-            try:
-                self.json = json.loads(self.body)
-            except (ValueError, RecursionError):
-                raise TemplateValueError("the request body is not valid JSON") from None
-        return self.json
-
-
-class _Locked:
-    """The business lock around the app; returns whether the handler was entered."""
-
-    def __init__(self, mw: LockMiddleware, rule: Locked | None, name: str | None) -> None:
-        self.mw, self.rule, self.name = mw, rule, name
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> bool:
-        rule = self.rule
-        if rule is None:
-            await self.mw.app(scope, receive, send)
-            return True
-        held: Any = None
-        started = entered = app_done = False
-        end = ResponseEnd()
-
-        async def release_after_last_body(message: Message) -> None:
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-            last = end.is_last(message)
+    def _startup_checked(self, scope: Scope, send: Send) -> Send:
+        """Prepare once the app's own startup is done; a mistake fails the startup, naming it."""
+        async def checked(message: Message) -> None:
+            if message["type"] == "lifespan.startup.complete" and not self.prepared:
+                problems = self.prepare(scope.get("app"), startup=True)
+                if problems:
+                    text = "otel-lock: " + "; ".join(str(p) for p in problems)
+                    await send({"type": "lifespan.startup.failed", "message": text})
+                    return
             await send(message)
-            if last:
-                # The response is out: let the next request in now, not after
-                # background tasks. release() is idempotent; the exit releases too.
-                await _release_quietly(held)
 
-        try:
-            async with self.mw.manager.lock(self.name, wait=rule.wait, lease=rule.lease, name=rule.lock_name,
-                                            cancel_on_lost=True) as held:
-                entered = True
-                scope["state"] = {**scope.get("state", {}), "lock": held}
-                await self.mw.app(scope, receive, release_after_last_body)
-                app_done = True
-        except LockTimeout:
-            if entered:
-                raise  # the handler's own lock, not ours
-            await send_problem(send, rule.status, "lock-timeout",
-                               f"the resource is busy (lock {rule.lock_name!r} not acquired within the wait)",
-                               retry_after=_retry_after(rule))
-            return False
-        except RedisUnavailable:
-            if app_done:
-                return True  # the release failed; the lease expires by itself
-            if entered:
-                raise
-            if rule.fail_open:
-                # Counted by the manager as otel_lock.errors{error.type=redis_unavailable}.
-                log.warning("otel-lock: Redis unavailable, running %s without its lock (fail_open)", rule.lock_name)
-                await self.mw.app(scope, receive, send)
-                return True
-            await send_problem(send, 503, "redis-unavailable", "the lock service is unavailable",
-                               retry_after=_retry_after(rule))
-            return False
-        except LockLost:
-            if started:
-                raise  # half a response is out: abort it, the server drops the connection
-            await send_problem(send, 503, "lock-lost",
-                               "the lock was lost while the request ran; its effects may be incomplete",
-                               retry_after=_retry_after(rule))
-        return True
+        return checked
+
+    def typed_fields(self, route: Any) -> TypedFields | None:
+        """FastAPI's declared fields of a route or inclusion (cached per dependant)."""
+        dependant = getattr(route, "dependant", None)
+        if dependant is None:
+            return None
+        cached = self._typed.get(id(dependant))
+        if cached is None or cached[0] is not dependant:
+            cached = (dependant, TypedFields(dependant, bool(getattr(route, "_embed_body_fields", False))))
+            self._typed[id(dependant)] = cached
+        return cached[1]
 
 
-def _retry_after(rule: Locked) -> float:
-    return rule.retry_after if rule.retry_after is not None else 1.0
+class RouteHandle:
+    """Replaces an annotated route's `handle`: the router has matched, the handler has not run yet."""
+
+    def __init__(self, mw: LockMiddleware, route_plan: RoutePlan, original: Any) -> None:
+        self.mw, self.plan, self.original = mw, route_plan, original
+        first = route_plan.contexts[0] if route_plan.contexts else None
+        own = getattr(first, "path", "") if first is not None else ""
+        self.prefix = route_plan.template[: len(route_plan.template) - len(own)] if own else ""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        annotated = self.plan.methods.get(scope.get("method", "")) if scope["type"] == "http" else None
+        if annotated is None:
+            await self.original(scope, receive, send)   # websocket, 405, or an unannotated method
+            return
+        if not self.mw.enabled:
+            token = ROUTE_STATE.set(PROTECTED)
+            try:
+                await self.original(scope, receive, send)
+            finally:
+                ROUTE_STATE.reset(token)
+            return
+        route = self.plan.route
+        context = effective_context(scope, route) if self.plan.contexts else None
+        template = self.prefix + context.path if context is not None else self.plan.template
+        typed = self.mw.typed_fields(context if context is not None else route)
+        await Flow(self.mw, annotated, template, typed, self.original, scope, receive, send).run()
 
 
-async def _release_quietly(held: Any) -> None:
-    try:
-        await held.release()
-    except RedisUnavailable as error:
-        log.warning("otel-lock: could not release %s, it will expire by itself: %s", held.key, error)
+class _Refuse:
+    """A route with an annotation mistake found on first use: refuse, naming the mistake."""
+
+    def __init__(self, problem: Problem, original: Any) -> None:
+        self.problem, self.original = problem, original
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            await send_problem(send, 500, "lock-annotation-invalid", f"otel-lock: {self.problem}")
+        elif scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1011, "reason": "otel-lock: annotation error"})
+        else:
+            await self.original(scope, receive, send)
 
 
-def _replay(body: bytes, receive: Receive) -> Receive:
-    sent = False
-
-    async def replay() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()  # disconnects still reach the app
-
-    return replay
+def _original_handle(route: Any) -> Any:
+    current = route.__dict__.get("handle")
+    if isinstance(current, (RouteHandle, _Refuse)):
+        return current.original   # a route shared with an earlier app: wrap its real handle again
+    return route.handle
 
 
-def _single(values: list[str], what: str, part: Part) -> str:
-    if not values:
-        raise TemplateValueError(f"{what} is missing (needed by {part.text})")
-    if len(values) > 1:
-        raise TemplateValueError(f"{what} was sent more than once (needed by {part.text})")
-    return values[0]
+def _install(route: Any, handle: Any) -> None:
+    route.handle = handle
 
 
-def _header(scope: Scope, name: bytes) -> str | None:
-    for key, value in scope.get("headers", []):
-        if key.lower() == name:
-            return value.decode("latin-1").strip()
-    return None
-
-
-_UNPARSED = object()
+def _warn_about_cors(app: Any) -> None:
+    node, seen = app, 0
+    while node is not None and seen < 32:
+        if type(node).__name__ == "CORSMiddleware":
+            log.warning("otel-lock: LockMiddleware wraps %s.%s: add LockMiddleware before CORSMiddleware "
+                        "(app.add_middleware(LockMiddleware, ...) first, CORS last, so CORS is outermost); "
+                        "answers given in front of the router would otherwise lack CORS headers",
+                        type(node).__module__, type(node).__name__)
+            return
+        node = getattr(node, "app", None)
+        seen += 1
 
 
 @dataclass(frozen=True)

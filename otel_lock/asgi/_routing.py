@@ -1,32 +1,61 @@
-"""Find the route of a request before the router runs.
+"""Find the annotated routes once, at start-up; match rules for plain ASGI apps.
 
-LockMiddleware sits outside the router, so it asks each route the router's
-own question, `route.matches(scope)`, and stops at the first FULL match,
-descending into Mounts (routers with prefixes, mounted sub-apps) the way the
-router would. The annotations of a route are looked up once and cached.
+LockMiddleware does not route requests itself: `plan()` walks the app's
+routes (Mounts, Hosts, FastAPI's included routers) when the app starts and
+returns one `RoutePlan` per route that carries an annotation or a rule, so
+the middleware can wrap that route's own `handle`, which the router calls
+after its one match. Annotation mistakes found on the way (a websocket
+route, an unknown path parameter, an annotation hidden by a wrapper) are
+returned as `Problem`s naming the route.
 """
 
 from __future__ import annotations
 
-import logging
 import sys
-from dataclasses import dataclass
-from typing import Any, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Iterator
 
-from starlette.routing import Host, Match, Mount, Route, compile_path
+from starlette.routing import Host, Mount, Route, WebSocketRoute, compile_path
 
-from ._annotations import Idempotent, Locked, annotations_of
+from ._annotations import ATTR, Idempotent, Locked, annotations_of
 
-IDEMPOTENCY_HEADER = "Idempotency-Key"
-log = logging.getLogger("otel_lock.middleware")
+ALL_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+
+
+@dataclass(frozen=True)
+class Annotated:
+    locked: Locked | None
+    idempotent: Idempotent | None
 
 
 @dataclass(frozen=True)
 class RouteMatch:
-    route: str                      # the template, e.g. /api/stock/{product_id}/deduct (http.route)
+    """A plain ASGI app's request matched by a rule."""
+
+    route: str
     path_params: dict[str, Any]
     locked: Locked | None
     idempotent: Idempotent | None
+
+
+@dataclass(frozen=True)
+class Problem:
+    route: str
+    message: str
+    target: Any = None                # the route object to refuse requests on, if any
+
+    def __str__(self) -> str:
+        return f"route {self.route}: {self.message}"
+
+
+@dataclass
+class RoutePlan:
+    """What to do for one route object: its template and annotations per method."""
+
+    route: Any                        # the object whose `handle` the router calls
+    template: str
+    methods: dict[str, Annotated] = field(default_factory=dict)
+    contexts: list[Any] = field(default_factory=list)   # FastAPI inclusions of an APIRoute
 
 
 @dataclass(frozen=True)
@@ -62,7 +91,7 @@ def parse_rules(rules: dict[str, Any] | None) -> list[_Rule]:
     return parsed
 
 
-def _format(template: str) -> str:
+def path_format(template: str) -> str:
     """`/x/{id:int}` -> `/x/{id}`: rules and routes compare without convertors."""
     try:
         return compile_path(template)[1]
@@ -70,50 +99,17 @@ def _format(template: str) -> str:
         return template
 
 
-def _child_routes(route: Any) -> list | None:
-    if isinstance(route, (Mount, Host)):
-        return list(route.routes)
-    return None
+class RuleMatcher:
+    """Rules for a plain ASGI app without Starlette routes: the rules' own paths are the routes."""
 
+    def __init__(self, rules: list[_Rule]) -> None:
+        self.rules = rules
 
-class RouteResolver:
-    """Route lookup for one wrapped app: one walk per request, annotations cached per route."""
-
-    def __init__(self, rules: dict[str, Any] | None = None) -> None:
-        self.rules = parse_rules(rules)
-        self._cache: dict[tuple[int, str, str], tuple[Any, dict[str, Any]]] = {}
-        self._prepared: set[int] = set()
-
-    def resolve(self, scope: dict, routes: Iterable[Any]) -> RouteMatch | None:
-        routes = routes if isinstance(routes, list) else list(routes)
-        found = _walk(routes, scope, "")
-        if found is None:
-            # No route: a 404 or 405 for a routed app; for a plain ASGI app the rules are the routes.
-            return None if routes else self._rule_only(scope)
-        route, template, child_scope = found
-        annotations = self._annotations(route, template, scope["method"])
-        if not annotations:
-            return None
-        return RouteMatch(template, dict(child_scope.get("path_params", {})),
-                          annotations.get("locked"), annotations.get("idempotent"))
-
-    def _annotations(self, route: Any, template: str, method: str) -> dict[str, Any]:
-        key = (id(route), method, template)
-        cached = self._cache.get(key)
-        if cached is not None and cached[0] is route:
-            return cached[1]
-        annotations = annotations_of(getattr(route, "endpoint", None), method)
-        path_format = _format(template)
-        for rule in self.rules:
-            if rule.path_format == path_format and (rule.methods is None or method in rule.methods):
-                annotations = {**annotations, **rule.annotations}  # rules win over decorators
-                break
-        self._cache[key] = (route, annotations)
-        return annotations
-
-    def _rule_only(self, scope: dict) -> RouteMatch | None:
-        """Apps without Starlette routes (plain ASGI): match the rules' own paths."""
-        path = _route_path(scope)
+    def resolve(self, scope: dict) -> RouteMatch | None:
+        path = scope["path"]
+        root = scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root):] or "/"
         for rule in self.rules:
             if rule.methods is not None and scope["method"] not in rule.methods:
                 continue
@@ -124,144 +120,9 @@ class RouteResolver:
                                   rule.annotations.get("locked"), rule.annotations.get("idempotent"))
         return None
 
-    def prepare_openapi(self, routes: Iterable[Any]) -> None:
-        """Show `Idempotency-Key` on FastAPI operations that honour it (once per routes list).
 
-        FastAPI builds the schema from each route's `openapi_extra`, lazily, on
-        the first /openapi.json; this runs on the first request the middleware
-        sees, so it is in place before that, whatever the decorator order.
-        """
-        if id(routes) in self._prepared:
-            return
-        self._prepared.add(id(routes))
-        templates = set()
-        for route, template in _all_routes(routes, ""):
-            templates.add(_format(template))
-            if not hasattr(route, "openapi_extra"):
-                continue
-            methods = sorted(getattr(route, "methods", None) or ["POST"])
-            for method in methods:
-                idem = self._annotations(route, template, method).get("idempotent")
-                if idem is not None:
-                    _add_header_parameter(route, idem)
-                    break
-        for rule in self.rules:
-            if templates and rule.path_format not in templates:
-                log.warning("otel-lock: rule for %s matches no route of the app (typo?)", rule.path_format)
-
-
-def _route_path(scope: dict) -> str:
-    """The path the routes see below a Mount (Starlette's own rule, which is private)."""
-    path, root = scope["path"], scope.get("root_path", "")
-    if not root or not path.startswith(root):
-        return path
-    if path == root:
-        return ""
-    return path[len(root):] if path[len(root)] == "/" else path
-
-
-def _plain_match_classes() -> tuple[type, ...]:
-    """Route classes whose matches() is their path regex plus a method check."""
-    classes: list[type] = [Route, Mount]
-    fastapi_routing = sys.modules.get("fastapi.routing")
-    if fastapi_routing is not None and hasattr(fastapi_routing, "APIRoute"):
-        classes.append(fastapi_routing.APIRoute)
-    return tuple(classes)
-
-
-def _walk(routes: Iterable[Any], scope: dict, prefix: str) -> tuple[Any, str, dict] | None:
-    # A regex pre-check skips most routes without building a child scope;
-    # matches() still decides for the ones that pass (as the router will).
-    route_path = _route_path(scope)
-    plain = _plain_match_classes() if "fastapi" not in scope else ()
-    for route in routes:
-        if type(route) in plain and not route.path_regex.match(route_path):
-            continue
-        if _is_included_router(route):
-            match, child = route.matches(_probe(scope))
-            if match is Match.FULL:
-                return _walk_included(route, scope, prefix)
-            continue
-        match, child = route.matches(scope)
-        if match is not Match.FULL:
-            continue  # PARTIAL (wrong method) is the router's 405, never locked
-        template = prefix + getattr(route, "path", "")
-        children = _child_routes(route)
-        if children is None:
-            return route, template, {**scope, **child}
-        # The router hands the request to this Mount whatever happens inside,
-        # so a miss below is a miss overall: no second candidate.
-        return _walk(children, {**scope, **child}, template)
-    return None
-
-
-def _is_included_router(route: Any) -> bool:
-    # FastAPI >= 0.16x keeps `include_router(...)` as a lazy view with a prefix
-    # instead of flattened copies of the routes; its `matches()` says FULL
-    # but not which route, so ask its selector (duck-typed: private API).
-    return hasattr(route, "_match") and hasattr(route, "effective_route_contexts") \
-        and not isinstance(route, (Mount, Host))
-
-
-def _probe(scope: dict) -> dict:
-    """A copy FastAPI may scribble its routing notes on."""
-    probe = dict(scope)
-    if isinstance(probe.get("fastapi"), dict):
-        probe["fastapi"] = dict(probe["fastapi"])
-    return probe
-
-
-def _walk_included(router: Any, scope: dict, prefix: str) -> tuple[Any, str, dict] | None:
-    match, child, route, context = router._match(_probe(scope))
-    if match is not Match.FULL or route is None:
-        return None
-    child_scope = {**scope, **child}
-    child_scope.pop("fastapi", None)
-    if context is None:  # a router included in the included router
-        return _walk([route], child_scope, prefix)
-    starlette_route = getattr(context, "starlette_route", None)
-    children = _child_routes(starlette_route)
-    if children is not None:  # a Mount inside an included router: its path carries the prefix
-        return _walk(children, child_scope, prefix + getattr(starlette_route, "path", ""))
-    path = getattr(context, "path", "") or getattr(starlette_route, "path", "") or getattr(route, "path", "")
-    return route, prefix + path, child_scope
-
-
-def _all_routes(routes: Iterable[Any], prefix: str):
-    for route in routes:
-        if _is_included_router(route):
-            for context in route.effective_route_contexts():
-                yield context, prefix + (getattr(context, "path", "") or "")
-            continue
-        template = prefix + getattr(route, "path", "")
-        children = _child_routes(route)
-        if children is None:
-            yield route, template
-        else:
-            yield from _all_routes(children, template)
-
-
-def _add_header_parameter(route: Any, idem: Idempotent) -> None:
-    extra = dict(route.openapi_extra or {})
-    params = list(extra.get("parameters", []))
-    if any(p.get("in") == "header" and str(p.get("name", "")).lower() == "idempotency-key" for p in params):
-        return
-    params.append({
-        "name": IDEMPOTENCY_HEADER, "in": "header", "required": idem.required,
-        "description": "Unique key for this operation (Structured Field string, 1-255 printable ASCII "
-                       "characters); a retry with the same key and payload replays the stored response.",
-        "schema": {"type": "string", "minLength": 1, "maxLength": 257},
-    })
-    extra["parameters"] = params
-    # A new dict: include_router shares one openapi_extra between copies of a route.
-    route.openapi_extra = extra
-    original = getattr(route, "original_route", None)  # FastAPI's per-inclusion view of an APIRoute
-    if original is not None and hasattr(original, "openapi_extra"):
-        _add_header_parameter(original, idem)
-
-
-def find_routes(app: Any, scope: dict) -> Any:
-    """The routes list of the wrapped app: walk `.app` down to a router, else the scope's app."""
+def find_routes(app: Any) -> list | None:
+    """The routes list of the wrapped app: walk `.app` down to a router; None for a plain ASGI app."""
     node, seen = app, 0
     while node is not None and seen < 32:
         routes = getattr(node, "routes", None)
@@ -269,6 +130,132 @@ def find_routes(app: Any, scope: dict) -> Any:
             return routes
         node = getattr(node, "app", None)
         seen += 1
-    outer = scope.get("app")
-    routes = getattr(outer, "routes", None)
-    return routes if isinstance(routes, list) else []
+    return None
+
+
+def plan(routes: list, rules: list[_Rule]) -> tuple[list[RoutePlan], list[Problem]]:
+    """Every annotated route of the app, and every annotation mistake found on the way."""
+    plans: dict[int, RoutePlan] = {}
+    problems: list[Problem] = []
+    used_rules: set[int] = set()
+    for route, template, params, context in _walk(routes, "", frozenset()):
+        _visit(route, template, params, context, rules, plans, problems, used_rules)
+    for i, rule in enumerate(rules):
+        if i not in used_rules:
+            problems.append(Problem(rule.path_format, "a rule of LockMiddleware(rules=...) matches no route of "
+                                                      "the app (typo, or a method the route does not allow?)"))
+    return list(plans.values()), problems
+
+
+def _visit(route: Any, template: str, params: frozenset, context: Any, rules: list[_Rule],
+           plans: dict[int, RoutePlan], problems: list[Problem], used_rules: set[int]) -> None:
+    endpoint = getattr(context if context is not None else route, "endpoint", None)
+    if endpoint is None:
+        endpoint = getattr(route, "endpoint", None)
+    if isinstance(route, WebSocketRoute) or type(route).__name__ == "APIWebSocketRoute":
+        if annotations_of(endpoint):
+            problems.append(Problem(template, "@locked/@idempotent cannot protect a websocket route "
+                                              "(take the lock inside the handler with manager.lock(...))", route))
+        return
+    methods = getattr(context, "methods", None) or getattr(route, "methods", None)
+    methods = sorted(methods) if methods else list(ALL_METHODS)
+    found: dict[str, Annotated] = {}
+    fmt = path_format(template)
+    for method in methods:
+        annotations = annotations_of(endpoint, method)
+        for i, rule in enumerate(rules):
+            if rule.path_format == fmt and (rule.methods is None or method in rule.methods):
+                annotations = {**annotations, **rule.annotations}  # rules win over decorators
+                used_rules.add(i)
+                break
+        if annotations:
+            found[method] = Annotated(annotations.get("locked"), annotations.get("idempotent"))
+    if not found:
+        hidden = _hidden_annotation(endpoint)
+        if hidden is not None:
+            problems.append(Problem(template, f"the handler is wrapped by {hidden}, which hides its "
+                                              f"@locked/@idempotent annotation: decorate the wrapper with "
+                                              f"functools.wraps, or put @locked right below @app.<method>", route))
+        return
+    for annotated in found.values():
+        if annotated.locked is not None:
+            for part in annotated.locked.template.parts:
+                if part.source == "path" and part.field not in params:
+                    problems.append(Problem(template, f"lock key template {annotated.locked.template.template!r} "
+                                                      f"names {part.text}, but the route has no path parameter "
+                                                      f"{part.field!r} (it has: {', '.join(sorted(params)) or 'none'})",
+                                            route))
+                    return
+    target = route
+    existing = plans.get(id(target))
+    if existing is None:
+        existing = plans[id(target)] = RoutePlan(target, template, found)
+    if context is not None:
+        existing.contexts.append(context)
+
+
+def _hidden_annotation(endpoint: Any) -> str | None:
+    """A wrapper without functools.wraps: an annotated function sits in its closure."""
+    stack, seen = [(endpoint, 0)], set()
+    while stack:
+        fn, depth = stack.pop()
+        if id(fn) in seen or depth > 4:
+            continue
+        seen.add(id(fn))
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                inner = cell.cell_contents
+            except ValueError:
+                continue
+            if callable(inner) and getattr(inner, ATTR, None):
+                return getattr(endpoint, "__qualname__", repr(endpoint))
+            if callable(inner):
+                stack.append((inner, depth + 1))
+    return None
+
+
+def _walk(routes: list, prefix: str, params: frozenset) -> Iterator[tuple[Any, str, frozenset, Any]]:
+    """(route, template, path parameter names, FastAPI inclusion context or None) of every leaf route."""
+    for route in routes:
+        if _is_included_router(route):
+            for context in route.effective_route_contexts():
+                yield from _walk_context(context, prefix, params)
+            continue
+        if isinstance(route, (Mount, Host)):
+            child_params = params | frozenset(getattr(route, "param_convertors", {}) or {})
+            child_prefix = prefix + (route.path if isinstance(route, Mount) else "")
+            yield from _walk(list(getattr(route, "routes", None) or []), child_prefix, child_params)
+            continue
+        if isinstance(route, (Route, WebSocketRoute)) or hasattr(route, "endpoint"):
+            own = frozenset(getattr(route, "param_convertors", {}) or {})
+            yield route, prefix + getattr(route, "path", ""), params | own, None
+
+
+def _walk_context(context: Any, prefix: str, params: frozenset) -> Iterator[tuple[Any, str, frozenset, Any]]:
+    starlette_route = getattr(context, "starlette_route", None)
+    if starlette_route is not None:
+        # A plain Starlette route, Mount or websocket inside an included router: FastAPI
+        # calls this prefixed copy's `handle`.
+        yield from _walk([starlette_route], prefix, params)
+        return
+    original = getattr(context, "original_route", None)
+    if original is None or not hasattr(context, "path_regex") or context.path_regex is None:
+        return
+    own = frozenset(getattr(context, "param_convertors", {}) or {})
+    yield original, prefix + (getattr(context, "path", "") or ""), params | own, context
+
+
+def _is_included_router(route: Any) -> bool:
+    # FastAPI >= 0.16x keeps `include_router(...)` as a lazy view with a prefix
+    # instead of flattened copies of the routes (duck-typed: private API).
+    return hasattr(route, "effective_route_contexts") and not isinstance(route, (Mount, Host))
+
+
+def effective_context(scope: dict, route: Any) -> Any:
+    """The FastAPI inclusion this request went through, if the route was included with a prefix."""
+    routing = sys.modules.get("fastapi.routing")
+    getter = getattr(routing, "_get_scope_effective_route_context", None)
+    if getter is None:
+        return None
+    context = getter(scope)
+    return context if context is not None and getattr(context, "original_route", None) is route else None

@@ -1,0 +1,102 @@
+"""Fail closed: an annotated handler that runs without LockMiddleware answers 500.
+
+`@locked`/`@idempotent` put a thin guard around the handler (same kind of
+callable, `functools.wraps`, so FastAPI and Starlette see the original
+signature). LockMiddleware marks the request it protects in a context
+variable, right around the route's app; a handler reached without that mark
+ran without its lock, so the guard answers a problem+json 500 naming
+LockMiddleware instead of running it (logged once per handler).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import inspect
+import logging
+from typing import Any, Callable
+
+log = logging.getLogger("otel_lock.middleware")
+
+PROTECTED = "protected"      # the middleware holds what the annotation asks for
+UNCHECKED = "unchecked"      # the middleware judged the request invalid and did not lock it
+ROUTE_STATE: contextvars.ContextVar[str | None] = contextvars.ContextVar("otel_lock_route_state", default=None)
+GUARD_ATTR = "__otel_lock_guard__"
+_HTTP_METHODS = ("get", "head", "post", "put", "patch", "delete", "options")
+_reported: set[int] = set()
+
+
+class LockMiddlewareMissing(RuntimeError):
+    """An annotated handler ran without LockMiddleware protecting it."""
+
+
+def guard(endpoint: Any) -> Any:
+    """The guarded form of a handler (functions), or the class with guarded HTTP methods."""
+    if getattr(endpoint, GUARD_ATTR, False):
+        return endpoint
+    if inspect.isclass(endpoint):
+        for name in _HTTP_METHODS:
+            method = endpoint.__dict__.get(name)
+            if inspect.isfunction(method) and not getattr(method, GUARD_ATTR, False):
+                setattr(endpoint, name, _wrap(method))
+        return endpoint
+    if not inspect.isfunction(endpoint) and not inspect.ismethod(endpoint):
+        return endpoint  # an ASGI app object or a partial: annotated, not guarded
+    return _wrap(endpoint)
+
+
+def _wrap(fn: Callable) -> Callable:
+    if inspect.iscoroutinefunction(fn):
+        async def guarded(*args: Any, **kwargs: Any) -> Any:
+            refused = _refusal(fn)
+            return refused if refused is not None else await fn(*args, **kwargs)
+    elif inspect.isasyncgenfunction(fn):
+        async def guarded(*args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
+            _raise_if_unprotected(fn)
+            async for item in fn(*args, **kwargs):
+                yield item
+    elif inspect.isgeneratorfunction(fn):
+        def guarded(*args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
+            _raise_if_unprotected(fn)
+            yield from fn(*args, **kwargs)
+    else:
+        def guarded(*args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
+            refused = _refusal(fn)
+            return refused if refused is not None else fn(*args, **kwargs)
+    functools.update_wrapper(guarded, fn)
+    setattr(guarded, GUARD_ATTR, True)
+    return guarded
+
+
+def _problem(fn: Callable) -> str | None:
+    state = ROUTE_STATE.get()
+    if state == PROTECTED:
+        return None
+    name = getattr(fn, "__qualname__", repr(fn))
+    if state == UNCHECKED:
+        problem = (f"otel-lock refused to run {name}: LockMiddleware found a key value invalid for the "
+                   f"route's declared types and did not lock, yet the framework accepted the request")
+    else:
+        problem = (f"{name} is annotated with @locked/@idempotent but ran without LockMiddleware "
+                   f"protecting it: add app.add_middleware(LockMiddleware, manager=...) to the app, and keep "
+                   f"wrapping decorators between @app.<method> and @locked transparent (functools.wraps)")
+    if id(fn) not in _reported:
+        _reported.add(id(fn))
+        log.error("otel-lock: %s", problem)
+    return problem
+
+
+def _refusal(fn: Callable) -> Any:
+    problem = _problem(fn)
+    if problem is None:
+        return None
+    from starlette.responses import JSONResponse
+
+    return JSONResponse({"type": "lock-middleware-missing", "title": "Internal Server Error", "status": 500,
+                         "detail": problem}, status_code=500, media_type="application/problem+json")
+
+
+def _raise_if_unprotected(fn: Callable) -> None:
+    problem = _problem(fn)
+    if problem is not None:
+        raise LockMiddlewareMissing(problem)

@@ -1,0 +1,365 @@
+"""LockMiddleware in FastAPI apps written the usual way: typed keys, yield dependencies, routers, OpenAPI.
+
+Regression tests for issue 8, items 1, 2, 8 and 10 (one route match).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Annotated
+
+import pytest
+from fastapi import APIRouter, Body, Depends, FastAPI, Header, Query, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+from starlette.routing import Mount
+
+from otel_lock import LockMiddleware, idempotent, locked
+
+try:
+    from ._middleware_helpers import client_for, lock_key, make_manager, metered, run_lifespan
+except ImportError:
+    from _middleware_helpers import client_for, lock_key, make_manager, metered, run_lifespan
+
+
+class Shelf:
+    """A stock table whose read-modify-write is slow enough to oversell without a lock."""
+
+    def __init__(self, **stock: int) -> None:
+        self.stock = dict(stock)
+        self.sold: list[str] = []
+
+    async def buy(self, product: str, buyer: str) -> JSONResponse:
+        left = self.stock.get(product, 0)
+        await asyncio.sleep(0.02)  # the slow part of a real purchase (a payment call), not synchronisation
+        if left <= 0:
+            return JSONResponse({"sold": False}, status_code=409)
+        self.stock[product] = left - 1
+        self.sold.append(buyer)
+        return JSONResponse({"sold": True})
+
+
+class Order(BaseModel):
+    product_id: int
+    quantity: int = 1
+
+
+class Item(BaseModel):
+    code: str
+
+
+class Session:
+    """A unit of work: writes are pending until the dependency commits them."""
+
+    def __init__(self) -> None:
+        self.pending: dict[str, int] = {}
+
+
+def shop_app(manager, shelf: Shelf) -> FastAPI:
+    app = FastAPI()
+
+    @app.post("/stock/{product_id}/deduct")
+    @locked("stock:{path.product_id}", wait=5)
+    async def deduct(product_id: int, request: Request):
+        return await shelf.buy(str(product_id), request.url.path)
+
+    @app.post("/orders")
+    @locked("stock:{json.product_id}", wait=5)
+    async def order(body: Order, request: Request):
+        return await shelf.buy(str(body.product_id), repr(await request.body()))
+
+    app.add_middleware(LockMiddleware, manager=manager)
+    return app
+
+
+async def test_seven_spellings_of_one_path_int_are_one_lock_one_item_sold(redis_url):
+    paths = ["7", "07", "007", "+7", "%207", "7%20", "7.0"]
+    shelf = Shelf(**{"7": 1})
+    async with make_manager(redis_url) as manager:
+        async with client_for(shop_app(manager, shelf)) as client:
+            answers = await asyncio.gather(*(client.post(f"/stock/{p}/deduct") for p in paths))
+    assert sorted(r.status_code for r in answers) == [200] + [409] * 6, [r.text for r in answers]
+    assert len(shelf.sold) == 1 and shelf.stock["7"] == 0
+
+
+async def test_seven_spellings_of_one_json_int_are_one_lock_one_item_sold(redis_url):
+    bodies = ['{"product_id": 7}', '{"product_id": 7.0}', '{"product_id": "07"}', '{"product_id": " 7"}',
+              '{"product_id": "+7"}', '{"quantity": 1, "product_id": "007"}', '{"product_id": "7 "}']
+    shelf = Shelf(**{"7": 1})
+    async with make_manager(redis_url) as manager:
+        async with client_for(shop_app(manager, shelf)) as client:
+            answers = await asyncio.gather(*(client.post("/orders", content=b, headers={"content-type":
+                                                                                       "application/json"})
+                                             for b in bodies))
+    assert sorted(r.status_code for r in answers) == [200] + [409] * 6, [r.text for r in answers]
+    assert len(shelf.sold) == 1
+
+
+async def test_keys_show_the_typed_value_and_str_fields_keep_their_text(redis_url):
+    async with make_manager(redis_url) as manager:
+        app = FastAPI()
+
+        @app.post("/sku/{code}")
+        @locked("sku:{path.code}:{query.qty}:{header.x-tenant}")
+        async def by_code(code: str, qty: int, x_tenant: Annotated[int, Header()], request: Request):
+            return {"key": request.state.lock.key}
+
+        @app.post("/items")
+        @locked("item:{json.code}")
+        async def item(body: Item, request: Request):
+            return {"key": request.state.lock.key}
+
+        @app.post("/embedded")
+        @locked("emb:{json.order.product_id}:{json.note}")
+        async def embedded(order: Order, note: Annotated[str, Body()], request: Request):
+            return {"key": request.state.lock.key}
+
+        app.add_middleware(LockMiddleware, manager=manager)
+        async with client_for(app) as client:
+            a = await client.post("/sku/01", params={"qty": "05"}, headers={"x-tenant": "+3"})
+            b = await client.post("/sku/1", params={"qty": "5.0"}, headers={"x-tenant": "3"})
+            c = await client.post("/items", json={"code": "1"})
+            d = await client.post("/embedded", json={"order": {"product_id": "09"}, "note": "n"})
+    assert a.json()["key"] == lock_key("sku:01:5:3")
+    assert b.json()["key"] == lock_key("sku:1:5:3")
+    assert c.json()["key"] == lock_key("item:1")
+    assert d.json()["key"] == lock_key("emb:9:n")
+
+
+async def test_values_fastapi_rejects_get_its_own_422_and_take_no_lock(redis_url):
+    calls = []
+    provider, reader = metered()
+    async with make_manager(redis_url, meter_provider=provider) as manager:
+        app = FastAPI()
+
+        @app.post("/stock/{product_id}/deduct")
+        @locked("stock:{path.product_id}")
+        async def deduct(product_id: int):
+            calls.append(product_id)
+
+        @app.post("/items")
+        @locked("item:{json.code}")
+        async def item(body: Item):
+            calls.append(body)
+
+        @app.post("/q")
+        @locked("q:{query.n}")
+        async def q(n: Annotated[int, Query(gt=0)]):
+            calls.append(n)
+
+        app.add_middleware(LockMiddleware, manager=manager)
+        async with client_for(app) as client:
+            answers = [
+                await client.post("/stock/abc/deduct"),
+                await client.post("/stock/7.5/deduct"),
+                await client.post("/items", json={"code": 1}),       # 1 is not a str: no coercion
+                await client.post("/items", content=b"{not json", headers={"content-type": "application/json"}),
+                await client.post("/q", params={"n": "0"}),
+                await client.post("/q"),
+            ]
+    for response in answers:
+        assert response.status_code == 422, response.text
+        assert response.headers["content-type"] == "application/json"   # FastAPI's own answer, not ours
+        assert isinstance(response.json()["detail"], list)
+    assert calls == []
+    data = reader.get_metrics_data()
+    waits = [m for rm in (data.resource_metrics if data else []) for sm in rm.scope_metrics for m in sm.metrics
+             if m.name == "otel_lock.wait.duration"]
+    assert waits == []   # not one acquire was attempted
+
+
+@pytest.mark.parametrize("release_after", ["app", "response"])
+async def test_yield_dependency_commit_runs_under_the_lock(redis_url, redis_client, release_after):
+    """The session-per-request pattern: the commit in the dependency's exit code, after the response."""
+    stock = {"p": 1}
+    holder_at_commit = []
+
+    async def get_session(request: Request):
+        session = Session()
+        yield session
+        holder_at_commit.append(await redis_client.hget(lock_key("stock:p"), "owner"))
+        await asyncio.sleep(0.02)  # a slow commit
+        stock.update(session.pending)
+
+    async with make_manager(redis_url) as manager:
+        app = FastAPI()
+
+        @app.post("/stock/{pid}/buy")
+        @locked("stock:{path.pid}", wait=5, release_after=release_after)
+        async def buy(pid: str, session: Session = Depends(get_session)):
+            if stock[pid] <= 0:
+                return JSONResponse({"sold": False}, status_code=409)
+            session.pending[pid] = stock[pid] - 1
+            return {"sold": True}
+
+        app.add_middleware(LockMiddleware, manager=manager)
+        async with client_for(app) as client:
+            answers = await asyncio.gather(client.post("/stock/p/buy"), client.post("/stock/p/buy"))
+    statuses = sorted(r.status_code for r in answers)
+    if release_after == "app":
+        assert statuses == [200, 409] and stock["p"] == 0
+        assert all(owner is not None for owner in holder_at_commit)
+    else:
+        # Documented: with release_after="response" the commit runs after the lock is let go.
+        assert holder_at_commit[0] is None
+
+
+async def test_one_route_match_per_request(redis_url):
+    """Like Starlette's test_instrumentation_uses_actual_route_match_once, through routers and mounts."""
+    matches = []
+
+    from fastapi.routing import APIRoute
+
+    class CountingRoute(APIRoute):
+        def matches(self, scope):
+            match, child = super().matches(scope)
+            matches.append((self.path, match.name))
+            return match, child
+
+    async with make_manager(redis_url) as manager:
+        app = FastAPI()
+        router = APIRouter(prefix="/api", route_class=CountingRoute)
+
+        @router.post("/items/{item_id}")
+        @locked("item:{path.item_id}")
+        async def item(item_id: int, request: Request):
+            return {"key": request.state.lock.key}
+
+        @router.get("/free")
+        async def free():
+            return {}
+
+        app.include_router(router)
+        sub = FastAPI()
+        sub.router.route_class = CountingRoute
+
+        @sub.get("/free")
+        async def sub_free():
+            return {}
+
+        @sub.post("/orders/{oid}")
+        @locked("order:{path.oid}")
+        async def order(oid: int, request: Request):
+            return {"key": request.state.lock.key}
+
+        app.router.routes.append(Mount("/shop", app=sub))
+        app.add_middleware(LockMiddleware, manager=manager)
+        counts = {}
+        async with client_for(app) as client:
+            for path, key in (("/api/items/3", "item:3"), ("/api/free", None), ("/shop/orders/4", "order:4"),
+                              ("/shop/free", None)):
+                matches.clear()
+                response = await (client.post(path) if key else client.get(path))
+                assert response.status_code == 200, response.text
+                if key:
+                    assert response.json()["key"] == lock_key(key)
+                counts[path] = sum(1 for _, verdict in matches if verdict == "FULL")
+    # The framework's own matching (FastAPI asks an included route more than once), nothing more:
+    # a locked route costs the same matches as its unlocked neighbour.
+    assert counts["/api/items/3"] == counts["/api/free"]
+    assert counts["/shop/orders/4"] == counts["/shop/free"] == 1
+
+
+async def test_rules_on_fastapi_included_routes(redis_url):
+    async with make_manager(redis_url) as manager:
+        app = FastAPI()
+        router = APIRouter(prefix="/v1")
+
+        @router.post("/stock/{pid}/deduct")
+        async def deduct(pid: int, request: Request):
+            return {"key": request.state.lock.key}
+
+        app.include_router(router)
+        app.add_middleware(LockMiddleware, manager=manager,
+                           rules={"POST /v1/stock/{pid}/deduct": locked("stock:{path.pid}")})
+        async with client_for(app) as client:
+            response = await client.post("/v1/stock/08/deduct")
+    assert response.json()["key"] == lock_key("stock:8")
+
+
+async def test_sync_handlers_and_dependencies_run_protected(redis_url):
+    """FastAPI runs `def` handlers in a thread pool: the protection mark must follow them there."""
+    async with make_manager(redis_url) as manager:
+        app = FastAPI()
+
+        @app.post("/sync/{pid}")
+        @locked("sync:{path.pid}")
+        def sync_handler(pid: int, request: Request):
+            return {"key": request.state.lock.key}
+
+        app.add_middleware(LockMiddleware, manager=manager)
+        async with client_for(app) as client:
+            response = await client.post("/sync/2")
+    assert response.status_code == 200 and response.json()["key"] == lock_key("sync:2")
+
+
+def _problem_statuses(operation: dict) -> set[str]:
+    return {status for status, answer in operation["responses"].items()
+            if "application/problem+json" in answer.get("content", {})}
+
+
+async def test_openapi_is_right_at_start_up_before_any_request(redis_url):
+    async with make_manager(redis_url) as manager:
+        app = FastAPI()
+
+        def caller(request):
+            return request.headers.get("x-user-id")
+
+        @app.post("/orders")
+        @idempotent(principal=caller)
+        @locked("orders:{json.product_id}")
+        async def orders(body: Order):
+            return {}
+
+        @app.post("/declared")
+        @idempotent(required=False, principal=caller)
+        async def declared(key: Annotated[str | None, Header(alias="Idempotency-Key", max_length=255)] = None):
+            return {}
+
+        router = APIRouter(prefix="/v1")
+
+        @router.post("/stock/{pid}")
+        @locked("stock:{path.pid}")
+        async def stock(pid: int):
+            return {}
+
+        app.include_router(router)
+        app.add_middleware(LockMiddleware, manager=manager)
+        early = app.openapi()          # someone asked before start-up: cached without us
+        assert "parameters" not in early["paths"]["/orders"]["post"]
+        messages = await run_lifespan(app)
+        assert messages[0]["type"] == "lifespan.startup.complete", messages
+        schema = app.openapi()
+
+    def idempotency_headers(path):
+        params = schema["paths"][path]["post"].get("parameters", [])
+        return [p for p in params if p["in"] == "header" and p["name"].lower() == "idempotency-key"]
+
+    orders_op = schema["paths"]["/orders"]["post"]
+    assert [p["schema"]["maxLength"] for p in idempotency_headers("/orders")] == [255]
+    assert idempotency_headers("/orders")[0]["required"] is True
+    assert len(idempotency_headers("/declared")) == 1      # the handler's own, not a second one
+    assert _problem_statuses(orders_op) == {"400", "408", "409", "413", "422", "503"}
+    assert "application/json" in orders_op["responses"]["422"]["content"]   # FastAPI's validation error stays
+    stock_op = schema["paths"]["/v1/stock/{pid}"]["post"]
+    assert {"400", "408", "409", "413", "503"} <= _problem_statuses(stock_op)
+    assert idempotency_headers("/v1/stock/{pid}") == []
+
+
+async def test_starlette_path_convertors_type_the_key(redis_url):
+    from starlette.applications import Starlette
+    from starlette.routing import Route
+
+    shelf = Shelf(**{"7": 1})
+
+    async def deduct(request):
+        return await shelf.buy(str(request.path_params["pid"]), request.url.path)
+
+    async with make_manager(redis_url) as manager:
+        app = Starlette(routes=[Route("/stock/{pid:int}/deduct", locked("stock:{path.pid}", wait=5)(deduct),
+                                      methods=["POST"])])
+        app.add_middleware(LockMiddleware, manager=manager)
+        async with client_for(app) as client:
+            answers = await asyncio.gather(*(client.post(f"/stock/{p}/deduct") for p in ("7", "07", "007", "0007")))
+    assert sorted(r.status_code for r in answers) == [200, 409, 409, 409]
+    assert len(shelf.sold) == 1

@@ -49,11 +49,11 @@ async def test_7_1_a_handed_over_holder_has_its_full_lease_through_a_loop_stall(
     await queued(redis_client, "k", 1)
     await held.release()
     await b.expect("acquired", "b")
-    # The hand-over's grace (0.5 s) is not what the holder runs on.
+    # The hand-over gives the holder its own full lease (the old design gave 0.5 s).
     assert await redis_client.pttl(LOCK) > 3000
     await b.send("block", id="stall", key="unblock")  # sync code blocks B's loop...
     await b.expect("blocking", "stall")
-    with pytest.raises(LockTimeout):  # ...far past the old grace: nobody else gets in
+    with pytest.raises(LockTimeout):  # ...far past the old 0.5 s: nobody else gets in
         await locks.acquire("k", wait=1.5)
     await redis_client.lpush("unblock", "go")
     await b.send("release", id="b")
@@ -189,19 +189,19 @@ async def test_7_2_a_child_cannot_re_enter_a_shared_hold_whose_release_began(loc
 # -- 7.3: a rejected notice is dropped; the deadline holds ----------------------
 
 
-async def test_7_3_a_waiter_that_missed_its_reservation_keeps_its_deadline_and_does_not_spin(
+async def test_7_3_a_waiter_whose_grant_ran_out_unread_keeps_its_deadline_and_does_not_spin(
         agents, locks, redis_client):
     w = await agents.start("w")
     held = await locks.acquire("k")
-    await w.send("hold", id="w", key="k", wait=3.0)
+    await w.send("hold", id="w", key="k", wait=3.0, lease=1.0)
     await queued(redis_client, "k", 1)
     await w.send("block", id="stall", key="unblock")  # its loop is blocked as the lock is handed over
     await w.expect("blocking", "stall")
     await held.release()
 
-    async def reservation_gone():
+    async def grant_gone():
         return not await redis_client.exists(LOCK)
-    await until(reservation_gone, "the unclaimed reservation to expire")
+    await until(grant_gone, "the unread grant's 1 s lease to run out")
     mine = await locks.try_lock("k")
     assert mine is not None
     before = await _evalsha_calls(redis_client)
@@ -247,9 +247,9 @@ async def test_7_4_a_fixed_lease_counts_from_the_send_not_from_the_late_reply(re
 # -- 7.5: dead waiters are skipped at once --------------------------------------
 
 
-async def test_7_5_waiters_whose_manager_died_are_skipped_without_waiting_out_a_grace(
+async def test_7_5_waiters_whose_manager_died_are_skipped_at_once(
         agents, redis_url, redis_client):
-    holder = LockManager.from_url(redis_url, namespace=NS, grace=30.0)  # a grace no test could wait out
+    holder = LockManager.from_url(redis_url, namespace=NS)
     live = LockManager.from_url(redis_url, namespace=NS, poll_cap=60.0)  # no fallback poll in the count
     try:
         held = await holder.acquire("k")
@@ -266,8 +266,8 @@ async def test_7_5_waiters_whose_manager_died_are_skipped_without_waiting_out_a_
         before = await _evalsha_calls(redis_client)
         await held.release()
         mine = await waiting
-        # one release, one claim: ten dead waiters cost no hand-over and no grace
-        assert await _evalsha_calls(redis_client) - before == 2
+        # one release script: ten dead waiters (30 s leases each) cost nothing
+        assert await _evalsha_calls(redis_client) - before == 1
         assert mine.token > held.token
         await mine.release()
     finally:

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from . import _scripts
 from ._errors import LockError, LockTimeout, RedisUnavailable
-from ._waiting import PROMOTED, Waiter, Waiting
+from ._waiting import PROMOTED, Grant, Waiter, Waiting
 from ..telemetry._instruments import LockCounts
 
 log = logging.getLogger("otel_lock")
@@ -33,7 +33,6 @@ class Caller(Protocol):
     """The manager, as an attempt sees it."""
 
     fence_ttl_ms: int
-    grace_ms: int
     poll_cap: float
     _waiting: Waiting
     _counts: LockCounts
@@ -69,6 +68,7 @@ class Attempt:
         self.holder_ctx = ""
         self._waiter: Waiter | None = None
         self._maybe_taken = False  # a call failed after it may have run: undo on giving up
+        self._queued_at: float | None = None  # send time of the first queued ACQUIRE
 
     def _args(self, queue: bool) -> list[Any]:
         if not queue:
@@ -129,17 +129,19 @@ class Attempt:
         backoff = RETRY_FIRST
         while True:
             remaining = self.deadline - self.loop.time()
-            if remaining <= 0 and not waiter.noticed:
+            if remaining <= 0 and not waiter.granted:
                 raise LockTimeout(f"lock {self.keys[0]} was not acquired within {self.wait} s", key=self.keys[0])
-            if remaining > 0:
-                timeout = remaining
-                if waiting.is_first(waiter):
-                    timeout = min(timeout, self._poll_delay(pttl))
-                if await waiter.next(None if math.isinf(timeout) else timeout) == PROMOTED:
-                    continue
-            # A notice, a poll, or the timer: ask Redis. A notice is only a hint
-            # (the reservation may have expired); it is consumed either way, so a
-            # stale one can never make this loop spin.
+            value = await waiter.next(None if math.isinf(remaining) else max(0.0, min(
+                remaining, self._poll_delay(pttl) if waiting.is_first(waiter) else remaining)))
+            if value == PROMOTED:
+                continue
+            if isinstance(value, Grant):
+                reply = self._trust(value)
+                if reply is not None:
+                    return reply
+            # A poll, the timer, or a grant too old to trust without asking: ask
+            # Redis. A grant is consumed either way, so a stale one never makes
+            # this loop spin.
             try:
                 reply = await self._ask(queue=True)
             except RedisUnavailable:
@@ -155,8 +157,23 @@ class Attempt:
                 return reply
             pttl = self._pttl
 
+    def _trust(self, grant: Grant) -> Reply | None:
+        """A grant's lease is timed from the first queued request, which Redis ran before the hand-over.
+
+        That bound needs no Redis clock. When less than half the lease would be
+        left by it (a long wait, a late read), the grant is confirmed with one
+        ACQUIRE instead, which times the lease from its own send.
+        """
+        if self._queued_at is None:
+            return None
+        lease = self.lease_ms / 1000
+        left = self._queued_at + lease - (lease * 0.01 + 0.002) - self.loop.time()
+        return Reply([1, grant.token, 1], self._queued_at) if left >= lease / 2 else None
+
     async def _ask(self, *, queue: bool) -> Reply | None:
         sent_at = self.loop.time()
+        if queue and self._queued_at is None:
+            self._queued_at = sent_at
         answer = await self._acquire_call(self._args(queue))
         self.attempts += 1
         if answer[0] == 1:
@@ -193,17 +210,17 @@ class Attempt:
             return
         if call.result()[0] == 1:
             manager._background_task(manager._call(
-                _scripts.release, self.keys, [self.owner, manager.grace_ms, "1" if self.private else "0"],
+                _scripts.release, self.keys, [self.owner, manager.fence_ttl_ms, "1" if self.private else "0"],
                 "release", self.name))
         elif args[4] != "-1":
             manager._background_task(self._leave())
 
     def _leave(self) -> Any:
-        return self.manager._call(_scripts.leave, self.keys, [self.waiter_id, self.manager.grace_ms],
+        return self.manager._call(_scripts.leave, self.keys, [self.waiter_id, self.manager.fence_ttl_ms],
                                   "release", self.name)
 
     async def _give_up(self) -> None:
-        """Leave the queue (passing on a reservation made for us meanwhile); undo a maybe-taken lock."""
+        """Leave the queue (passing on a hand-over not claimed yet); undo a maybe-taken lock."""
         if self._maybe_taken and self.private:
             self.manager._background_task(self._release_when_back())
             return
@@ -214,7 +231,7 @@ class Attempt:
         except RedisUnavailable:
             self.manager._background_task(self._release_when_back())
         except LockError as error:
-            # The queue entry expires with its deadline; a reservation for us after `grace`.
+            # The queue entry expires with its deadline; a hand-over to us with its lease.
             log.warning("otel-lock: could not leave the queue of %s: %s", self.keys[0], error)
 
     async def _release_when_back(self) -> None:
@@ -224,7 +241,7 @@ class Attempt:
         while True:
             try:
                 if self.private:
-                    await manager._call(_scripts.release, self.keys, [self.owner, manager.grace_ms, "1"],
+                    await manager._call(_scripts.release, self.keys, [self.owner, manager.fence_ttl_ms, "1"],
                                         "release", self.name)
                 await self._leave()
                 return

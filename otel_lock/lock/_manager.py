@@ -45,7 +45,7 @@ MAX_KEY_LENGTH = 512
 MIN_LEASE = 0.1
 _HELD: ContextVar[Mapping[tuple[str, str], Lease]] = ContextVar("otel_lock_held", default=MappingProxyType({}))
 _MANAGER_OPTIONS = (
-    "namespace", "lease", "wait", "cancel_on_lost", "fence_ttl", "grace", "poll_cap",
+    "namespace", "lease", "wait", "cancel_on_lost", "fence_ttl", "poll_cap",
     "renew_interval", "tracer_provider", "meter_provider",
 )
 
@@ -74,7 +74,7 @@ class LockManager:
 
     def __init__(self, redis: aioredis.Redis, *, namespace: str = "otel-lock", lease: float = 30.0,
                  wait: float = 5.0, cancel_on_lost: bool = False, fence_ttl: float = 3600.0,
-                 grace: float = 0.5, poll_cap: float = 0.5, renew_interval: float | None = None,
+                 poll_cap: float = 0.5, renew_interval: float | None = None,
                  tracer_provider: trace.TracerProvider | None = None, meter_provider: Any = None) -> None:
         if not isinstance(namespace, str) or not namespace or "{" in namespace or "}" in namespace:
             raise ValueError(f"namespace must be a non-empty string without '{{' or '}}', not {namespace!r}")
@@ -90,7 +90,6 @@ class LockManager:
         self.wait = _check_seconds("wait", wait, allow_zero=True, allow_inf=True)
         self.cancel_on_lost = bool(cancel_on_lost)
         self.fence_ttl_ms = int(_check_seconds("fence_ttl", fence_ttl, allow_zero=False) * 1000)
-        self.grace_ms = max(1, int(_check_seconds("grace", grace, allow_zero=False) * 1000))
         self.poll_cap = _check_seconds("poll_cap", poll_cap, allow_zero=False)
         self.telemetry: Telemetry = get_telemetry(tracer_provider, meter_provider)
         self._counts = LockCounts(meter_provider)
@@ -210,7 +209,8 @@ class LockManager:
             owner = await self.redis.hget(keys[0], "owner")
         except (RedisError, OSError) as exc:
             raise RedisUnavailable(f"Redis is unavailable (forced release of {keys[0]}): {exc}", key=keys[0]) from exc
-        released = bool(await self._call(_scripts.force_release, keys, [self.grace_ms], "release", default_name(key)))
+        released = bool(await self._call(_scripts.force_release, keys, [self.fence_ttl_ms], "release",
+                                         default_name(key)))
         if released:
             log.warning("otel-lock: forced release of %s (owner was %s)", keys[0], _text(owner))
         return released
@@ -352,7 +352,7 @@ class LockManager:
 
     def _undo_reentry(self, keys: tuple[str, ...], lease: Lease, call: asyncio.Future[Any]) -> None:
         if not call.cancelled() and call.exception() is None and call.result()[0] == 1:
-            self._background_task(self._call(_scripts.release, keys, [lease.owner, self.grace_ms, "0"],
+            self._background_task(self._call(_scripts.release, keys, [lease.owner, self.fence_ttl_ms, "0"],
                                              "release", lease.name))
 
     @staticmethod
@@ -364,9 +364,9 @@ class LockManager:
                 lease.children_done.set()
 
     def _pass_on(self, waiter_id: str, redis_key: str) -> None:
-        """A reservation for a waiter this manager no longer has: pass it on now, not after grace."""
+        """A hand-over to a waiter this manager no longer has: pass it on now, not after its lease."""
         keys = _lock_keys(redis_key)
-        self._background_task(self._call(_scripts.leave, keys, [waiter_id, self.grace_ms], "release",
+        self._background_task(self._call(_scripts.leave, keys, [waiter_id, self.fence_ttl_ms], "release",
                                          default_name(redis_key.partition("{")[2])))
 
     def _background_task(self, coro: Any) -> None:
@@ -409,7 +409,7 @@ class LockManager:
         keys = self._keys(lease.lock_key)
         release_all = "1" if final and not lease.explicit_owner else "0"
         try:
-            res = await self._call(_scripts.release, keys, [lease.owner, self.grace_ms, release_all],
+            res = await self._call(_scripts.release, keys, [lease.owner, self.fence_ttl_ms, release_all],
                                    "release", lease.name)
         except LockError as error:
             if final:
@@ -434,7 +434,7 @@ class LockManager:
         while loop.time() < give_up:
             await asyncio.sleep(0.25)
             try:
-                await self._call(_scripts.release, keys, [lease.owner, self.grace_ms, "1"], "release", lease.name)
+                await self._call(_scripts.release, keys, [lease.owner, self.fence_ttl_ms, "1"], "release", lease.name)
                 return
             except RedisUnavailable:
                 continue

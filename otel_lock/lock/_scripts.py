@@ -3,24 +3,23 @@
 One lock named N in namespace S uses four keys, all under the Redis Cluster
 hash tag `{N}` so that a script can touch them together on any topology:
 
-    S:{N}        hash   held: owner, depth, token, ctx (holder's traceparent)
-                        reserved for a waiter: reserved (waiter id) only
+    S:{N}        hash   owner, depth, token, ctx (holder's traceparent),
+                        waiter (id of the waiter it was handed to, until claimed)
     S:{N}:fence  string last fencing token; expires `fence_ttl` after last use
     S:{N}:q      zset   waiting callers in arrival order (score: Redis time, us)
-    S:{N}:w      hash   waiter id -> JSON [deadline_us (0: none), wake channel]
+    S:{N}:w      hash   waiter id -> JSON [deadline_us (0: none), lease_ms,
+                        owner, ctx, wake channel]
 
 Fencing tokens are seeded from Redis `TIME` in microseconds and bumped past
 the last one, so they increase strictly per key even after the fence key has
 expired, without leaving a permanent key behind per lock name.
 
-A release with waiters does not free the lock: it reserves it for the first
-live waiter (FIFO) for `grace_ms` and publishes `<waiter id> <lock key>` on
-that waiter's manager channel only. The waiter's own ACQUIRE turns the
-reservation into ownership with its full lease, counted from that request,
-so a holder never starts on a short lease. A waiter whose manager is gone has
-no subscriber (PUBLISH answers 0) and is skipped at once; one that does not
-come (stopped, or its loop blocked) lets the reservation expire after
-`grace_ms`.
+A release with waiters hands the lock to the first live waiter (FIFO) with
+that waiter's *full* lease and publishes `<waiter id> <token> <lock key>` on
+its manager's channel only. A waiter whose manager is gone has no subscriber
+(PUBLISH answers 0) and is skipped in the same call, so dead waiters cost
+nothing. The waiter times its lease from the send time of its own queued
+request, which Redis ran before the hand-over: no Redis clock is involved.
 """
 
 from __future__ import annotations
@@ -36,37 +35,43 @@ local function now_us()
   return tonumber(t[1]) * 1000000 + tonumber(t[2])
 end
 
-local function mint(fence, fence_ttl_ms)
-  local token = now_us()
+local function mint(fence, fence_ttl_ms, now)
+  local token = now
   local last = tonumber(redis.call('GET', fence) or '0')
   if last >= token then token = last + 1 end
   redis.call('SET', fence, string.format('%.0f', token), 'PX', fence_ttl_ms)
   return token
 end
 
-local function hand_over(lock, queue, waiters, grace_ms)
-  redis.call('DEL', lock)
+local function hand_over(lock, fence, queue, waiters, fence_ttl_ms)
   local now = nil
   while true do
     local head = redis.call('ZPOPMIN', queue)
-    if #head == 0 then return 0 end
+    if #head == 0 then
+      redis.call('DEL', lock)
+      return 0
+    end
     local info = redis.call('HGET', waiters, head[1])
     if info then
       redis.call('HDEL', waiters, head[1])
       local w = cjson.decode(info)
       now = now or now_us()
-      -- 0 receivers: the waiter's manager is gone; skip it now rather than after grace_ms
-      if (w[1] == 0 or w[1] > now) and redis.call('PUBLISH', w[2], head[1] .. ' ' .. lock) > 0 then
-        redis.call('HSET', lock, 'reserved', head[1])
-        redis.call('PEXPIRE', lock, grace_ms)
-        return 1
+      if w[1] == 0 or w[1] > now then
+        local token = string.format('%.0f', mint(fence, fence_ttl_ms, now))
+        -- every field is overwritten, so the previous holder's hash needs no DEL
+        redis.call('HSET', lock, 'owner', w[3], 'depth', 1, 'token', token, 'ctx', w[4], 'waiter', head[1])
+        redis.call('PEXPIRE', lock, w[2])
+        -- 0 receivers: the waiter's manager is gone; skip it now, not after its lease
+        if redis.call('PUBLISH', w[5], head[1] .. ' ' .. token .. ' ' .. lock) > 0 then
+          return 1
+        end
       end
     end
   end
 end
 """
 
-# ACQUIRE: take the lock, claim a reservation made for this waiter, re-enter, or queue.
+# ACQUIRE: take the lock, claim a hand-over, re-enter it, or join its queue.
 # KEYS: lock, fence, queue, waiters
 # ARGV: owner, waiter id ('-': re-entry of a hold the caller has),
 #       lease_ms, reenter ('1': same owner may nest),
@@ -76,8 +81,33 @@ end
 ACQUIRE = _COMMON + r"""
 local lock, fence, queue, waiters = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local owner, waiter, lease = ARGV[1], ARGV[2], ARGV[3]
-local function own()
-  local token = mint(fence, ARGV[7])
+local holder = redis.call('HGET', lock, 'owner')
+if holder == owner then
+  local depth
+  if redis.call('HGET', lock, 'waiter') == waiter then
+    -- handed to this waiter (its wake-up not read yet): claimed, with a lease from this request
+    redis.call('HDEL', lock, 'waiter')
+    depth = 1
+  elseif ARGV[4] == '1' then
+    depth = redis.call('HINCRBY', lock, 'depth', 1)
+  else
+    -- a fresh owner is unique to one attempt: this is that attempt sent again
+    -- (a client retry after a lost reply), and the lock is already its own
+    depth = tonumber(redis.call('HGET', lock, 'depth'))
+  end
+  if redis.call('PTTL', lock) < tonumber(lease) then redis.call('PEXPIRE', lock, lease) end
+  if ARGV[5] ~= '-1' then
+    redis.call('ZREM', queue, waiter)
+    redis.call('HDEL', waiters, waiter)
+  end
+  return {1, tonumber(redis.call('HGET', lock, 'token')), depth}
+end
+if waiter == '-' then
+  -- a re-entry whose outer hold is gone: never take the lock afresh under the old owner
+  return {0, redis.call('PTTL', lock), ''}
+end
+if not holder then
+  local token = mint(fence, ARGV[7], now_us())
   redis.call('DEL', lock)
   redis.call('HSET', lock, 'owner', owner, 'depth', 1, 'token', string.format('%.0f', token), 'ctx', ARGV[6])
   redis.call('PEXPIRE', lock, lease)
@@ -87,77 +117,48 @@ local function own()
   end
   return {1, token, 1}
 end
-local reserved = redis.call('HGET', lock, 'reserved')
-if reserved then
-  -- handed over: only the waiter it was reserved for may take it, with its full lease
-  if reserved == waiter then return own() end
-else
-  local holder = redis.call('HGET', lock, 'owner')
-  if holder == owner then
-    local depth
-    if ARGV[4] == '1' then
-      depth = redis.call('HINCRBY', lock, 'depth', 1)
-    else
-      -- a fresh owner is unique to one attempt: this is that attempt sent again
-      -- (a client retry after a lost reply), and the lock is already its own
-      depth = tonumber(redis.call('HGET', lock, 'depth'))
-    end
-    if redis.call('PTTL', lock) < tonumber(lease) then redis.call('PEXPIRE', lock, lease) end
-    if ARGV[5] ~= '-1' then
-      redis.call('ZREM', queue, waiter)
-      redis.call('HDEL', waiters, waiter)
-    end
-    return {1, tonumber(redis.call('HGET', lock, 'token')), depth}
-  end
-  if waiter == '-' then
-    -- a re-entry whose outer hold is gone: never take the lock afresh under the old owner
-    return {0, redis.call('PTTL', lock), ''}
-  end
-  if not holder then return own() end
-end
-local ctx = redis.call('HGET', lock, 'ctx') or ''
 if ARGV[5] ~= '-1' then
   local now = now_us()
   if redis.call('ZADD', queue, 'NX', now, waiter) == 1 then
     local budget = tonumber(ARGV[5])
     local deadline, keep_ms = 0, 3600000
     if budget > 0 then deadline, keep_ms = now + budget * 1000, budget + 60000 end
-    redis.call('HSET', waiters, waiter, cjson.encode({deadline, ARGV[8]}))
+    redis.call('HSET', waiters, waiter, cjson.encode({deadline, tonumber(lease), owner, ARGV[6], ARGV[8]}))
     if redis.call('PTTL', queue) < keep_ms then
       redis.call('PEXPIRE', queue, keep_ms)
       redis.call('PEXPIRE', waiters, keep_ms)
     end
   end
 end
-return {0, redis.call('PTTL', lock), ctx}
+return {0, redis.call('PTTL', lock), redis.call('HGET', lock, 'ctx') or ''}
 """
 
-# RELEASE: owner-checked; the last release reserves the lock for the next waiter.
+# RELEASE: owner-checked; the last release hands the lock to the next live waiter.
 # KEYS: lock, fence, queue, waiters
-# ARGV: owner, grace_ms, all ('1': the caller's last hold of a private owner,
-#       so release whatever depth Redis counted: a re-entry whose reply was
-#       lost may have counted one more)
+# ARGV: owner, fence_ttl_ms, all ('1': the caller's last hold of a private
+#       owner, so release whatever depth Redis counted: a re-entry whose reply
+#       was lost may have counted one more)
 # Returns -1 when the caller is not the owner (nothing touched), else the
-# depth left (0: released, and reserved for the next waiter if anyone waited).
+# depth left (0: released, and handed over if anyone waited).
 RELEASE = _COMMON + r"""
 if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return -1 end
 local depth = 0
 if ARGV[3] ~= '1' then depth = redis.call('HINCRBY', KEYS[1], 'depth', -1) end
 if depth > 0 then return depth end
-hand_over(KEYS[1], KEYS[3], KEYS[4], ARGV[2])
+hand_over(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[2])
 return 0
 """
 
-# LEAVE: a waiter gives up (timeout, cancellation, gone). A reservation made
-# for it meanwhile is passed on at once instead of idling for grace_ms.
+# LEAVE: a waiter gives up (timeout, cancellation, gone). A lock handed to it
+# meanwhile and not claimed yet is passed on at once.
 # KEYS: lock, fence, queue, waiters
-# ARGV: waiter id, grace_ms
-# Returns 1 when a reservation for this waiter was passed on, else 0.
+# ARGV: waiter id, fence_ttl_ms
+# Returns 1 when a hand-over to this waiter was passed on, else 0.
 LEAVE = _COMMON + r"""
 redis.call('ZREM', KEYS[3], ARGV[1])
 redis.call('HDEL', KEYS[4], ARGV[1])
-if redis.call('HGET', KEYS[1], 'reserved') == ARGV[1] then
-  hand_over(KEYS[1], KEYS[3], KEYS[4], ARGV[2])
+if redis.call('HGET', KEYS[1], 'waiter') == ARGV[1] then
+  hand_over(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[2])
   return 1
 end
 return 0
@@ -182,11 +183,11 @@ return out
 
 # FORCE_RELEASE: release whoever holds the lock (operator command), then hand over.
 # KEYS: lock, fence, queue, waiters
-# ARGV: grace_ms
-# Returns 1 if a lock was held or reserved, else 0.
+# ARGV: fence_ttl_ms
+# Returns 1 if a lock was held, else 0.
 FORCE_RELEASE = _COMMON + r"""
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-hand_over(KEYS[1], KEYS[3], KEYS[4], ARGV[1])
+hand_over(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[1])
 return 1
 """
 

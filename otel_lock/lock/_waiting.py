@@ -1,11 +1,11 @@
 """Wake-on-release: one subscriber connection per manager, one waiter woken per release.
 
-A release reserves the lock for the first live waiter in the lock's Redis
-queue and publishes `<waiter id> <lock key>` on that waiter's manager channel,
-so only that waiter wakes; its own ACQUIRE then takes the lock. A notice for
-a waiter this manager no longer has is passed on at once (`on_orphan`), so
-the lock does not idle for the reservation's grace. Waiters are registered
-before their first queued request, so a notice can never arrive "too early".
+A release hands the lock to the first live waiter in the lock's Redis queue
+and publishes `<waiter id> <token> <lock key>` on that waiter's manager
+channel, so only that waiter wakes, and it needs no round trip to start. A
+grant for a waiter this manager no longer has is passed on at once
+(`on_orphan`). Waiters are registered before their first queued request, so
+a grant can never arrive "too early".
 
 Locally, waiters of one lock are kept in arrival order and only the first of
 them polls Redis as a fallback (bounded by the holder's remaining TTL), so a
@@ -19,43 +19,52 @@ import asyncio
 import contextlib
 import logging
 from collections import OrderedDict
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from redis.exceptions import RedisError
 
 log = logging.getLogger("otel_lock")
 
-NOTICE = "notice"      # the lock was reserved for this waiter: claim it now
+class Grant(NamedTuple):
+    """The lock was handed to this waiter, with this fencing token."""
+
+    token: int
+
+
 POLL = "poll"          # look at Redis now (the subscriber may have missed notices)
 PROMOTED = "promoted"  # became the first local waiter: start the fallback poll
 RECONNECT_DELAY = 0.2
 HEALTH_INTERVAL = 2.0  # seconds between PINGs on an idle subscriber connection
-_RANK = {None: 0, PROMOTED: 1, POLL: 2, NOTICE: 3}
+_RANK = {None: 0, PROMOTED: 1, POLL: 2}
+
+
+def _rank(value: object) -> int:
+    return 3 if isinstance(value, Grant) else _RANK[value]  # type: ignore[index]
 
 
 class Waiter:
-    """One caller waiting for one lock; `next()` gives NOTICE, POLL, PROMOTED, or None (timer)."""
+    """One caller waiting for one lock; `next()` gives a Grant, POLL, PROMOTED, or None (timer)."""
 
     __slots__ = ("id", "key", "_value", "_event")
 
     def __init__(self, waiter_id: str, key: str) -> None:
         self.id = waiter_id
         self.key = key
-        self._value: str | None = None
+        self._value: Grant | str | None = None
         self._event = asyncio.Event()
 
-    def wake(self, value: str) -> None:
-        # Wake-ups are not queued: the strongest unread one wins (a notice beats a poll).
-        if not self._event.is_set() or _RANK[value] > _RANK[self._value]:
+    def wake(self, value: Grant | str) -> None:
+        # Wake-ups are not queued: the strongest unread one wins (a grant beats a poll).
+        if not self._event.is_set() or _rank(value) > _rank(self._value):
             self._value = value
             self._event.set()
 
     @property
-    def noticed(self) -> bool:
-        """An unread notice: the lock may be reserved for this waiter right now."""
-        return self._event.is_set() and self._value == NOTICE
+    def granted(self) -> bool:
+        """An unread grant: the lock was handed to this waiter."""
+        return self._event.is_set() and isinstance(self._value, Grant)
 
-    async def next(self, timeout: float | None) -> str | None:
+    async def next(self, timeout: float | None) -> Grant | str | None:
         """The next wake-up, consumed, or None after `timeout` seconds."""
         if not self._event.is_set():
             with contextlib.suppress(TimeoutError):
@@ -122,10 +131,10 @@ class Waiting:
     def _deliver(self, data: bytes | str) -> None:
         if isinstance(data, bytes):
             data = data.decode()
-        waiter_id, _, lock_key = data.partition(" ")
+        waiter_id, token, lock_key = data.split(" ", 2)
         waiter = self._waiters.get(waiter_id)
         if waiter is not None:
-            waiter.wake(NOTICE)
+            waiter.wake(Grant(int(token)))
         elif self._on_orphan is not None and lock_key:
             self._on_orphan(waiter_id, lock_key)
 

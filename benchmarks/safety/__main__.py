@@ -1,0 +1,70 @@
+"""`python -m benchmarks.safety --quick|--full`: run the checker, print the table; --full also updates docs/safety.md."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks._report import update_docs
+
+from . import FAULTS, FULL, QUICK, QUICK_SET, check
+from ._libs import LIBS
+from ._report import markdown
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "safety.md"
+
+
+def _commit() -> str:
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                         cwd=DOCS.parent)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", "otel_lock"], capture_output=True, text=True,
+                           cwd=DOCS.parent).stdout.strip()
+    return (out.stdout.strip() or "unknown") + (" (otel_lock/ modified)" if dirty else "")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.safety", description=__doc__)
+    size = parser.add_mutually_exclusive_group(required=True)
+    size.add_argument("--quick", action="store_true", help="otel-lock on the CI fault set, ~1 minute")
+    size.add_argument("--full", action="store_true", help="every fault and library; rewrites docs/safety.md")
+    parser.add_argument("--libs", help=f"comma-separated, of {', '.join(LIBS)}")
+    parser.add_argument("--faults", help=f"comma-separated, of {', '.join(FAULTS)}")
+    parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    args = parser.parse_args(argv)
+
+    profile = FULL if args.full else QUICK
+    libs = args.libs.split(",") if args.libs else (list(LIBS) if args.full else ["otel-lock"])
+    faults = args.faults.split(",") if args.faults else (list(FAULTS) if args.full else QUICK_SET)
+    for name in libs:
+        if name not in LIBS:
+            parser.error(f"unknown library {name!r}; choose from {', '.join(LIBS)}")
+    for name in faults:
+        if name not in FAULTS:
+            parser.error(f"unknown fault {name!r}; choose from {', '.join(FAULTS)}")
+
+    began = time.monotonic()
+    commit = _commit()
+    rows = asyncio.run(check(libs, faults, profile))
+    table = markdown(rows)
+    print()
+    print(table)
+    print(f"{len(rows)} runs in {time.monotonic() - began:.0f} s ({profile.name}: {profile.procs} processes x "
+          f"{profile.tasks} tasks, lease {profile.lease} s, wait {profile.wait} s, {profile.window} s per run)")
+    if args.json:
+        args.json.write_text(json.dumps({"commit": commit, "profile": profile.__dict__, "rows": rows}, indent=1))
+    if args.full and not (args.libs or args.faults):
+        header = (f"Core at commit `{commit}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
+                  f"{profile.procs} processes x {profile.tasks} tasks, lease L = {profile.lease} s, "
+                  f"wait {profile.wait} s, {profile.window} s per run.\n\n")
+        update_docs(DOCS, "safety", header + table)
+    unsafe = sum(r["unsafe"] for r in rows if r["library"] == "otel-lock")
+    return 1 if unsafe else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -15,7 +15,7 @@ __all__ = ["FAULTS", "FULL", "QUICK", "QUICK_SET", "Profile", "Run", "check"]
 async def check(libs: list[str], faults: list[str], profile: Profile, say=print) -> list[dict]:
     """Run every (library, fault) pair, one after the other; one row each."""
     from ._libs import LIBS
-    from ._report import row
+    from ._report import judge, row
 
     rows = []
     for fault_name in faults:
@@ -30,4 +30,5 @@ async def check(libs: list[str], faults: list[str], profile: Profile, say=print)
             say(f"{lib:18} {fault_name:18} holds={r['holds']:5} overlaps={r['overlaps']:4} told={r['told']:4} "
                 f"fenced={r['fenced']:4} UNSAFE={r['unsafe']:4} overrun={r['overrun_ms']}ms "
                 f"cmds/handoff={r['commands_per_handoff']} failed={r['failed']} hung={r['hung']}")
+    judge(rows, FAULTS)
     return rows

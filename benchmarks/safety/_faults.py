@@ -12,7 +12,7 @@ import asyncio
 import random
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
@@ -30,10 +30,12 @@ class Fault:
     proxy: bool = False
     sync_ok: bool = True  # meaningful for a sync library (threads) too
     act: object = None  # async fn(run, rng) injecting the fault until cancelled
-    short: bool = field(default=False)  # every stall under lease - renewal interval: 0 overlaps expected
+    short: bool = False  # every stall under lease - renewal interval: 0 overlaps expected
+    long: bool = False  # stalls past the lease: overlaps expected, each stale holder fenced and told at its next await
 
     def worker(self, profile) -> dict:
-        config = {}
+        # every run: 5% of holds are long (0.2-0.5 L of async work), so a fault can land inside a hold
+        config = {"long_hold": [0.05, 0.2 * profile.lease, 0.5 * profile.lease]}
         if self.hold_stall:
             p, a, b = self.hold_stall
             config["hold_stall"] = [p, a * profile.lease, b * profile.lease]
@@ -160,24 +162,27 @@ FAULTS = {f.name: f for f in [
     Fault("stall-hold-short", "10% of holds block their loop 0.3-0.6 L right after acquiring",
           hold_stall=(0.1, *SHORT), short=True),
     Fault("stall-hold-long", "10% of holds block their loop 1.3-1.6 L right after acquiring",
-          hold_stall=(0.1, *LONG)),
+          hold_stall=(0.1, *LONG), long=True),
     Fault("stall-wait-short", "a process whose tasks all wait blocks its loop 0.3-0.6 L",
           wait_stall=(0.5, *SHORT), sync_ok=False, short=True),
     Fault("stall-wait-long", "a process whose tasks all wait blocks its loop 1.3-1.6 L",
-          wait_stall=(0.3, *LONG), sync_ok=False),
+          wait_stall=(0.3, *LONG), sync_ok=False, long=True),
     Fault("sigstop-short", "SIGSTOP a holder process for 0.3-0.6 L, then SIGCONT", act=sigstop(SHORT), short=True),
-    Fault("sigstop-long", "SIGSTOP a holder process for 1.3-1.6 L, then SIGCONT", act=sigstop(LONG)),
+    Fault("sigstop-long", "SIGSTOP a holder process for 1.3-1.6 L, then SIGCONT", act=sigstop(LONG), long=True),
     Fault("sigkill-holder", "SIGKILL a holder process every 0.4-0.8 L (a new one starts)", act=sigkill(True)),
-    Fault("sigkill-waiter", "SIGKILL a process that holds nothing every 0.4-0.8 L", act=sigkill(False)),
-    Fault("restart-aof", "crash and restart Redis (AOF, fsync always) twice, 0.2 s down", act=restart, aof=True),
-    Fault("restart-noaof", "crash and restart Redis without persistence twice, 0.2 s down", act=restart),
+    Fault("sigkill-waiter", "SIGKILL a process that holds nothing every 0.4-0.8 L (a new one starts)",
+          act=sigkill(False)),
+    Fault("restart-aof", "crash (SIGKILL) and restart Redis with AOF (fsync always) twice, 0.2 s down",
+          act=restart, aof=True),
+    Fault("restart-noaof", "crash (SIGKILL) and restart Redis without persistence twice, 0.2 s down", act=restart),
     Fault("proxy-stall-short", "stall the holder's TCP proxy 0.3-0.6 L", act=proxy_stall(SHORT), proxy=True,
           short=True),
-    Fault("proxy-stall-long", "stall the holder's TCP proxy 1.3-1.6 L", act=proxy_stall(LONG), proxy=True),
+    Fault("proxy-stall-long", "stall the holder's TCP proxy 1.3-1.6 L", act=proxy_stall(LONG), proxy=True, long=True),
     Fault("proxy-cut", "cut the holder's connections every 0.15-0.3 L, refused for 0.1 s", act=proxy_cut,
           proxy=True),
     Fault("client-kill", "CLIENT KILL TYPE normal and TYPE pubsub every 0.2-0.4 s", act=client_kill),
 ]}
 
-QUICK_SET = ["stall-hold-short", "stall-hold-long", "stall-wait-long", "sigstop-long", "sigkill-holder",
-             "sigkill-waiter", "restart-aof", "restart-noaof", "proxy-stall-long", "proxy-cut", "client-kill"]
+QUICK_SET = ["none", "stall-hold-short", "stall-hold-long", "stall-wait-long", "sigstop-short", "sigstop-long",
+             "sigkill-holder", "sigkill-waiter", "restart-aof", "restart-noaof", "proxy-stall-long", "proxy-cut",
+             "client-kill"]

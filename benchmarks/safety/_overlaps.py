@@ -34,6 +34,7 @@ class Hold:
     release: bool | str | None = None  # what release() returned (str: the error it raised)
     marks: list[tuple[float, bool]] = field(default_factory=list)  # (t, lost set?) after each await of the body
     stall: float = 0.0  # seconds the body blocked its loop right after acquiring
+    requested: float | None = None  # when its acquire was called
 
     @property
     def who(self) -> tuple[int, int]:
@@ -130,6 +131,20 @@ def handoffs(holds: list[Hold]) -> int:
     return count
 
 
+def max_idle(holds: list[Hold]) -> float:
+    """The longest time the lock sat free while the caller that took it next was already waiting.
+
+    Dead or stopped waiters, grants nobody reads and slow wake-ups all show here.
+    """
+    longest, busy_until = 0.0, None
+    for hold in sorted(holds, key=lambda h: h.start):
+        if busy_until is not None and hold.start > busy_until and hold.requested is not None \
+                and hold.requested <= busy_until:
+            longest = max(longest, hold.start - busy_until)
+        busy_until = hold.end if busy_until is None else max(busy_until, hold.end)
+    return longest
+
+
 def paused(intervals: list[tuple[float, float]], begin: float, end: float) -> float:
     """Seconds of [begin, end] covered by the (possibly overlapping) intervals."""
     total, reach = 0.0, begin
@@ -162,5 +177,6 @@ def summarise(holds: list[Hold]) -> dict:
         # a stale holder is told in time if its first overlap (the earliest begin) was
         "stale_told_next": sum(told_by_next_await(min(os, key=lambda o: o.begin)) for os in stale.values()),
         "max_overlap": max((o.length for o in found), default=0.0),
+        "max_idle": max_idle(holds),
         "token_regressions": token_regressions(holds),
     }

@@ -186,7 +186,7 @@ class Run:
             worker.open.pop(event["task"], None)
             self.holds.append(Hold(worker.index, event["task"], event["start"], event["end"], event["token"],
                                    event["lost_at"], event["release"], [tuple(m) for m in event["marks"]],
-                                   event["stall"]))
+                                   event["stall"], event["req"]))
             self.attempts.append({"proc": worker.index, "req": event["req"], "ret": event["start"],
                                   "wait": self.profile.wait, "outcome": "acquired"})
         elif kind == "attempt":
@@ -201,7 +201,8 @@ class Run:
         for worker in self.workers:
             end = worker.killed_at or time.monotonic()
             for task, start in worker.open.items():
-                self.holds.append(Hold(worker.index, task, start["start"], end, start["token"], None, "killed"))
+                self.holds.append(Hold(worker.index, task, start["start"], end, start["token"], None, "killed",
+                                       requested=start.get("req")))
             worker.open.clear()
 
     # -- the run -------------------------------------------------------------------

@@ -24,6 +24,7 @@ from ._libs import LIBS
 
 BODY_STEPS = 3  # awaits in a hold's body, each a little "database call"
 STEP = (0.001, 0.003)
+LONG_STEP = (0.005, 0.015)  # a long hold: slow async work (never blocking), awaits of 5-15 ms
 RETRY_AFTER_ERROR = 0.05
 
 _out = threading.Lock()
@@ -48,6 +49,16 @@ class Worker:
         if stall and self.rng.random() < stall[0]:
             return self.rng.uniform(stall[1], stall[2])
         return 0.0
+
+    def body_steps(self) -> list[float]:
+        """How long each await of a hold's body lasts: a few ms, or (now and then) a long hold."""
+        long_hold = self.config.get("long_hold")  # [probability, shortest, longest]
+        if long_hold and self.rng.random() < long_hold[0]:
+            total, steps = self.rng.uniform(long_hold[1], long_hold[2]), []
+            while sum(steps) < total:
+                steps.append(self.rng.uniform(*LONG_STEP))
+            return steps
+        return [self.rng.uniform(*STEP) for _ in range(BODY_STEPS)]
 
     def block(self, seconds: float) -> None:
         """Block this thread (the whole event loop, for an async library) and say so."""
@@ -86,7 +97,7 @@ class Worker:
 
     async def hold_async(self, task: int, held, req: float, start: float) -> None:
         self.holding += 1
-        emit("start", task=task, start=start, token=held.token)
+        emit("start", task=task, req=req, start=start, token=held.token)
         lost_at: list[float] = []
         watcher = None
         if held.lost is not None:
@@ -96,8 +107,8 @@ class Worker:
         stall = self.stall_after_acquire()
         if stall:
             self.block(stall)
-        for _ in range(BODY_STEPS):
-            await asyncio.sleep(self.rng.uniform(*STEP))
+        for step in self.body_steps():
+            await asyncio.sleep(step)
             marks.append((time.monotonic(), bool(held.lost is not None and held.lost.is_set())))
         end = time.monotonic()
         self.holding -= 1
@@ -133,7 +144,6 @@ class Worker:
 
     def contend_sync(self, task: int) -> None:
         wait = self.config["wait"]
-        rng = random.Random()
         while time.monotonic() < self.stop:
             req = time.monotonic()
             try:
@@ -146,13 +156,13 @@ class Worker:
             if held is None:
                 emit("attempt", task=task, req=req, ret=start, wait=wait, outcome="timeout")
                 continue
-            emit("start", task=task, start=start, token=None)
+            emit("start", task=task, req=req, start=start, token=None)
             stall = self.stall_after_acquire()
             if stall:
                 self.block(stall)
             marks = []
-            for _ in range(BODY_STEPS):
-                time.sleep(rng.uniform(*STEP))
+            for step in self.body_steps():
+                time.sleep(step)
                 marks.append((time.monotonic(), False))
             end = time.monotonic()
             try:

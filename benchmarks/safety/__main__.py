@@ -14,17 +14,27 @@ from benchmarks._report import update_docs
 
 from . import FAULTS, FULL, QUICK, QUICK_SET, check
 from ._libs import LIBS
-from ._report import markdown
+from ._report import judge, markdown
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "safety.md"
 
 
 def _commit() -> str:
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                         cwd=DOCS.parent)
+    """The last commit that changed the lock (otel_lock/), and whether the tree differs from it."""
+    out = subprocess.run(["git", "log", "-1", "--format=%h", "--", "otel_lock"], capture_output=True, text=True,
+                         cwd=DOCS.parent.parent)
     dirty = subprocess.run(["git", "status", "--porcelain", "--", "otel_lock"], capture_output=True, text=True,
-                           cwd=DOCS.parent).stdout.strip()
+                           cwd=DOCS.parent.parent).stdout.strip()
     return (out.stdout.strip() or "unknown") + (" (otel_lock/ modified)" if dirty else "")
+
+
+def write_docs(run: dict, block: str = "safety") -> None:
+    """Put a run's table into docs/safety.md between the block's markers, labelled with commit and set-up."""
+    p = run["profile"]
+    header = (f"otel-lock at commit `{run['commit']}` (the last commit that changed `otel_lock/`), {run['date']}: "
+              f"{p['procs']} processes x {p['tasks']} tasks, lease L = {p['lease']} s, wait {p['wait']} s, "
+              f"{p['window']} s per run.\n\n")
+    update_docs(DOCS, block, header + markdown(run["rows"]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,10 +42,20 @@ def main(argv: list[str] | None = None) -> int:
     size = parser.add_mutually_exclusive_group(required=True)
     size.add_argument("--quick", action="store_true", help="otel-lock on the CI fault set, ~1 minute")
     size.add_argument("--full", action="store_true", help="every fault and library; rewrites docs/safety.md")
+    size.add_argument("--render", type=Path, metavar="JSON",
+                      help="no run: judge the rows of a saved --json again and write them into docs/safety.md")
     parser.add_argument("--libs", help=f"comma-separated, of {', '.join(LIBS)}")
     parser.add_argument("--faults", help=f"comma-separated, of {', '.join(FAULTS)}")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    parser.add_argument("--block", default="safety", help="the docs/safety.md block --render writes (default: safety)")
     args = parser.parse_args(argv)
+
+    if args.render:
+        run = json.loads(args.render.read_text())
+        judge(run["rows"], FAULTS)
+        write_docs(run, args.block)
+        print(markdown(run["rows"]))
+        return 0
 
     profile = FULL if args.full else QUICK
     libs = args.libs.split(",") if args.libs else (list(LIBS) if args.full else ["otel-lock"])
@@ -48,21 +68,18 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unknown fault {name!r}; choose from {', '.join(FAULTS)}")
 
     began = time.monotonic()
-    commit = _commit()
-    rows = asyncio.run(check(libs, faults, profile))
-    table = markdown(rows)
+    run = {"commit": _commit(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "profile": profile.__dict__}
+    run["rows"] = asyncio.run(check(libs, faults, profile))
     print()
-    print(table)
-    print(f"{len(rows)} runs in {time.monotonic() - began:.0f} s ({profile.name}: {profile.procs} processes x "
+    print(markdown(run["rows"]))
+    print(f"{len(run['rows'])} runs in {time.monotonic() - began:.0f} s ({profile.name}: {profile.procs} processes x "
           f"{profile.tasks} tasks, lease {profile.lease} s, wait {profile.wait} s, {profile.window} s per run)")
     if args.json:
-        args.json.write_text(json.dumps({"commit": commit, "profile": profile.__dict__, "rows": rows}, indent=1))
+        args.json.write_text(json.dumps(run, indent=1))
     if args.full and not (args.libs or args.faults):
-        header = (f"Core at commit `{commit}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
-                  f"{profile.procs} processes x {profile.tasks} tasks, lease L = {profile.lease} s, "
-                  f"wait {profile.wait} s, {profile.window} s per run.\n\n")
-        update_docs(DOCS, "safety", header + table)
-    unsafe = sum(r["unsafe"] for r in rows if r["library"] == "otel-lock")
+        write_docs(run)
+    unsafe = sum(r["unsafe"] for r in run["rows"] if r["library"] == "otel-lock")
     return 1 if unsafe else 0
 
 

@@ -104,7 +104,7 @@ def sigkill(holder: bool):
             if worker is None:
                 continue
             await run.kill(worker)
-            asyncio.ensure_future(run.spawn())  # keep the contention up (a replacement starts in ~0.5 s)
+            run.background(run.spawn())  # keep the contention up (a replacement starts in ~0.5 s)
     return act
 
 

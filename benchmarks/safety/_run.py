@@ -126,6 +126,7 @@ class Run:
         self.stop = 0.0
         self.hung = 0
         self.meter: Meter | None = None
+        self._background: set[asyncio.Task] = set()
 
     # -- what injectors use ------------------------------------------------------
 
@@ -137,6 +138,11 @@ class Run:
 
     def waiters(self) -> list[WorkerProc]:
         return [w for w in self.live() if not w.holding]
+
+    def background(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def pause(self, worker: WorkerProc, begin: float, end: float) -> None:
         self.pauses.setdefault(worker.index, []).append((begin, end))
@@ -245,6 +251,7 @@ class Run:
         await asyncio.gather(*self.readers, return_exceptions=True)
 
     async def _teardown(self) -> None:
+        await asyncio.gather(*self._background, return_exceptions=True)
         for worker in self.workers:
             if worker.proc.returncode is None:
                 with contextlib.suppress(ProcessLookupError):

@@ -142,17 +142,30 @@ def cases(check: str, faults) -> list:
             if (check, f) in KNOWN else f for f in faults]
 
 
-@pytest.fixture(scope="module")
-def quick(tmp_path_factory) -> dict:
-    """`python -m benchmarks.safety --quick` once for the module: {fault: row} for otel-lock."""
-    out = tmp_path_factory.mktemp("safety") / "quick.json"
+def run_checker(out: Path, *args: str) -> tuple[int, list[dict]]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.safety", "--quick", "--json", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.safety", "--quick", "--json", str(out), *args],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     if not out.exists():
         pytest.fail(f"the checker failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    rows = json.loads(out.read_text())["rows"]
+    return proc.returncode, json.loads(out.read_text())["rows"]
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory) -> dict:
+    """`python -m benchmarks.safety --quick` once for the module: {fault: row} for otel-lock."""
+    _, rows = run_checker(tmp_path_factory.mktemp("safety") / "quick.json")
     return {r["fault"]: r for r in rows if r["library"] == "otel-lock"}
+
+
+@pytest.mark.timeout(120)
+def test_the_checker_sees_the_overlaps_of_no_lock_at_all(tmp_path):
+    # the control: if this found nothing, a clean otel-lock row would mean nothing either
+    code, rows = run_checker(tmp_path / "unlocked.json", "--libs", "unlocked", "--faults", "none")
+    (row,) = rows
+    assert row["overlaps"] > 0 and row["unsafe"] == row["overlaps"]
+    assert "unsafe" in row["misses"]
+    assert code == 0  # only otel-lock's unsafe overlaps fail the command
 
 
 def row_of(quick: dict, fault: str) -> dict:

@@ -13,7 +13,7 @@ from pathlib import Path
 from benchmarks._report import update_docs
 
 from . import FAULTS, FULL, QUICK, QUICK_SET, check
-from ._libs import LIBS
+from ._libs import COMPARED, LIBS
 from ._report import judge, markdown
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "safety.md"
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     profile = FULL if args.full else QUICK
-    libs = args.libs.split(",") if args.libs else (list(LIBS) if args.full else ["otel-lock"])
+    libs = args.libs.split(",") if args.libs else (COMPARED if args.full else ["otel-lock"])
     faults = args.faults.split(",") if args.faults else (list(FAULTS) if args.full else QUICK_SET)
     for name in libs:
         if name not in LIBS:

@@ -109,4 +109,24 @@ class PythonRedisLock:
         self.client.close()
 
 
-LIBS = {"otel-lock": OtelLock, "redis-py": RedisPy, "python-redis-lock": PythonRedisLock}
+class Unlocked:
+    """No lock at all: the control that shows the checker sees overlaps (`--libs unlocked`)."""
+
+    name = "unlocked"
+    sync = False
+
+    def __init__(self, url: str, lease: float) -> None:
+        pass
+
+    async def acquire(self, wait: float) -> Held:
+        return Held(None)
+
+    async def release(self, held: Held) -> bool:
+        return True
+
+    async def close(self) -> None:
+        pass
+
+
+LIBS = {"otel-lock": OtelLock, "redis-py": RedisPy, "python-redis-lock": PythonRedisLock, "unlocked": Unlocked}
+COMPARED = ["otel-lock", "redis-py", "python-redis-lock"]  # what --full runs

@@ -13,6 +13,7 @@ from pathlib import Path
 from benchmarks._report import update_docs
 
 from . import FAULTS, FULL, QUICK, QUICK_SET, check
+from ._faults import LONG, SHORT
 from ._libs import COMPARED, LIBS
 from ._report import judge, markdown
 
@@ -33,7 +34,8 @@ def write_docs(run: dict, block: str = "safety") -> None:
     p = run["profile"]
     header = (f"otel-lock at commit `{run['commit']}` (the last commit that changed `otel_lock/`), {run['date']}: "
               f"{p['procs']} processes x {p['tasks']} tasks, lease L = {p['lease']} s, wait {p['wait']} s, "
-              f"{p['window']} s per run.\n\n")
+              f"{p['window']} s per run; short stalls {'–'.join(map(str, run['stalls']['short']))} L, "
+              f"long {'–'.join(map(str, run['stalls']['long']))} L.\n\n")
     update_docs(DOCS, block, header + markdown(run["rows"]))
 
 
@@ -69,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
 
     began = time.monotonic()
     run = {"commit": _commit(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-           "profile": profile.__dict__}
+           "profile": profile.__dict__, "stalls": {"short": list(SHORT), "long": list(LONG)}}
     run["rows"] = asyncio.run(check(libs, faults, profile))
     print()
     print(markdown(run["rows"]))

@@ -1,9 +1,10 @@
 """The faults, each injected for real while the workers contend.
 
 Stall lengths are fractions of the lease L. "Short" stalls stay under
-L minus the renewal interval (L/3), so a renewing lock must show no overlap at
-all; "long" ones outlast L, so overlaps are expected and each must be told or
-fenced.
+L minus the renewal interval (L/3), so a renewing lock must show no overlap;
+"long" ones outlast L, so overlaps are expected and each must be fenced. The
+only other fault that may let two holders overlap is a Redis that comes back
+empty; kills, cuts, short stalls and a restart with AOF must not.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
-SHORT = (0.3, 0.6)  # x lease: below lease - renewal interval (2/3 lease), above the 0.5 s hand-over grace at L >= 1 s
+SHORT = (0.25, 0.55)  # x lease: under lease - renewal interval (2/3 L), with room for a round trip
 LONG = (1.3, 1.6)  # x lease: past the lease
 
 
@@ -30,8 +31,14 @@ class Fault:
     proxy: bool = False
     sync_ok: bool = True  # meaningful for a sync library (threads) too
     act: object = None  # async fn(run, rng) injecting the fault until cancelled
-    short: bool = False  # every stall under lease - renewal interval: 0 overlaps expected
+    short: bool = False  # stalls under lease - renewal interval
     long: bool = False  # stalls past the lease: overlaps expected, each stale holder fenced and told at its next await
+    forgets: bool = False  # Redis loses the lock (restart without persistence): overlaps expected, each fenced
+
+    @property
+    def may_overlap(self) -> bool:
+        """Only a stall past the lease or a Redis that forgot the lock may let two holders overlap."""
+        return self.long or self.forgets
 
     def worker(self, profile) -> dict:
         # every run: 5% of holds are long (0.2-0.5 L of async work), so a fault can land inside a hold
@@ -159,23 +166,24 @@ async def client_kill(run, rng) -> None:
 
 FAULTS = {f.name: f for f in [
     Fault("none", "no fault"),
-    Fault("stall-hold-short", "10% of holds block their loop 0.3-0.6 L right after acquiring",
+    Fault("stall-hold-short", "10% of holds block their loop 0.25-0.55 L right after acquiring",
           hold_stall=(0.1, *SHORT), short=True),
     Fault("stall-hold-long", "10% of holds block their loop 1.3-1.6 L right after acquiring",
           hold_stall=(0.1, *LONG), long=True),
-    Fault("stall-wait-short", "a process whose tasks all wait blocks its loop 0.3-0.6 L",
+    Fault("stall-wait-short", "a process whose tasks all wait blocks its loop 0.25-0.55 L",
           wait_stall=(0.5, *SHORT), sync_ok=False, short=True),
     Fault("stall-wait-long", "a process whose tasks all wait blocks its loop 1.3-1.6 L",
           wait_stall=(0.3, *LONG), sync_ok=False, long=True),
-    Fault("sigstop-short", "SIGSTOP a holder process for 0.3-0.6 L, then SIGCONT", act=sigstop(SHORT), short=True),
+    Fault("sigstop-short", "SIGSTOP a holder process for 0.25-0.55 L, then SIGCONT", act=sigstop(SHORT), short=True),
     Fault("sigstop-long", "SIGSTOP a holder process for 1.3-1.6 L, then SIGCONT", act=sigstop(LONG), long=True),
     Fault("sigkill-holder", "SIGKILL a holder process every 0.4-0.8 L (a new one starts)", act=sigkill(True)),
     Fault("sigkill-waiter", "SIGKILL a process that holds nothing every 0.4-0.8 L (a new one starts)",
           act=sigkill(False)),
     Fault("restart-aof", "crash (SIGKILL) and restart Redis with AOF (fsync always) twice, 0.2 s down",
           act=restart, aof=True),
-    Fault("restart-noaof", "crash (SIGKILL) and restart Redis without persistence twice, 0.2 s down", act=restart),
-    Fault("proxy-stall-short", "stall the holder's TCP proxy 0.3-0.6 L", act=proxy_stall(SHORT), proxy=True,
+    Fault("restart-noaof", "crash (SIGKILL) and restart Redis without persistence twice, 0.2 s down", act=restart,
+          forgets=True),
+    Fault("proxy-stall-short", "stall the holder's TCP proxy 0.25-0.55 L", act=proxy_stall(SHORT), proxy=True,
           short=True),
     Fault("proxy-stall-long", "stall the holder's TCP proxy 1.3-1.6 L", act=proxy_stall(LONG), proxy=True, long=True),
     Fault("proxy-cut", "cut the holder's connections every 0.15-0.3 L, refused for 0.1 s", act=proxy_cut,

@@ -46,7 +46,7 @@ def misses(row: dict, fault, baseline: dict | None) -> list[str]:
     missed = []
     if row["unsafe"]:
         missed.append("unsafe")
-    if fault.short and row["overlaps"]:
+    if not fault.may_overlap and row["overlaps"]:
         missed.append("overlap")
     if row["fenced"] < row["overlaps"]:
         missed.append("fence")

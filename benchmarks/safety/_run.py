@@ -57,6 +57,8 @@ class Server(RedisServer):
             os.kill(self.process.pid, signal.SIGKILL)
             self.process.wait()
             self.process = None
+            # start() makes a fresh (unused: --dir points at self.data) directory each time
+            shutil.rmtree(getattr(self, "_dir", ""), ignore_errors=True)
 
     def stop(self) -> None:
         super().stop()

@@ -1,0 +1,89 @@
+"""`python -m benchmarks.safety --quick|--full`: run the checker, print the table; --full also updates docs/safety.md."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks._report import update_docs
+
+from . import FAULTS, FULL, QUICK, QUICK_SET, check
+from ._faults import LONG, SHORT
+from ._libs import COMPARED, LIBS
+from ._report import judge, markdown
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "safety.md"
+
+
+def _commit() -> str:
+    """The last commit that changed the lock (otel_lock/), and whether the tree differs from it."""
+    out = subprocess.run(["git", "log", "-1", "--format=%h", "--", "otel_lock"], capture_output=True, text=True,
+                         cwd=DOCS.parent.parent)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", "otel_lock"], capture_output=True, text=True,
+                           cwd=DOCS.parent.parent).stdout.strip()
+    return (out.stdout.strip() or "unknown") + (" (otel_lock/ modified)" if dirty else "")
+
+
+def write_docs(run: dict, block: str = "safety") -> None:
+    """Put a run's table into docs/safety.md between the block's markers, labelled with commit and set-up."""
+    p = run["profile"]
+    header = (f"otel-lock at commit `{run['commit']}` (the last commit that changed `otel_lock/`), {run['date']}: "
+              f"{p['procs']} processes x {p['tasks']} tasks, lease L = {p['lease']} s, wait {p['wait']} s, "
+              f"{p['window']} s per run; short stalls {'–'.join(map(str, run['stalls']['short']))} L, "
+              f"long {'–'.join(map(str, run['stalls']['long']))} L.\n\n")
+    update_docs(DOCS, block, header + markdown(run["rows"]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.safety", description=__doc__)
+    size = parser.add_mutually_exclusive_group(required=True)
+    size.add_argument("--quick", action="store_true", help="otel-lock on the CI fault set, ~1 minute")
+    size.add_argument("--full", action="store_true", help="every fault and library; rewrites docs/safety.md")
+    size.add_argument("--render", type=Path, metavar="JSON",
+                      help="no run: judge the rows of a saved --json again and write them into docs/safety.md")
+    parser.add_argument("--libs", help=f"comma-separated, of {', '.join(LIBS)}")
+    parser.add_argument("--faults", help=f"comma-separated, of {', '.join(FAULTS)}")
+    parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    parser.add_argument("--block", default="safety", help="the docs/safety.md block --render writes (default: safety)")
+    args = parser.parse_args(argv)
+
+    if args.render:
+        run = json.loads(args.render.read_text())
+        judge(run["rows"], FAULTS)
+        write_docs(run, args.block)
+        print(markdown(run["rows"]))
+        return 0
+
+    profile = FULL if args.full else QUICK
+    libs = args.libs.split(",") if args.libs else (COMPARED if args.full else ["otel-lock"])
+    faults = args.faults.split(",") if args.faults else (list(FAULTS) if args.full else QUICK_SET)
+    for name in libs:
+        if name not in LIBS:
+            parser.error(f"unknown library {name!r}; choose from {', '.join(LIBS)}")
+    for name in faults:
+        if name not in FAULTS:
+            parser.error(f"unknown fault {name!r}; choose from {', '.join(FAULTS)}")
+
+    began = time.monotonic()
+    run = {"commit": _commit(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "profile": profile.__dict__, "stalls": {"short": list(SHORT), "long": list(LONG)}}
+    run["rows"] = asyncio.run(check(libs, faults, profile))
+    print()
+    print(markdown(run["rows"]))
+    print(f"{len(run['rows'])} runs in {time.monotonic() - began:.0f} s ({profile.name}: {profile.procs} processes x "
+          f"{profile.tasks} tasks, lease {profile.lease} s, wait {profile.wait} s, {profile.window} s per run)")
+    if args.json:
+        args.json.write_text(json.dumps(run, indent=1))
+    if args.full and not (args.libs or args.faults):
+        write_docs(run)
+    unsafe = sum(r["unsafe"] for r in run["rows"] if r["library"] == "otel-lock")
+    return 1 if unsafe else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""The locks under test, behind one small interface, each with the same lease.
+
+Every library gets the same lease `L` and the same `wait`. otel-lock renews its
+lease (`lease=None`, manager lease `L`); python-redis-lock renews it too
+(`auto_renewal=True`, its thread every 2/3 of `expire`); redis-py's `Lock` has
+no renewal, so its holds are bounded by `L`, as its users write them. Only
+otel-lock has a fencing token and a `lost` signal; for the peers those are
+None and every overlap they show is untold and unfenced.
+"""
+
+from __future__ import annotations
+
+import math
+
+KEY = "safety"
+
+
+class Held:
+    """What a worker keeps of one acquisition."""
+
+    __slots__ = ("token", "lost", "native")
+
+    def __init__(self, native, token: int | None = None, lost=None) -> None:
+        self.native, self.token, self.lost = native, token, lost
+
+
+class OtelLock:
+    name = "otel-lock"
+    sync = False
+
+    def __init__(self, url: str, lease: float) -> None:
+        from otel_lock import LockManager, LockTimeout
+
+        self.timeout = LockTimeout
+        self.manager = LockManager.from_url(url, namespace="safety", lease=lease)
+
+    async def acquire(self, wait: float) -> Held | None:
+        try:
+            held = await self.manager.acquire(KEY, wait=wait, name="safety")
+        except self.timeout:
+            return None
+        return Held(held, held.token, held.lost)
+
+    async def release(self, held: Held) -> bool:
+        return await held.native.release()
+
+    async def close(self) -> None:
+        await self.manager.aclose()
+
+
+class RedisPy:
+    """redis.asyncio Lock with its defaults (sleep=0.1 polling), timeout = the lease."""
+
+    name = "redis-py Lock"
+    sync = False
+
+    def __init__(self, url: str, lease: float) -> None:
+        import redis.asyncio as aioredis
+
+        self.client = aioredis.Redis.from_url(url, max_connections=1000)
+        self.lease = lease
+
+    async def acquire(self, wait: float) -> Held | None:
+        lock = self.client.lock(KEY, timeout=self.lease, blocking_timeout=wait)
+        return Held(lock) if await lock.acquire() else None
+
+    async def release(self, held: Held) -> bool:
+        from redis.exceptions import LockNotOwnedError
+
+        try:
+            await held.native.release()
+        except LockNotOwnedError:
+            return False
+        return True
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+
+class PythonRedisLock:
+    """python-redis-lock (sync; one thread per task), auto_renewal on, expire = the lease in whole seconds."""
+
+    name = "python-redis-lock"
+    sync = True
+
+    def __init__(self, url: str, lease: float) -> None:
+        import redis
+
+        self.client = redis.Redis.from_url(url, max_connections=1000)
+        self.expire = max(1, round(lease))
+
+    def acquire(self, wait: float) -> Held | None:
+        import redis_lock
+
+        lock = redis_lock.Lock(self.client, KEY, expire=self.expire, auto_renewal=True)
+        # its timeout is whole seconds and 0 means "forever"
+        return Held(lock) if lock.acquire(timeout=max(1, math.ceil(wait))) else None
+
+    def release(self, held: Held) -> bool:
+        import redis_lock
+
+        try:
+            held.native.release()
+        except redis_lock.NotAcquired:
+            return False
+        return True
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class Unlocked:
+    """No lock at all: the control that shows the checker sees overlaps (`--libs unlocked`)."""
+
+    name = "unlocked"
+    sync = False
+
+    def __init__(self, url: str, lease: float) -> None:
+        pass
+
+    async def acquire(self, wait: float) -> Held:
+        return Held(None)
+
+    async def release(self, held: Held) -> bool:
+        return True
+
+    async def close(self) -> None:
+        pass
+
+
+LIBS = {"otel-lock": OtelLock, "redis-py": RedisPy, "python-redis-lock": PythonRedisLock, "unlocked": Unlocked}
+COMPARED = ["otel-lock", "redis-py", "python-redis-lock"]  # what --full runs

@@ -1,0 +1,85 @@
+"""From one run's records to one table row, and rows to markdown."""
+
+from __future__ import annotations
+
+from ._overlaps import summarise, wait_overrun
+
+# The wait bound: one round trip (a generous 0.1 s on a busy 2-core machine) plus
+# the socket timeout (otel-lock's from_url default).
+SOCKET_TIMEOUT = 2.0
+ROUND_TRIP = 0.1
+# "Flat" commands per handoff: within this factor of the same library's no-fault run.
+FLAT = 4.0
+
+COLUMNS = [
+    ("library", "library"), ("fault", "fault"), ("holds", "holds"), ("overlaps", "overlaps"), ("told", "told"),
+    ("fenced", "fenced"), ("unsafe", "untold & unfenced"), ("next_await", "stale told by next await"),
+    ("max_overlap_ms", "max overlap ms"), ("max_idle_ms", "max idle ms"), ("overrun_ms", "max wait overrun ms"),
+    ("commands_per_handoff", "commands / handoff"), ("failed", "timeouts / errors"), ("hung", "hung"),
+    ("misses", "targets missed"),
+]
+
+
+def row(run) -> dict:
+    summary = summarise(run.holds)
+    overruns = [wait_overrun(a["req"], a["ret"], a["wait"], run.pauses.get(a["proc"], [])) for a in run.attempts]
+    timeouts = sum(a["outcome"] == "timeout" for a in run.attempts)
+    errors = [a["outcome"] for a in run.attempts if a["outcome"] not in ("acquired", "timeout")]
+    has_tokens = any(h.token is not None for h in run.holds)
+    return {
+        "library": run.lib, "fault": run.fault.name, **summary,
+        "next_await": f"{summary['stale_told_next']}/{summary['stale_holders']}" if has_tokens else "n/a",
+        "max_overlap_ms": round(summary["max_overlap"] * 1000),
+        "max_idle_ms": round(summary["max_idle"] * 1000),
+        "overrun_ms": round(max(overruns, default=0.0) * 1000),
+        "commands": run.meter.total,
+        "commands_per_handoff": round(run.meter.total / summary["handoffs"], 1) if summary["handoffs"] else None,
+        "timeouts": timeouts, "errors": len(errors), "error_types": sorted(set(errors)),
+        "failed": f"{timeouts} / {len(errors)}",
+        "hung": run.hung,
+        "release_false": sum(h.release is False for h in run.holds),
+    }
+
+
+def misses(row: dict, fault, baseline: dict | None) -> list[str]:
+    """The issue's targets this row misses (see docs/safety.md, "Targets")."""
+    missed = []
+    if row["unsafe"]:
+        missed.append("unsafe")
+    if not fault.may_overlap and row["overlaps"]:
+        missed.append("overlap")
+    if row["fenced"] < row["overlaps"]:
+        missed.append("fence")
+    # "told at its next await" is the promise to a holder that was paused or cut off; a holder that runs
+    # on while Redis forgets its lock (restart without persistence) is told at its next renewal
+    if (fault.short or fault.long) and row["stale_told_next"] < row["stale_holders"]:
+        missed.append("told")
+    if row["overrun_ms"] > (SOCKET_TIMEOUT + ROUND_TRIP) * 1000:
+        missed.append("wait")
+    cph, base = row["commands_per_handoff"], (baseline or {}).get("commands_per_handoff")
+    if cph is not None and base and cph > FLAT * base:
+        missed.append("commands")
+    if row["hung"]:
+        missed.append("hung")
+    return missed
+
+
+def judge(rows: list[dict], faults: dict) -> None:
+    """Fill in each row's `misses`, against the same library's no-fault row when the run has one."""
+    baselines = {r["library"]: r for r in rows if r["fault"] == "none"}
+    for r in rows:
+        r["misses"] = ", ".join(misses(r, faults[r["fault"]], baselines.get(r["library"]))) or "none"
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| " + " | ".join(title for _, title in COLUMNS) + " |",
+             "|" + "---|" * len(COLUMNS)]
+    for r in rows:
+        cells = []
+        for key, _ in COLUMNS:
+            value = r.get(key)
+            if key == "unsafe" and value:
+                value = f"**{value}**"
+            cells.append("–" if value is None else str(value))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

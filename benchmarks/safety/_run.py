@@ -1,0 +1,274 @@
+"""One checker run: a Redis, N worker processes on one key, one fault, then the records and Redis's counters.
+
+Everything the run starts (redis-server, workers, proxies) it stops by pid or
+handle before it returns, whatever happened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis.asyncio as aioredis
+
+from otel_lock.cli._redis_server import RedisServer
+
+from ._overlaps import Hold
+from ._proxy import Proxy
+
+ROOT = Path(__file__).resolve().parents[2]
+READY_TIMEOUT = 60.0
+
+
+@dataclass
+class Profile:
+    name: str
+    procs: int
+    tasks: int
+    lease: float
+    wait: float
+    window: float
+
+
+QUICK = Profile("quick", procs=3, tasks=3, lease=1.0, wait=2.0, window=3.0)
+FULL = Profile("full", procs=4, tasks=4, lease=2.0, wait=3.0, window=8.0)
+
+
+class Server(RedisServer):
+    """redis-server on a fixed port and data directory, so a crash and restart keeps (or not) its AOF."""
+
+    def __init__(self, aof: bool) -> None:
+        self.data = tempfile.mkdtemp(prefix="otel-lock-safety-")
+        persistence = ("--appendonly", "yes", "--appendfsync", "always") if aof else ()
+        super().__init__(extra_args=("--dir", self.data, *persistence))
+
+    def crash(self) -> None:
+        """SIGKILL by pid: no shutdown, no final save."""
+        if self.process is not None:
+            os.kill(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+            self.process = None
+            # start() makes a fresh (unused: --dir points at self.data) directory each time
+            shutil.rmtree(getattr(self, "_dir", ""), ignore_errors=True)
+
+    def stop(self) -> None:
+        super().stop()
+        shutil.rmtree(self.data, ignore_errors=True)
+
+
+class Meter:
+    """Redis commands over the run from INFO commandstats, summed over restarts of the server."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.total = 0
+        self._base: int | None = None
+
+    async def _calls(self) -> int:
+        client = aioredis.Redis.from_url(self.url, socket_timeout=5)
+        try:
+            stats = await client.info("commandstats")
+        finally:
+            await client.aclose()
+        # our own INFO/CONFIG/CLIENT calls are not the locks' work
+        return sum(v["calls"] for k, v in stats.items()
+                   if not k.removeprefix("cmdstat_").startswith(("info", "config", "client|kill")))
+
+    async def begin(self) -> None:
+        self._base = await self._calls()
+
+    async def pause(self) -> None:
+        """Before the server goes away: bank what it counted."""
+        with contextlib.suppress(Exception):
+            self.total += await self._calls() - self._base
+        self._base = None
+
+    async def end(self) -> None:
+        if self._base is not None:
+            self.total += await self._calls() - self._base
+            self._base = None
+
+
+@dataclass
+class WorkerProc:
+    index: int
+    proc: asyncio.subprocess.Process
+    proxy: Proxy | None
+    stderr: object
+    holding: set[int] = field(default_factory=set)
+    open: dict[int, dict] = field(default_factory=dict)  # task -> its `start` event, until `hold`
+    done: bool = False
+    killed_at: float | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+
+class Run:
+    """The state one fault injector acts on, and the records the workers send."""
+
+    def __init__(self, lib: str, profile: Profile, fault) -> None:
+        self.lib, self.profile, self.fault = lib, profile, fault
+        self.server = Server(aof=fault.aof)
+        self.workers: list[WorkerProc] = []
+        self.holds: list[Hold] = []
+        self.attempts: list[dict] = []
+        self.pauses: dict[int, list[tuple[float, float]]] = {}
+        self.readers: list[asyncio.Task] = []
+        self.stop = 0.0
+        self.hung = 0
+        self.meter: Meter | None = None
+        self._background: set[asyncio.Task] = set()
+
+    # -- what injectors use ------------------------------------------------------
+
+    def live(self) -> list[WorkerProc]:
+        return [w for w in self.workers if w.killed_at is None and not w.done]
+
+    def holders(self) -> list[WorkerProc]:
+        return [w for w in self.live() if w.holding]
+
+    def waiters(self) -> list[WorkerProc]:
+        return [w for w in self.live() if not w.holding]
+
+    def background(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def pause(self, worker: WorkerProc, begin: float, end: float) -> None:
+        self.pauses.setdefault(worker.index, []).append((begin, end))
+
+    async def kill(self, worker: WorkerProc) -> None:
+        worker.killed_at = time.monotonic()
+        with contextlib.suppress(ProcessLookupError):
+            worker.proc.send_signal(signal.SIGKILL)
+        await worker.proc.wait()
+
+    async def spawn(self, go: bool = True) -> WorkerProc:
+        index = len(self.workers)
+        proxy = await Proxy("127.0.0.1", self.server.port).start() if self.fault.proxy else None
+        config = {"lib": self.lib, "url": proxy.url if proxy else self.server.url, "tasks": self.profile.tasks,
+                  "lease": self.profile.lease, "wait": self.profile.wait, **self.fault.worker(self.profile)}
+        stderr = tempfile.TemporaryFile()  # the libraries log every lost lease; shown only if a worker crashes
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "benchmarks.safety._worker", json.dumps(config), cwd=ROOT, env=env,
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=stderr, limit=1 << 24)
+        worker = WorkerProc(index, proc, proxy, stderr)
+        self.workers.append(worker)
+        line = await asyncio.wait_for(proc.stdout.readline(), READY_TIMEOUT)
+        if json.loads(line or "{}").get("ev") != "ready":
+            raise RuntimeError(f"worker {index} did not start ({self.lib})")
+        self.readers.append(asyncio.create_task(self._read(worker)))
+        if go:
+            self.go(worker)
+        return worker
+
+    def go(self, worker: WorkerProc) -> None:
+        worker.proc.stdin.write((json.dumps({"stop": self.stop}) + "\n").encode())
+
+    # -- records -------------------------------------------------------------------
+
+    async def _read(self, worker: WorkerProc) -> None:
+        while line := await worker.proc.stdout.readline():
+            self._event(worker, json.loads(line))
+
+    def _event(self, worker: WorkerProc, event: dict) -> None:
+        kind = event.pop("ev")
+        if kind == "start":
+            worker.holding.add(event["task"])
+            worker.open[event["task"]] = event
+        elif kind == "hold":
+            worker.holding.discard(event["task"])
+            worker.open.pop(event["task"], None)
+            self.holds.append(Hold(worker.index, event["task"], event["start"], event["end"], event["token"],
+                                   event["lost_at"], event["release"], [tuple(m) for m in event["marks"]],
+                                   event["stall"], event["req"]))
+            self.attempts.append({"proc": worker.index, "req": event["req"], "ret": event["start"],
+                                  "wait": self.profile.wait, "outcome": "acquired"})
+        elif kind == "attempt":
+            self.attempts.append({"proc": worker.index, **event})
+        elif kind == "pause":
+            self.pause(worker, event["a"], event["b"])
+        elif kind == "done":
+            worker.done = True
+
+    def _close_open_holds(self) -> None:
+        """A killed holder held until it died: its hold ends at the kill, untold."""
+        for worker in self.workers:
+            end = worker.killed_at or time.monotonic()
+            for task, start in worker.open.items():
+                self.holds.append(Hold(worker.index, task, start["start"], end, start["token"], None, "killed",
+                                       requested=start.get("req")))
+            worker.open.clear()
+
+    # -- the run -------------------------------------------------------------------
+
+    async def execute(self) -> None:
+        await asyncio.to_thread(self.server.start)
+        try:
+            self.meter = Meter(self.server.url)
+            self.stop = float("inf")  # set before "go"
+            await asyncio.gather(*(self.spawn(go=False) for _ in range(self.profile.procs)))
+            await self.meter.begin()
+            begin = time.monotonic() + 0.1
+            self.stop = begin + self.profile.window
+            for worker in self.workers:
+                self.go(worker)
+            await asyncio.sleep(0.1)
+            injector = asyncio.create_task(self.fault.inject(self))
+            await asyncio.sleep(max(0.0, self.stop - time.monotonic()))
+            injector.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await injector
+            await self.fault.heal(self)
+            await self._drain()
+            await self.meter.end()
+        finally:
+            await self._teardown()
+        self._close_open_holds()
+
+    async def _drain(self) -> None:
+        """Workers finish their last attempt (bounded by wait); one still running after that is hung."""
+        bound = self.profile.wait + self.profile.lease + 5.0
+        procs = [w for w in self.workers if w.killed_at is None]
+        done, pending = await asyncio.wait([asyncio.create_task(w.proc.wait()) for w in procs], timeout=bound)
+        for task in pending:
+            task.cancel()
+        for worker in procs:
+            if worker.proc.returncode is None:
+                self.hung += 1
+                await self.kill(worker)
+        await asyncio.gather(*self.readers, return_exceptions=True)
+
+    async def _teardown(self) -> None:
+        await asyncio.gather(*self._background, return_exceptions=True)
+        for worker in self.workers:
+            if worker.proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    worker.proc.send_signal(signal.SIGCONT)
+                    worker.proc.send_signal(signal.SIGKILL)
+                await worker.proc.wait()
+            if worker.proxy is not None:
+                await worker.proxy.aclose()
+            if worker.proc.returncode and worker.killed_at is None:
+                worker.stderr.seek(0)
+                tail = worker.stderr.read().decode(errors="replace")[-3000:]
+                print(f"worker {worker.index} ({self.lib}) exited with {worker.proc.returncode}:\n{tail}",
+                      file=sys.stderr)
+            worker.stderr.close()
+        for task in self.readers:
+            task.cancel()
+        await asyncio.gather(*self.readers, return_exceptions=True)
+        await asyncio.to_thread(self.server.stop)

@@ -1,0 +1,189 @@
+"""One contending process: M tasks (threads for a sync library) take the key in a loop and report every hold.
+
+    python -m benchmarks.safety._worker '{"lib": "otel-lock", "url": ..., "tasks": 4, ...}'
+
+It prints "ready", waits for a "go" line with the monotonic stop time, then
+writes one JSON event per line: `start` the moment a task holds the lock (so the
+parent knows who holds, to stop or kill it), `hold` when the hold is over,
+`attempt` for an acquire that timed out or failed, and `pause` for every
+interval in which this process blocked its own event loop (the parent does not
+count those against the wait bound). Times are time.monotonic(): one clock for
+every process on a Linux machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import sys
+import threading
+import time
+
+from ._libs import LIBS
+
+BODY_STEPS = 3  # awaits in a hold's body, each a little "database call"
+STEP = (0.001, 0.003)
+LONG_STEP = (0.005, 0.015)  # a long hold: slow async work (never blocking), awaits of 5-15 ms
+RETRY_AFTER_ERROR = 0.05
+
+_out = threading.Lock()
+
+
+def emit(ev: str, **fields) -> None:
+    line = json.dumps({"ev": ev, **fields}) + "\n"
+    with _out:
+        sys.stdout.write(line)
+        sys.stdout.flush()
+
+
+class Worker:
+    def __init__(self, config: dict) -> None:
+        self.config = config
+        self.stop = 0.0
+        self.holding = 0  # tasks of this process holding the lock right now
+        self.rng = random.Random()
+
+    def stall_after_acquire(self) -> float:
+        stall = self.config.get("hold_stall")  # [probability, shortest, longest]
+        if stall and self.rng.random() < stall[0]:
+            return self.rng.uniform(stall[1], stall[2])
+        return 0.0
+
+    def body_steps(self) -> list[float]:
+        """How long each await of a hold's body lasts: a few ms, or (now and then) a long hold."""
+        long_hold = self.config.get("long_hold")  # [probability, shortest, longest]
+        if long_hold and self.rng.random() < long_hold[0]:
+            total, steps = self.rng.uniform(long_hold[1], long_hold[2]), []
+            while sum(steps) < total:
+                steps.append(self.rng.uniform(*LONG_STEP))
+            return steps
+        return [self.rng.uniform(*STEP) for _ in range(BODY_STEPS)]
+
+    def block(self, seconds: float) -> None:
+        """Block this thread (the whole event loop, for an async library) and say so."""
+        begin = time.monotonic()
+        time.sleep(seconds)
+        if not self.lib.sync:
+            emit("pause", a=begin, b=time.monotonic())
+
+    # -- async libraries -------------------------------------------------------
+
+    async def run_async(self) -> None:
+        self.lib = LIBS[self.config["lib"]](self.config["url"], self.config["lease"])
+        tasks = [asyncio.create_task(self.contend_async(i)) for i in range(self.config["tasks"])]
+        if self.config.get("wait_stall"):
+            staller = asyncio.create_task(self.stall_while_waiting())
+        await asyncio.gather(*tasks)
+        if self.config.get("wait_stall"):
+            staller.cancel()
+        await self.lib.close()
+
+    async def contend_async(self, task: int) -> None:
+        wait = self.config["wait"]
+        while time.monotonic() < self.stop:
+            req = time.monotonic()
+            try:
+                held = await self.lib.acquire(wait)
+            except Exception as exc:  # noqa: BLE001 - every failure is a recorded outcome
+                emit("attempt", task=task, req=req, ret=time.monotonic(), wait=wait, outcome=type(exc).__name__)
+                await asyncio.sleep(RETRY_AFTER_ERROR)
+                continue
+            ret = time.monotonic()
+            if held is None:
+                emit("attempt", task=task, req=req, ret=ret, wait=wait, outcome="timeout")
+                continue
+            await self.hold_async(task, held, req, ret)
+
+    async def hold_async(self, task: int, held, req: float, start: float) -> None:
+        self.holding += 1
+        emit("start", task=task, req=req, start=start, token=held.token)
+        lost_at: list[float] = []
+        watcher = None
+        if held.lost is not None:
+            watcher = asyncio.create_task(held.lost.wait())
+            watcher.add_done_callback(lambda t: t.cancelled() or lost_at.append(time.monotonic()))
+        marks = []
+        stall = self.stall_after_acquire()
+        if stall:
+            self.block(stall)
+        for step in self.body_steps():
+            await asyncio.sleep(step)
+            marks.append((time.monotonic(), bool(held.lost is not None and held.lost.is_set())))
+        end = time.monotonic()
+        self.holding -= 1
+        try:
+            release = await self.lib.release(held)
+        except Exception as exc:  # noqa: BLE001
+            release = type(exc).__name__
+        if watcher is not None:
+            if not lost_at and held.lost.is_set():
+                await asyncio.sleep(0)  # let the watcher note the time it saw the loss
+            watcher.cancel()
+        emit("hold", task=task, req=req, start=start, end=end, token=held.token,
+             lost_at=lost_at[0] if lost_at else None, release=release, marks=marks, stall=stall)
+
+    async def stall_while_waiting(self) -> None:
+        """Block the loop now and then while this process's tasks wait (and none holds)."""
+        probability, shortest, longest = self.config["wait_stall"]
+        while True:
+            await asyncio.sleep(self.rng.uniform(0.1, 0.4))
+            if self.holding == 0 and self.rng.random() < probability:
+                self.block(self.rng.uniform(shortest, longest))
+
+    # -- sync libraries (one thread per task) -----------------------------------
+
+    def run_sync(self) -> None:
+        self.lib = LIBS[self.config["lib"]](self.config["url"], self.config["lease"])
+        threads = [threading.Thread(target=self.contend_sync, args=(i,)) for i in range(self.config["tasks"])]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        self.lib.close()
+
+    def contend_sync(self, task: int) -> None:
+        wait = self.config["wait"]
+        while time.monotonic() < self.stop:
+            req = time.monotonic()
+            try:
+                held = self.lib.acquire(wait)
+            except Exception as exc:  # noqa: BLE001
+                emit("attempt", task=task, req=req, ret=time.monotonic(), wait=wait, outcome=type(exc).__name__)
+                time.sleep(RETRY_AFTER_ERROR)
+                continue
+            start = time.monotonic()
+            if held is None:
+                emit("attempt", task=task, req=req, ret=start, wait=wait, outcome="timeout")
+                continue
+            emit("start", task=task, req=req, start=start, token=None)
+            stall = self.stall_after_acquire()
+            if stall:
+                self.block(stall)
+            marks = []
+            for step in self.body_steps():
+                time.sleep(step)
+                marks.append((time.monotonic(), False))
+            end = time.monotonic()
+            try:
+                release = self.lib.release(held)
+            except Exception as exc:  # noqa: BLE001
+                release = type(exc).__name__
+            emit("hold", task=task, req=req, start=start, end=end, token=None, lost_at=None, release=release,
+                 marks=marks, stall=stall)
+
+
+def main() -> None:
+    config = json.loads(sys.argv[1])
+    worker = Worker(config)
+    emit("ready")
+    worker.stop = json.loads(sys.stdin.readline())["stop"]
+    if LIBS[config["lib"]].sync:
+        worker.run_sync()
+    else:
+        asyncio.run(worker.run_async())
+    emit("done")
+
+
+if __name__ == "__main__":
+    main()

@@ -5,7 +5,7 @@ on every fault of the quick set, no overlap may be both untold and unfenced,
 only stalls past the lease and a Redis restarted empty may give overlaps at all,
 no waiter may outlast its wait by more than the socket timeout plus a round
 trip, and the Redis commands per handoff must stay flat. Checks that the
-current core is known to miss are xfailed with the issue item that fixes them.
+current core is known to miss would be xfailed with the issue item that fixes them (none now).
 """
 
 from __future__ import annotations
@@ -121,21 +121,8 @@ def test_wait_overrun_does_not_count_time_the_process_was_stopped():
 
 # -- the quick run against real Redis --------------------------------------------
 
-ITEM_1 = ("issue 7 item 1: a hand-over sets the TTL to the 0.5 s grace and the watchdog tops it up only "
-          "later, so a short stall, a cut or a Redis restart right after a hand-over lets the next waiter in")
-ITEM_3 = ("issue 7 item 3: a waiter that rejected a late grant (its process was blocked, stopped or cut off "
-          "when it was handed the lock) busy-polls Redis")
-TOLD = ("issue 7 target 'told at its next await' (and items 1, 4): a holder's local validity can outlast its "
-        "lease in Redis after a hand-over, and a process resumed after SIGSTOP can run its first await before "
-        "the watchdog notices the lease ran out")
-
-# Item 3 shows wherever a process with waiters cannot read its grant in time: blocked, stopped or cut off.
-KNOWN = {
-    **{("no_overlap", f): ITEM_1 for f in ("stall-hold-short", "sigstop-short", "proxy-cut", "restart-aof")},
-    **{("flat", f): ITEM_3 for f in ("stall-hold-short", "stall-hold-long", "stall-wait-long", "sigstop-short",
-                                    "sigstop-long", "proxy-stall-long")},
-    **{("told", f): TOLD for f in ("sigstop-short", "sigstop-long", "proxy-stall-long")},
-}
+# Checks the core is known to miss, by (check, fault), with the reason: none since issue 7.
+KNOWN: dict[tuple[str, str], str] = {}
 
 
 def cases(check: str, faults) -> list:

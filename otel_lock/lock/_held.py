@@ -40,7 +40,27 @@ class Releaser(Protocol):
 
     def _forget(self, held: HeldLock) -> None: ...
 
+    def _lose(self, lease: Lease, reason: str, count: bool = True) -> None: ...
+
     async def _release(self, held: HeldLock) -> bool: ...
+
+
+class LostEvent(asyncio.Event):
+    """`held.lost`: set by the watchdog, and also by any look at it once the local validity has passed.
+
+    A holder resumed after a pause (SIGSTOP, a blocked loop) may reach its
+    next check before the watchdog's timer runs; it must not read "not lost"
+    for a lease that already ran out on its own clock.
+    """
+
+    def __init__(self, lease: Lease) -> None:
+        super().__init__()
+        self._lease = lease
+
+    def is_set(self) -> bool:
+        if not super().is_set():
+            self._lease.check_validity()
+        return super().is_set()
 
 
 class Lease:
@@ -74,7 +94,8 @@ class Lease:
         self.children_done = asyncio.Event()
         self.children_done.set()
         self.closing = False             # the final release has begun: no more re-entry
-        self.lost = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+        self.lost = LostEvent(self)
         self.lost_reason = ""
         self.on_lost: list[Callable[[], None]] = []
         self.explicit_owner = explicit_owner  # other holders may count on the Redis depth
@@ -82,6 +103,11 @@ class Lease:
         self.cancelled_by_us = False
         self.counted = True              # still counted in `otel_lock.active`
         self.ended = False
+
+    def check_validity(self) -> None:
+        if not self.ended and not self.lost_reason and self._loop.time() >= self.expires_at:
+            reason = "no renewal confirmed the lease in time" if self.renew else "the fixed lease ran out"
+            self.manager._lose(self, reason)
 
     def confirmed(self, sent_at: float) -> None:
         self.expires_at = sent_at + self.renew_ms / 1000 - self.drift

@@ -462,7 +462,7 @@ class LockManager:
 
     def _lose(self, lease: Lease, reason: str, count: bool = True) -> None:
         """The lease is gone: tell the holder, and cancel it if it asked for that."""
-        if lease.lost.is_set():
+        if lease.lost_reason:
             return
         lease.lost_reason = reason
         lease.lost.set()

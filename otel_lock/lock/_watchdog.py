@@ -85,7 +85,8 @@ class Watchdog:
                 results = await self._send(chunks)
         except (RedisError, OSError) as exc:
             for lease in leases:
-                lease.renew_at = min(lease.expires_at, sent_at + RETRY_AFTER_ERROR)
+                # retry soon, and well before the lease runs out even with a short lease
+                lease.renew_at = min(lease.expires_at, sent_at + min(RETRY_AFTER_ERROR, lease.renew_every / 2))
                 manager._count_renewal(lease, "error", exc)
             return
         for chunk, answers in zip(chunks, results):

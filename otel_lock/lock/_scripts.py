@@ -26,7 +26,7 @@ come (stopped, or its loop blocked) lets the reservation expire after
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Protocol, Sequence
+from typing import Any, Awaitable, Protocol, Sequence
 
 from redis.exceptions import NoScriptError
 
@@ -194,9 +194,9 @@ return 1
 class ScriptClient(Protocol):
     """What a script needs of a client: redis-py's or the lean connection."""
 
-    async def evalsha(self, sha: str, numkeys: int, *args: Any) -> Any: ...
+    def evalsha(self, sha: str, numkeys: int, /, *args: Any) -> Awaitable[Any]: ...
 
-    async def script_load(self, source: str) -> Any: ...
+    def script_load(self, source: str, /) -> Awaitable[Any]: ...
 
 
 class Script:

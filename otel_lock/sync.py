@@ -12,17 +12,24 @@ from __future__ import annotations
 import asyncio
 import threading
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Coroutine, Iterator, TypeVar
 
-from .lock._manager import HeldLock, LockManager
+from .lock import HeldLock, LockInfo, LockManager
+
+T = TypeVar("T")
 
 
 class SyncHeldLock:
     """A hold seen from a thread: key, owner, token, depth, lost (threading.Event)."""
 
     def __init__(self, manager: "SyncLockManager", held: HeldLock, lost: threading.Event) -> None:
-        self._manager, self._held, self.lost = manager, held, lost
-        self.key, self.name, self.owner, self.token, self.depth = held.key, held.name, held.owner, held.token, held.depth
+        self._manager, self._held = manager, held
+        self.lost: threading.Event = lost
+        self.key: str = held.key
+        self.name: str = held.name
+        self.owner: str = held.owner
+        self.token: int = held.token
+        self.depth: int = held.depth
 
     def release(self) -> bool:
         return self._manager._release(self)
@@ -50,10 +57,10 @@ class SyncLockManager:
         return cls(url, **options)
 
     @staticmethod
-    async def _make(url: str, options: dict) -> LockManager:
+    async def _make(url: str, options: dict[str, Any]) -> LockManager:
         return LockManager.from_url(url, **options)
 
-    def _run(self, coro):
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     @contextmanager
@@ -108,9 +115,10 @@ class SyncLockManager:
     def _held_map(self) -> dict[str, SyncHeldLock]:
         if not hasattr(self._held, "map"):
             self._held.map = {}
-        return self._held.map
+        held_map: dict[str, SyncHeldLock] = self._held.map
+        return held_map
 
-    def held_locks(self):
+    def held_locks(self) -> list[LockInfo]:
         return self._run(self._manager.held_locks())
 
     def force_release(self, key: str) -> bool:

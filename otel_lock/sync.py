@@ -32,6 +32,7 @@ class SyncHeldLock:
         self.depth: int = held.depth
 
     def release(self) -> bool:
+        """Release this hold; False if the lock was no longer ours."""
         return self._manager._release(self)
 
     def __repr__(self) -> str:
@@ -54,6 +55,7 @@ class SyncLockManager:
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> "SyncLockManager":
+        """The same as `SyncLockManager(url, **options)`; options as for `LockManager.from_url`."""
         return cls(url, **options)
 
     @staticmethod
@@ -65,6 +67,7 @@ class SyncLockManager:
 
     @contextmanager
     def lock(self, key: str, **options: Any) -> Iterator[SyncHeldLock]:
+        """`with locks.lock("k", wait=5.0) as held:`; options as for `LockManager.lock`."""
         held = self.acquire(key, **options)
         try:
             yield held
@@ -72,6 +75,7 @@ class SyncLockManager:
             held.release()
 
     def try_lock(self, key: str, **options: Any) -> SyncHeldLock | None:
+        """The hold if the lock is free right now (or this thread holds it), else None."""
         if key in self._held_map() and "owner" not in options:
             return self.acquire(key, **options)
         found = self._run(self._manager.try_lock(key, **options))
@@ -119,12 +123,15 @@ class SyncLockManager:
         return held_map
 
     def held_locks(self) -> list[LockInfo]:
+        """Every lock held in the namespace (see `LockManager.held_locks`)."""
         return self._run(self._manager.held_locks())
 
     def force_release(self, key: str) -> bool:
+        """Release whoever holds `key` (an operator's last resort)."""
         return self._run(self._manager.force_release(key))
 
     def close(self) -> None:
+        """Stop the manager and its loop thread; locks still held expire after their lease."""
         if self._thread.is_alive():
             self._run(self._manager.aclose())
             self._stop_loop()

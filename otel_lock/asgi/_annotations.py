@@ -48,6 +48,8 @@ def _check_seconds(what: str, value: float | None, *, allow_zero: bool) -> None:
 
 @dataclass(frozen=True)
 class Locked:
+    """What `locked(...)` returns: a route's lock, as a decorator or a `rules=` value."""
+
     template: KeyTemplate
     wait: float | None = None
     lease: float | None = None
@@ -71,6 +73,8 @@ class Locked:
 
 @dataclass(frozen=True)
 class Idempotent:
+    """What `idempotent(...)` returns: a route's Idempotency-Key handling, as a decorator or a `rules=` value."""
+
     ttl: float = 86400.0
     required: bool = True
     principal: Principal | None = None

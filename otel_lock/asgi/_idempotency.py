@@ -87,11 +87,13 @@ class IdempotencyGate:
             raise ValueError(missing_setting(route))
 
     def report_missing(self, route: str) -> None:
+        """Log the missing principal setting of `route`, once."""
         if route not in self._reported:  # once per route, not once per request
             self._reported.add(route)
             log.error("otel-lock: %s", missing_setting(route))
 
     def count(self, route: str, outcome: str) -> None:
+        """Count one request in `otel_lock.idempotency.requests`."""
         self.manager.telemetry.idempotency_requests.add(1, {"http.route": route, "idempotency.outcome": outcome})
 
 

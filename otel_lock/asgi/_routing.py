@@ -112,6 +112,7 @@ class RuleMatcher:
         self.rules = rules
 
     def resolve(self, scope: Scope) -> RouteMatch | None:
+        """The first rule matching the request's method and path (below root_path), or None."""
         path = scope["path"]
         root = scope.get("root_path", "")
         if root and path.startswith(root):

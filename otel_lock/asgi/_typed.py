@@ -74,6 +74,7 @@ class TypedFields:
             stack.extend(current.dependencies)
 
     def field(self, part: Part) -> Any:
+        """FastAPI's declared field for a path, query or header placeholder, or None."""
         return self.params.get((part.source, part.field))
 
 

@@ -43,6 +43,8 @@ MAX_REDIS_CONNECTIONS = 1000
 
 @dataclass(frozen=True)
 class DemoSettings:
+    """How one replica of the shop runs; `from_env()` reads the demo's switches."""
+
     redis_url: str = "redis://127.0.0.1:6379/0"
     namespace: str = "otel-lock"
     replica_name: str = field(default_factory=socket.gethostname)

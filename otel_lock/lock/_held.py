@@ -87,6 +87,7 @@ class Lease:
         self.ended: bool = False
 
     def confirmed(self, sent_at: float) -> None:
+        """A renewal sent at `sent_at` (loop time) succeeded: valid for a full lease from then."""
         self.expires_at = sent_at + self.renew_ms / 1000 - self.drift
         self.renew_at = sent_at + self.renew_every
 

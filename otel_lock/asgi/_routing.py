@@ -24,8 +24,9 @@ from ._types import Scope
 
 ALL_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
 # LockMiddleware(rules=...): `{"POST /api/x/{id}": locked(...)}`, or a list/tuple of annotations per route.
+# (list[Locked] is spelled out: a list of one kind is not a list[Annotation] to a type checker.)
 Annotation = Locked | Idempotent
-Rules = Mapping[str, Annotation | list[Annotation] | tuple[Annotation, ...]]
+Rules = Mapping[str, Annotation | list[Locked] | list[Idempotent] | list[Annotation] | tuple[Annotation, ...]]
 
 
 @dataclass(frozen=True)

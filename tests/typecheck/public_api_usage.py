@@ -83,6 +83,8 @@ def starlette_app(locks: LockManager) -> Starlette:
     assert_type(put_stock.__name__, str)
     app = Starlette()
     app.add_middleware(LockMiddleware, manager=locks, rules={"POST /x/{id}": [locked("x:{path.id}")]})
+    rules = {"POST /y/{id}": [locked("y:{path.id}")]}   # a dict[str, list[Locked]] built beforehand
+    app.add_middleware(LockMiddleware, manager=locks, rules=rules)
     return app
 
 

@@ -12,19 +12,27 @@ from __future__ import annotations
 import asyncio
 import threading
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Coroutine, Iterator, TypeVar
 
-from .lock._manager import HeldLock, LockManager
+from .lock import HeldLock, LockInfo, LockManager
+
+T = TypeVar("T")
 
 
 class SyncHeldLock:
     """A hold seen from a thread: key, owner, token, depth, lost (threading.Event)."""
 
     def __init__(self, manager: "SyncLockManager", held: HeldLock, lost: threading.Event) -> None:
-        self._manager, self._held, self.lost = manager, held, lost
-        self.key, self.name, self.owner, self.token, self.depth = held.key, held.name, held.owner, held.token, held.depth
+        self._manager, self._held = manager, held
+        self.lost: threading.Event = lost
+        self.key: str = held.key
+        self.name: str = held.name
+        self.owner: str = held.owner
+        self.token: int = held.token
+        self.depth: int = held.depth
 
     def release(self) -> bool:
+        """Release this hold; False if the lock was no longer ours."""
         return self._manager._release(self)
 
     def __repr__(self) -> str:
@@ -47,17 +55,19 @@ class SyncLockManager:
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> "SyncLockManager":
+        """The same as `SyncLockManager(url, **options)`; options as for `LockManager.from_url`."""
         return cls(url, **options)
 
     @staticmethod
-    async def _make(url: str, options: dict) -> LockManager:
+    async def _make(url: str, options: dict[str, Any]) -> LockManager:
         return LockManager.from_url(url, **options)
 
-    def _run(self, coro):
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     @contextmanager
     def lock(self, key: str, **options: Any) -> Iterator[SyncHeldLock]:
+        """`with locks.lock("k", wait=5.0) as held:`; options as for `LockManager.lock`."""
         held = self.acquire(key, **options)
         try:
             yield held
@@ -65,6 +75,7 @@ class SyncLockManager:
             held.release()
 
     def try_lock(self, key: str, **options: Any) -> SyncHeldLock | None:
+        """The hold if the lock is free right now (or this thread holds it), else None."""
         if key in self._held_map() and "owner" not in options:
             return self.acquire(key, **options)
         found = self._run(self._manager.try_lock(key, **options))
@@ -108,15 +119,19 @@ class SyncLockManager:
     def _held_map(self) -> dict[str, SyncHeldLock]:
         if not hasattr(self._held, "map"):
             self._held.map = {}
-        return self._held.map
+        held_map: dict[str, SyncHeldLock] = self._held.map
+        return held_map
 
-    def held_locks(self):
+    def held_locks(self) -> list[LockInfo]:
+        """Every lock held in the namespace (see `LockManager.held_locks`)."""
         return self._run(self._manager.held_locks())
 
     def force_release(self, key: str) -> bool:
+        """Release whoever holds `key` (an operator's last resort)."""
         return self._run(self._manager.force_release(key))
 
     def close(self) -> None:
+        """Stop the manager and its loop thread; locks still held expire after their lease."""
         if self._thread.is_alive():
             self._run(self._manager.aclose())
             self._stop_loop()

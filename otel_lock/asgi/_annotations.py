@@ -11,17 +11,20 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar, TypeVar
 
 from ._idem_options import check_idempotent_options
+from ._idem_principal import Principal
 from ._keys import KeyTemplate, parse_template
 
 ATTR = "__otel_lock__"
 MIB = 1024 * 1024
 RELEASE_AFTER = ("app", "response")   # when the app call returns (default), or after the last body message
+# A handler (function, method, HTTPEndpoint class or ASGI app): decorating returns it with its own type.
+F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _attach(obj: Any, kind: str, annotation: Any) -> Any:
+def _attach(obj: F, kind: str, annotation: Locked | Idempotent) -> F:
     existing = getattr(obj, ATTR, None) or {}
     if kind in existing:
         raise ValueError(f"{getattr(obj, '__qualname__', obj)!r} already has a @{kind} annotation")
@@ -45,6 +48,8 @@ def _check_seconds(what: str, value: float | None, *, allow_zero: bool) -> None:
 
 @dataclass(frozen=True)
 class Locked:
+    """What `locked(...)` returns: a route's lock, as a decorator or a `rules=` value."""
+
     template: KeyTemplate
     wait: float | None = None
     lease: float | None = None
@@ -55,31 +60,33 @@ class Locked:
     retry_after: float | None = None
     release_after: str = "app"
 
-    kind = "locked"
+    kind: ClassVar[str] = "locked"
 
     @property
     def lock_name(self) -> str:
         """The metric/span label: the template or an explicit name, never a concrete key."""
         return self.name or self.template.template
 
-    def __call__(self, endpoint: Callable) -> Callable:
+    def __call__(self, endpoint: F) -> F:
         return _attach(endpoint, self.kind, self)
 
 
 @dataclass(frozen=True)
 class Idempotent:
+    """What `idempotent(...)` returns: a route's Idempotency-Key handling, as a decorator or a `rules=` value."""
+
     ttl: float = 86400.0
     required: bool = True
-    principal: Callable[[Any], Any] | None = None
+    principal: Principal | None = None
     wait_for_inflight: float = 0.0
     retry_on_5xx: bool = False
     max_body: int = MIB
     retry_after: float = 1.0
     shared_scope: bool = False
 
-    kind = "idempotent"
+    kind: ClassVar[str] = "idempotent"
 
-    def __call__(self, endpoint: Callable) -> Callable:
+    def __call__(self, endpoint: F) -> F:
         return _attach(endpoint, self.kind, self)
 
 
@@ -107,7 +114,7 @@ def locked(
 
 
 def idempotent(
-    *, ttl: float = 86400, required: bool = True, principal: Callable[[Any], Any] | None = None,
+    *, ttl: float = 86400, required: bool = True, principal: Principal | None = None,
     shared_scope: bool = False, wait_for_inflight: float = 0, retry_on_5xx: bool = False, max_body: int = MIB,
     retry_after: float = 1,
 ) -> Idempotent:
@@ -126,7 +133,7 @@ def idempotent(
 def annotations_of(endpoint: Any, method: str | None = None) -> dict[str, Any]:
     """Annotations of an endpoint: an HTTPEndpoint's method (then class), following `__wrapped__`."""
     found: dict[str, Any] = {}
-    targets = []
+    targets: list[Any] = []
     if inspect.isclass(endpoint) and method:
         handler = getattr(endpoint, method.lower(), None)
         if handler is None and method.upper() == "HEAD":

@@ -16,11 +16,12 @@ import re
 from typing import TYPE_CHECKING, Any
 
 from ..lock._errors import LockLost, LockTimeout, RedisUnavailable
+from ..lock._held import HeldLock
 from ._annotations import Locked
 from ._guard import PROTECTED, ROUTE_STATE, UNCHECKED
-from ._keys import TemplateValueError
+from ._keys import Part, TemplateValueError
 from ._problem import send_problem
-from ._routing import Annotated
+from ._routing import Annotated, RouteMatch
 from ._typed import INVALID, TypedFields, Values
 from ._types import ASGIApp, Message, Receive, ResponseEnd, Scope, Send
 
@@ -38,7 +39,7 @@ class SendTimeout(OSError):
 class Flow:
     """One request's trip through the middleware; all per-request state lives here."""
 
-    def __init__(self, mw: LockMiddleware, annotated: Annotated, route: str, typed: TypedFields | None,
+    def __init__(self, mw: LockMiddleware, annotated: Annotated | RouteMatch, route: str, typed: TypedFields | None,
                  app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:
         self.mw, self.annotated, self.route, self.typed, self.app = mw, annotated, route, typed, app
         self.scope, self.receive, self.send = scope, receive, send
@@ -77,7 +78,7 @@ class Flow:
     async def _key(self, locked: Locked) -> Any:
         """The lock name, or INVALID when the framework will reject a value (422) anyway."""
         values = Values(self.scope, self.body, self.typed)
-        found = {}
+        found: dict[Part, str] = {}
         for part in locked.template.parts:
             value = await values.get(part)
             if value is INVALID:
@@ -97,7 +98,8 @@ class Flow:
             if int(declared) > limit:
                 await self._too_large()
                 return False
-        chunks, size = [], 0
+        chunks: list[bytes] = []
+        size = 0
         try:
             async with asyncio.timeout(self.mw.body_timeout):
                 while True:
@@ -147,7 +149,9 @@ class Protected:
         if rule is None:
             await self._run_app(scope, receive, send)
             return True
-        held: Any = None
+        name = self.name
+        assert name is not None  # a rule comes with the name its template rendered
+        held: HeldLock | None = None
         started = entered = app_done = False
         end = ResponseEnd()
         early = rule.release_after == "response"
@@ -161,10 +165,11 @@ class Protected:
             if last and early:
                 # release_after="response": the next request may start while this
                 # app still runs its background tasks and dependency exit code.
+                assert held is not None  # the app runs inside the hold
                 await _release_quietly(held)
 
         try:
-            async with self.mw.manager.lock(self.name, wait=rule.wait, lease=rule.lease, name=rule.lock_name,
+            async with self.mw.manager.lock(name, wait=rule.wait, lease=rule.lease, name=rule.lock_name,
                                             cancel_on_lost=True) as held:
                 entered = True
                 scope["state"] = {**scope.get("state", {}), "lock": held}
@@ -223,7 +228,7 @@ def _retry_after(rule: Locked) -> float:
     return rule.retry_after if rule.retry_after is not None else 1.0
 
 
-async def _release_quietly(held: Any) -> None:
+async def _release_quietly(held: HeldLock) -> None:
     try:
         await held.release()
     except RedisUnavailable as error:
@@ -244,7 +249,8 @@ def _replay(body: bytes, receive: Receive) -> Receive:
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:
-    for key, value in scope.get("headers", []):
+    headers: list[tuple[bytes, bytes]] = scope.get("headers", [])
+    for key, value in headers:
         if key.lower() == name:
             return value.strip()
     return None

@@ -14,7 +14,7 @@ import contextvars
 import functools
 import inspect
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar, cast
 
 log = logging.getLogger("otel_lock.middleware")
 
@@ -24,51 +24,62 @@ ROUTE_STATE: contextvars.ContextVar[str | None] = contextvars.ContextVar("otel_l
 GUARD_ATTR = "__otel_lock_guard__"
 _HTTP_METHODS = ("get", "head", "post", "put", "patch", "delete", "options")
 _reported: set[int] = set()
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 class LockMiddlewareMissing(RuntimeError):
     """An annotated handler ran without LockMiddleware protecting it."""
 
 
-def guard(endpoint: Any) -> Any:
+def guard(endpoint: F) -> F:
     """The guarded form of a handler (functions), or the class with guarded HTTP methods."""
-    if getattr(endpoint, GUARD_ATTR, False):
+    target: Any = endpoint  # inspected below; `endpoint` keeps the caller's type
+    if getattr(target, GUARD_ATTR, False):
         return endpoint
-    if inspect.isclass(endpoint):
+    if inspect.isclass(target):
         for name in _HTTP_METHODS:
-            method = endpoint.__dict__.get(name)
+            method = target.__dict__.get(name)
             if inspect.isfunction(method) and not getattr(method, GUARD_ATTR, False):
-                setattr(endpoint, name, _wrap(method))
+                setattr(target, name, _wrap(method))
         return endpoint
-    if not inspect.isfunction(endpoint) and not inspect.ismethod(endpoint):
+    if not inspect.isfunction(target) and not inspect.ismethod(target):
         return endpoint  # an ASGI app object or a partial: annotated, not guarded
     return _wrap(endpoint)
 
 
-def _wrap(fn: Callable) -> Callable:
+def _wrap(fn: F) -> F:
+    guarded = _guarded(fn)
+    functools.update_wrapper(guarded, fn)
+    setattr(guarded, GUARD_ATTR, True)
+    return cast(F, guarded)  # update_wrapper: the same signature and kind of callable as fn
+
+
+def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A wrapper of the same kind as `fn` (coroutine, async generator, generator, plain function)."""
     if inspect.iscoroutinefunction(fn):
-        async def guarded(*args: Any, **kwargs: Any) -> Any:
+        async def guarded_coroutine(*args: Any, **kwargs: Any) -> Any:
             refused = _refusal(fn)
             return refused if refused is not None else await fn(*args, **kwargs)
-    elif inspect.isasyncgenfunction(fn):
-        async def guarded(*args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
+        return guarded_coroutine
+    if inspect.isasyncgenfunction(fn):
+        async def guarded_async_generator(*args: Any, **kwargs: Any) -> Any:
             _raise_if_unprotected(fn)
             async for item in fn(*args, **kwargs):
                 yield item
-    elif inspect.isgeneratorfunction(fn):
-        def guarded(*args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
+        return guarded_async_generator
+    if inspect.isgeneratorfunction(fn):
+        def guarded_generator(*args: Any, **kwargs: Any) -> Any:
             _raise_if_unprotected(fn)
             yield from fn(*args, **kwargs)
-    else:
-        def guarded(*args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
-            refused = _refusal(fn)
-            return refused if refused is not None else fn(*args, **kwargs)
-    functools.update_wrapper(guarded, fn)
-    setattr(guarded, GUARD_ATTR, True)
+        return guarded_generator
+
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        refused = _refusal(fn)
+        return refused if refused is not None else fn(*args, **kwargs)
     return guarded
 
 
-def _problem(fn: Callable) -> str | None:
+def _problem(fn: Callable[..., Any]) -> str | None:
     state = ROUTE_STATE.get()
     if state == PROTECTED:
         return None
@@ -86,7 +97,7 @@ def _problem(fn: Callable) -> str | None:
     return problem
 
 
-def _refusal(fn: Callable) -> Any:
+def _refusal(fn: Callable[..., Any]) -> Any:
     problem = _problem(fn)
     if problem is None:
         return None
@@ -96,7 +107,7 @@ def _refusal(fn: Callable) -> Any:
                          "detail": problem}, status_code=500, media_type="application/problem+json")
 
 
-def _raise_if_unprotected(fn: Callable) -> None:
+def _raise_if_unprotected(fn: Callable[..., Any]) -> None:
     problem = _problem(fn)
     if problem is not None:
         raise LockMiddlewareMissing(problem)

@@ -40,9 +40,9 @@ class Capture:
 
     max_body: int
     status: int = 0
-    headers: list | None = None
+    headers: list[list[str]] | None = None
     retry_after: bool = False
-    chunks: list | None = None
+    chunks: list[bytes] | None = None
     size: int = 0
     messages: int = 0
     finished: bool = False     # the final body message went out

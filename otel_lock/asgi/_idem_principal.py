@@ -19,20 +19,27 @@ from __future__ import annotations
 
 import inspect
 import logging
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
+
+if TYPE_CHECKING:
+    from ._annotations import Idempotent
 
 log = logging.getLogger("otel_lock.idempotency")
 
 SHARED_SCOPE = "shared"
 
+# Whose keys: takes the request, returns (or awaits) a str or int; None or "" is nobody.
+Principal = Callable[[Request], Any]
+
 
 class PrincipalProblem(Exception):
     """The request gets this answer instead of a principal."""
 
-    def __init__(self, status: int, type_: str, detail: str, headers: list | None = None) -> None:
+    def __init__(self, status: int, type_: str, detail: str,
+                 headers: list[tuple[bytes, bytes]] | None = None) -> None:
         super().__init__(detail)
         self.status, self.type, self.detail, self.headers = status, type_, detail, headers or []
 
@@ -43,16 +50,16 @@ def missing_setting(route: str) -> str:
             "if every caller may share one key space")
 
 
-def choose(idem: Any, fallback: Callable | None) -> Callable | str | None:
+def choose(idem: Idempotent, fallback: Principal | None) -> Principal | str | None:
     """The route's own setting first, then the middleware's; None: not configured."""
     if idem.shared_scope:
         return SHARED_SCOPE
     return idem.principal if idem.principal is not None else fallback
 
 
-async def resolve(source: Callable | str, request: Request, route: str) -> str:
+async def resolve(source: Principal | str, request: Request, route: str) -> str:
     """The scope string for this request (prefixed so shared and named scopes never meet)."""
-    if source == SHARED_SCOPE:
+    if isinstance(source, str):  # SHARED_SCOPE, the only string `choose` gives
         return "s:"
     try:
         value = source(request)

@@ -110,7 +110,8 @@ def fingerprint(secret: bytes, scope: Scope, route: str, body: bytes) -> str:
 
 
 def _header(scope: Scope, name: bytes) -> str:
-    for key, value in scope.get("headers", []):
+    headers: list[tuple[bytes, bytes]] = scope.get("headers", [])
+    for key, value in headers:
         if key.lower() == name:
             return value.decode("latin-1").lower()
     return ""

@@ -26,7 +26,7 @@ import hashlib
 import hmac
 import json
 import logging
-from typing import Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -34,11 +34,14 @@ from starlette.requests import ClientDisconnect, Request
 
 from ._annotations import Idempotent
 from ._idem_capture import FREE, STORE, Capture
-from ._idem_principal import PrincipalProblem, check_callable, choose, missing_setting, resolve
+from ._idem_principal import Principal, PrincipalProblem, check_callable, choose, missing_setting, resolve
 from ._idem_request import MAX_KEY, IdempotencyKeyError, canonical_body, fingerprint, parse_key
 from ._types import Message, Receive, ResponseEnd, Scope, Send
 from ..lock._errors import LockTimeout, RedisUnavailable
 from ._problem import send_problem
+
+if TYPE_CHECKING:
+    from ..lock import HeldLock, LockManager
 
 __all__ = ["MAX_KEY", "IdempotencyGate", "IdempotencyKeyError", "canonical_body", "fingerprint", "parse_key"]
 
@@ -55,6 +58,8 @@ _UNKNOWN_CAUSES = {
 
 # Runs the business lock and the app; returns whether the handler was entered.
 Inner = Callable[[Scope, Receive, Send], Awaitable[bool]]
+# A stored outcome, as JSON in Redis: state, fp, route, and cause or the answer.
+Record = dict[str, Any]
 
 
 class IdempotencyGate:
@@ -64,7 +69,7 @@ class IdempotencyGate:
     once the body is buffered; `check(idem, route)` for a start-up walk of the routes.
     """
 
-    def __init__(self, manager: Any, secret: bytes, principal: Callable[[Request], Any] | None = None) -> None:
+    def __init__(self, manager: LockManager, secret: bytes, principal: Principal | None = None) -> None:
         check_callable(principal, "LockMiddleware")
         self.manager = manager
         self.secret = secret
@@ -82,11 +87,13 @@ class IdempotencyGate:
             raise ValueError(missing_setting(route))
 
     def report_missing(self, route: str) -> None:
+        """Log the missing principal setting of `route`, once."""
         if route not in self._reported:  # once per route, not once per request
             self._reported.add(route)
             log.error("otel-lock: %s", missing_setting(route))
 
     def count(self, route: str, outcome: str) -> None:
+        """Count one request in `otel_lock.idempotency.requests`."""
         self.manager.telemetry.idempotency_requests.add(1, {"http.route": route, "idempotency.outcome": outcome})
 
 
@@ -159,15 +166,15 @@ class _Flow:
                     raise  # the handler's own, not ours
                 await self._busy()
             return
-        held = await self.gate.manager.try_lock(self.lock_key, name=label, cancel_on_lost=False)
-        if held is None:
+        claimed = await self.gate.manager.try_lock(self.lock_key, name=label, cancel_on_lost=False)
+        if claimed is None:
             return await self._busy()
         try:
-            await self._owned(held, inner)
+            await self._owned(claimed, inner)
         finally:
-            await _release_quietly(held)
+            await _release_quietly(claimed)
 
-    async def _answer_settled(self, record: dict) -> bool:
+    async def _answer_settled(self, record: Record) -> bool:
         """Answer from a record if it settles the request; False: started (maybe in flight)."""
         if record.get("fp") != self.fp:
             self.gate.count(self.route, "mismatch")
@@ -184,7 +191,7 @@ class _Flow:
             # 409, not a replayed 500: clients retry 5xx automatically, and
             # retrying cannot help here.
             self.gate.count(self.route, "conflict")
-            how = _UNKNOWN_CAUSES.get(record.get("cause"), _UNKNOWN_CAUSES["interrupted"])
+            how = _UNKNOWN_CAUSES.get(str(record.get("cause")), _UNKNOWN_CAUSES["interrupted"])
             await send_problem(self.send, 409, "idempotency-outcome-unknown",
                                f"the first request with this Idempotency-Key {how}; its effects are unknown, "
                                "so it is not run again: check its result, then use a new key")
@@ -208,7 +215,7 @@ class _Flow:
                            "a request with this Idempotency-Key is still being processed; retry later",
                            retry_after=self.idem.retry_after)
 
-    async def _owned(self, held: Any, inner: Inner) -> None:
+    async def _owned(self, held: HeldLock, inner: Inner) -> None:
         record = await self._load()
         if record is not None:
             if record.get("state") == STARTED and record.get("fp") == self.fp:
@@ -254,7 +261,7 @@ class _Flow:
         elif not capture.finished:
             await self._settle(held, capture, None)  # client went away mid-response
 
-    async def _settle(self, held: Any, capture: Capture, error: BaseException | None) -> None:
+    async def _settle(self, held: HeldLock, capture: Capture, error: BaseException | None) -> None:
         """Write the final record; on a lost lease someone else owns the record now."""
         if held.lost.is_set():
             return
@@ -289,7 +296,7 @@ class _Flow:
             log.warning("otel-lock: could not store the idempotency outcome (the claim stays 'started', "
                         "retries will get outcome-unknown): %s", exc)
 
-    async def _unsettle(self, held: Any) -> None:
+    async def _unsettle(self, held: HeldLock) -> None:
         if held.lost.is_set():
             return
         try:
@@ -306,14 +313,14 @@ class _Flow:
             "headers": capture.headers, "body": base64.b64encode(b"".join(capture.chunks)).decode(),
         })
 
-    async def _replay(self, record: dict) -> None:
+    async def _replay(self, record: Record) -> None:
         body = base64.b64decode(record.get("body", ""))
         headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in record.get("headers", [])]
         headers += [(b"content-length", str(len(body)).encode()), (b"idempotent-replayed", b"true")]
         await self.send({"type": "http.response.start", "status": int(record["status"]), "headers": headers})
         await self.send({"type": "http.response.body", "body": body, "more_body": False})
 
-    async def _load(self) -> dict | None:
+    async def _load(self) -> Record | None:
         raw = await self.redis.get(self.record_key)
         if raw is None:
             return None
@@ -323,7 +330,7 @@ class _Flow:
             return None
         return record if isinstance(record, dict) else None
 
-    async def _store(self, record: dict) -> None:
+    async def _store(self, record: Record) -> None:
         await self.redis.set(self.record_key, json.dumps(record, separators=(",", ":")),
                              px=int(self.idem.ttl * 1000))
 
@@ -348,7 +355,7 @@ def _body_once(body: bytes) -> Receive:
     return receive
 
 
-async def _release_quietly(held: Any) -> None:
+async def _release_quietly(held: HeldLock) -> None:
     try:
         await held.release()
     except _REDIS_DOWN as exc:

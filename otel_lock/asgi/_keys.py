@@ -67,6 +67,8 @@ def resolve_secret(explicit: str | bytes | None, fallback: str) -> bytes:
 
 @dataclass(frozen=True)
 class Part:
+    """One `{source.field}` placeholder of a key template."""
+
     source: str             # path, query, header, json
     field: str              # path param, query name, lower-case header name, or dotted json path
     text: str               # the placeholder as written, for error messages

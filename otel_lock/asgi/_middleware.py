@@ -14,16 +14,19 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
+from ..lock import LockManager
 from ._annotations import MIB
 from ._flow import Flow
 from ._guard import PROTECTED, ROUTE_STATE
+from ._idem_principal import Principal
 from ._idempotency import IdempotencyGate
 from ._keys import resolve_secret
 from ._openapi import document
 from ._problem import send_problem
-from ._routing import Problem, RoutePlan, RuleMatcher, effective_context, find_routes, parse_rules, plan
+from ._routing import (Problem, RoutePlan, RuleMatcher, Rules, _Rule, effective_context, find_routes, parse_rules,
+                       plan)
 from ._typed import TypedFields
 from ._types import ASGIApp, Message, Receive, Scope, Send
 
@@ -33,9 +36,9 @@ log = logging.getLogger("otel_lock.middleware")
 class LockMiddleware:
     """Takes each annotated route's lock before the app runs; see docs/middleware.md."""
 
-    def __init__(self, app: ASGIApp, manager: Any, rules: dict[str, Any] | None = None,
+    def __init__(self, app: ASGIApp, manager: LockManager, rules: Rules | None = None,
                  hash_secret: str | bytes | None = None, max_body: int = MIB,
-                 principal: Callable[[Any], Any] | None = None,
+                 principal: Principal | None = None,
                  body_timeout: float = 5.0, send_timeout: float = 10.0, enabled: bool = True) -> None:
         if manager is None:
             raise ValueError("LockMiddleware needs manager=LockManager(...)")
@@ -44,22 +47,22 @@ class LockMiddleware:
         for what, value in (("body_timeout", body_timeout), ("send_timeout", send_timeout)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{what} must be a positive number of seconds, got {value!r}")
-        self.app = app
-        self.manager = manager
-        self.rules = parse_rules(rules)
+        self.app: ASGIApp = app
+        self.manager: LockManager = manager
+        self.rules: list[_Rule] = parse_rules(rules)
         if hash_secret is None:
             hash_secret = getattr(manager, "hash_secret", None)
-        self.secret = resolve_secret(hash_secret, getattr(manager, "namespace", "otel-lock"))
-        self.max_body = max_body
-        self.body_timeout = float(body_timeout)
-        self.send_timeout = float(send_timeout)
+        self.secret: bytes = resolve_secret(hash_secret, getattr(manager, "namespace", "otel-lock"))
+        self.max_body: int = max_body
+        self.body_timeout: float = float(body_timeout)
+        self.send_timeout: float = float(send_timeout)
         # principal: whose Idempotency-Keys these are, for @idempotent routes that don't say.
-        self.gate = IdempotencyGate(manager, self.secret, **({} if principal is None else {"principal": principal}))
+        self.gate: IdempotencyGate = IdempotencyGate(manager, self.secret, principal)
         # enabled=False: a deliberate switch (demos, load tests) that runs annotated
         # handlers without their locks instead of refusing them; logged at start-up.
-        self.enabled = bool(enabled)
+        self.enabled: bool = bool(enabled)
         self.plain: RuleMatcher | None = None
-        self.prepared = False
+        self.prepared: bool = False
         self._typed: dict[int, tuple[Any, TypedFields]] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -108,13 +111,12 @@ class LockMiddleware:
         return problems
 
     def _gate_problems(self, plans: list[RoutePlan]) -> list[Problem]:
-        check = getattr(self.gate, "check", None)
-        found = []
-        for route_plan in plans if check is not None else ():
+        found: list[Problem] = []
+        for route_plan in plans:
             for annotated in route_plan.methods.values():
                 if annotated.idempotent is not None:
                     try:
-                        check(annotated.idempotent, route_plan.template)
+                        self.gate.check(annotated.idempotent, route_plan.template)
                     except ValueError as error:
                         found.append(Problem(route_plan.template, str(error)))
                         break
@@ -148,7 +150,7 @@ class LockMiddleware:
 class RouteHandle:
     """Replaces an annotated route's `handle`: the router has matched, the handler has not run yet."""
 
-    def __init__(self, mw: LockMiddleware, route_plan: RoutePlan, original: Any) -> None:
+    def __init__(self, mw: LockMiddleware, route_plan: RoutePlan, original: ASGIApp) -> None:
         self.mw, self.plan, self.original = mw, route_plan, original
         first = route_plan.contexts[0] if route_plan.contexts else None
         own = getattr(first, "path", "") if first is not None else ""
@@ -176,7 +178,7 @@ class RouteHandle:
 class _Refuse:
     """A route with an annotation mistake found on first use: refuse, naming the mistake."""
 
-    def __init__(self, problem: Problem, original: Any) -> None:
+    def __init__(self, problem: Problem, original: ASGIApp) -> None:
         self.problem, self.original = problem, original
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -188,14 +190,15 @@ class _Refuse:
             await self.original(scope, receive, send)
 
 
-def _original_handle(route: Any) -> Any:
+def _original_handle(route: Any) -> ASGIApp:
     current = route.__dict__.get("handle")
     if isinstance(current, (RouteHandle, _Refuse)):
         return current.original   # a route shared with an earlier app: wrap its real handle again
-    return route.handle
+    handle: ASGIApp = route.handle
+    return handle
 
 
-def _install(route: Any, handle: Any) -> None:
+def _install(route: Any, handle: ASGIApp) -> None:
     route.handle = handle
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ._annotations import Idempotent
 from ._routing import RoutePlan
 
 HEADER = "Idempotency-Key"
@@ -59,7 +60,7 @@ def document(plans: list[RoutePlan], app: Any) -> None:
         app.openapi_schema = None   # built before we were ready: build it again on the next call
 
 
-def _extra(route: Any, locked: bool, idem: Any) -> dict:
+def _extra(route: Any, locked: bool, idem: Idempotent | None) -> dict[str, Any]:
     # A new dict: FastAPI's inclusions share the original route's openapi_extra.
     extra = dict(route.openapi_extra or {})
     answers: dict[str, str] = {}
@@ -86,7 +87,7 @@ def _extra(route: Any, locked: bool, idem: Any) -> dict:
     return extra
 
 
-def _declares_header(route: Any, extra: dict) -> bool:
+def _declares_header(route: Any, extra: dict[str, Any]) -> bool:
     if any(p.get("in") == "header" and str(p.get("name", "")).lower() == HEADER.lower()
            for p in extra.get("parameters", [])):
         return True

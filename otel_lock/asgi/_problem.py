@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 import math
 from http import HTTPStatus
-from typing import Any, Awaitable, Callable
+from typing import Any
 
-Send = Callable[[dict[str, Any]], Awaitable[None]]
+from ._types import Send
 
 CONTENT_TYPE = b"application/problem+json"
 
@@ -29,7 +29,7 @@ def retry_after_value(seconds: float) -> bytes:
 
 async def send_problem(
     send: Send, status: int, type_: str, detail: str, *,
-    title: str | None = None, retry_after: float | None = None, headers: list | None = None,
+    title: str | None = None, retry_after: float | None = None, headers: list[tuple[bytes, bytes]] | None = None,
 ) -> None:
     body = problem_body(status, type_, detail, title)
     raw = [(b"content-type", CONTENT_TYPE), (b"content-length", str(len(body)).encode())]

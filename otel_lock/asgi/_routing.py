@@ -11,15 +11,22 @@ returned as `Problem`s naming the route.
 
 from __future__ import annotations
 
+import re
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
+from starlette.convertors import Convertor
 from starlette.routing import Host, Mount, Route, WebSocketRoute, compile_path
 
 from ._annotations import ATTR, Idempotent, Locked, annotations_of
+from ._types import Scope
 
 ALL_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+# LockMiddleware(rules=...): `{"POST /api/x/{id}": locked(...)}`, or a list/tuple of annotations per route.
+# (list[Locked] is spelled out: a list of one kind is not a list[Annotation] to a type checker.)
+Annotation = Locked | Idempotent
+Rules = Mapping[str, Annotation | list[Locked] | list[Idempotent] | list[Annotation] | tuple[Annotation, ...]]
 
 
 @dataclass(frozen=True)
@@ -62,19 +69,19 @@ class RoutePlan:
 class _Rule:
     methods: frozenset[str] | None  # None: any method
     path_format: str
-    regex: Any
-    convertors: dict
+    regex: re.Pattern[str]
+    convertors: dict[str, Convertor[Any]]
     annotations: dict[str, Any]
 
 
-def parse_rules(rules: dict[str, Any] | None) -> list[_Rule]:
+def parse_rules(rules: Rules | None) -> list[_Rule]:
     """`{"POST /api/x/{id}": locked(...)}` (a list/tuple of annotations also works)."""
-    parsed = []
+    parsed: list[_Rule] = []
     for spec, value in (rules or {}).items():
         method, _, path = spec.strip().rpartition(" ")
         if not path.startswith("/"):
             raise ValueError(f"rule {spec!r} must look like 'POST /path/{{param}}'")
-        methods = frozenset(m.strip().upper() for m in method.split(",") if m.strip()) or None
+        methods: frozenset[str] | None = frozenset(m.strip().upper() for m in method.split(",") if m.strip()) or None
         if methods and "*" in methods:
             methods = None
         if methods and "GET" in methods:
@@ -105,7 +112,8 @@ class RuleMatcher:
     def __init__(self, rules: list[_Rule]) -> None:
         self.rules = rules
 
-    def resolve(self, scope: dict) -> RouteMatch | None:
+    def resolve(self, scope: Scope) -> RouteMatch | None:
+        """The first rule matching the request's method and path (below root_path), or None."""
         path = scope["path"]
         root = scope.get("root_path", "")
         if root and path.startswith(root):
@@ -121,7 +129,7 @@ class RuleMatcher:
         return None
 
 
-def find_routes(app: Any) -> list | None:
+def find_routes(app: Any) -> list[Any] | None:
     """The routes list of the wrapped app: walk `.app` down to a router; None for a plain ASGI app."""
     node, seen = app, 0
     while node is not None and seen < 32:
@@ -133,7 +141,7 @@ def find_routes(app: Any) -> list | None:
     return None
 
 
-def plan(routes: list, rules: list[_Rule]) -> tuple[list[RoutePlan], list[Problem]]:
+def plan(routes: list[Any], rules: list[_Rule]) -> tuple[list[RoutePlan], list[Problem]]:
     """Every annotated route of the app, and every annotation mistake found on the way."""
     plans: dict[int, RoutePlan] = {}
     problems: list[Problem] = []
@@ -147,7 +155,7 @@ def plan(routes: list, rules: list[_Rule]) -> tuple[list[RoutePlan], list[Proble
     return list(plans.values()), problems
 
 
-def _visit(route: Any, template: str, params: frozenset, context: Any, rules: list[_Rule],
+def _visit(route: Any, template: str, params: frozenset[str], context: Any, rules: list[_Rule],
            plans: dict[int, RoutePlan], problems: list[Problem], used_rules: set[int]) -> None:
     endpoint = getattr(context if context is not None else route, "endpoint", None)
     if endpoint is None:
@@ -214,7 +222,7 @@ def _hidden_annotation(endpoint: Any) -> str | None:
     return None
 
 
-def _walk(routes: list, prefix: str, params: frozenset) -> Iterator[tuple[Any, str, frozenset, Any]]:
+def _walk(routes: list[Any], prefix: str, params: frozenset[str]) -> Iterator[tuple[Any, str, frozenset[str], Any]]:
     """(route, template, path parameter names, FastAPI inclusion context or None) of every leaf route."""
     for route in routes:
         if _is_included_router(route):
@@ -231,7 +239,8 @@ def _walk(routes: list, prefix: str, params: frozenset) -> Iterator[tuple[Any, s
             yield route, prefix + getattr(route, "path", ""), params | own, None
 
 
-def _walk_context(context: Any, prefix: str, params: frozenset) -> Iterator[tuple[Any, str, frozenset, Any]]:
+def _walk_context(context: Any, prefix: str,
+                  params: frozenset[str]) -> Iterator[tuple[Any, str, frozenset[str], Any]]:
     starlette_route = getattr(context, "starlette_route", None)
     if starlette_route is not None:
         # A plain Starlette route, Mount or websocket inside an included router: FastAPI
@@ -251,7 +260,7 @@ def _is_included_router(route: Any) -> bool:
     return hasattr(route, "effective_route_contexts") and not isinstance(route, (Mount, Host))
 
 
-def effective_context(scope: dict, route: Any) -> Any:
+def effective_context(scope: Scope, route: Any) -> Any:
     """The FastAPI inclusion this request went through, if the route was included with a prefix."""
     routing = sys.modules.get("fastapi.routing")
     getter = getattr(routing, "_get_scope_effective_route_context", None)

@@ -74,6 +74,7 @@ class TypedFields:
             stack.extend(current.dependencies)
 
     def field(self, part: Part) -> Any:
+        """FastAPI's declared field for a path, query or header placeholder, or None."""
         return self.params.get((part.source, part.field))
 
 
@@ -152,7 +153,7 @@ class Values:
         if typed is not None and typed.body_fields:
             if doc is INVALID:
                 return INVALID  # FastAPI answers 422 for a body that is not JSON
-            values = await self._validated_body(doc)
+            values = await self._validated_body(doc, typed)
             if values is INVALID:
                 return INVALID
             found = _walk_typed(values, part, typed)
@@ -162,17 +163,17 @@ class Values:
             raise TemplateValueError("the request body is not valid JSON")
         return json_value(doc, part)
 
-    async def _validated_body(self, doc: Any) -> Any:
+    async def _validated_body(self, doc: Any, typed: TypedFields) -> Any:
         if self._body_values is _MISSING:
             from fastapi.dependencies.utils import request_body_to_args
 
-            values, errors = await request_body_to_args(body_fields=self.typed.body_fields, received_body=doc,
-                                                        embed_body_fields=self.typed.embed_body)
+            values, errors = await request_body_to_args(body_fields=typed.body_fields, received_body=doc,
+                                                        embed_body_fields=typed.embed_body)
             self._body_values = INVALID if errors else values
         return self._body_values
 
 
-def _walk_typed(values: dict, part: Part, typed: TypedFields) -> Any:
+def _walk_typed(values: dict[str, Any], part: Part, typed: TypedFields) -> Any:
     steps = list(part.json_path)
     fields = typed.body_fields
     if len(fields) == 1 and not typed.embed_body:

@@ -16,6 +16,7 @@ import os
 import socket
 import uuid
 from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -25,7 +26,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from .. import LockLost, LockManager, LockMiddleware, LockTimeout, RedisUnavailable, idempotent, locked
+from .. import HeldLock, LockLost, LockManager, LockMiddleware, LockTimeout, RedisUnavailable, idempotent, locked
 from ..asgi._keys import escape
 from ..telemetry import metrics_endpoint
 from ._job import run_job
@@ -42,6 +43,8 @@ MAX_REDIS_CONNECTIONS = 1000
 
 @dataclass(frozen=True)
 class DemoSettings:
+    """How one replica of the shop runs; `from_env()` reads the demo's switches."""
+
     redis_url: str = "redis://127.0.0.1:6379/0"
     namespace: str = "otel-lock"
     replica_name: str = field(default_factory=socket.gethostname)
@@ -50,7 +53,7 @@ class DemoSettings:
     work: float = 0.0  # seconds of simulated slow work (a payment call) between read and write
 
     @classmethod
-    def from_env(cls, **overrides) -> "DemoSettings":
+    def from_env(cls, **overrides: Any) -> "DemoSettings":
         """`OTEL_LOCK_DEMO_DISABLE_LOCKS=1` removes every lock, to show what they prevent;
         `OTEL_LOCK_DEMO_WORK_MS=20` widens the read-modify-write window (and the hold time)."""
         disabled = os.environ.get("OTEL_LOCK_DEMO_DISABLE_LOCKS", "").strip().lower() in ("1", "true", "yes")
@@ -68,7 +71,7 @@ class Shop:
     store: Store
 
     @contextlib.asynccontextmanager
-    async def product_lock(self, product_id: str):
+    async def product_lock(self, product_id: str) -> AsyncIterator[HeldLock | None]:
         """The same lock `@locked(STOCK_LOCK)` takes for the stock routes, taken by hand."""
         if not self.settings.locks_enabled:
             yield None
@@ -91,7 +94,7 @@ class Shop:
 # -- request parsing: every bad input ends as a 4xx problem ----------------
 
 
-async def _json_object(request: Request, *, optional: bool = False) -> dict:
+async def _json_object(request: Request, *, optional: bool = False) -> dict[str, Any]:
     body = await request.body()
     if len(body) > MAX_BODY:
         raise Problem(413, "request-too-large", f"request body is larger than {MAX_BODY} bytes")
@@ -106,7 +109,7 @@ async def _json_object(request: Request, *, optional: bool = False) -> dict:
     return value
 
 
-def _int_field(body: dict, name: str, low: int, high: int, default: int | None = None) -> int:
+def _int_field(body: dict[str, Any], name: str, low: int, high: int, default: int | None = None) -> int:
     value = body.get(name, default)
     # bool is an int subclass in Python; `true` is not a quantity.
     if type(value) is not int or not low <= value <= high:
@@ -135,7 +138,8 @@ def _token(request: Request) -> int | None:
 
 
 def _shop(request: Request) -> Shop:
-    return request.app.state.shop
+    shop: Shop = request.app.state.shop
+    return shop
 
 
 def _stock_body(product_id: str, stock: int) -> JSONResponse:
@@ -282,7 +286,7 @@ def create_app(settings: DemoSettings | None = None, locks: LockManager | None =
     shop = Shop(settings, locks, Store(locks.redis, settings.namespace))
 
     @contextlib.asynccontextmanager
-    async def lifespan(app):
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
         job = None
         if settings.job_interval > 0:
             job_locks = locks if settings.locks_enabled else None

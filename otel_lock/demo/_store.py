@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 import redis.asyncio as aioredis
 
@@ -73,7 +74,8 @@ class Store:
 
     async def put_stock(self, product_id: str, stock: int, token: int | None) -> bool:
         """Create or reset a product; False if a newer lock holder already wrote."""
-        return await self._set(keys=[self._product(product_id)], args=[stock, _digits(token), "0"]) == 1
+        written: int = await self._set(keys=[self._product(product_id)], args=[stock, _digits(token), "0"])
+        return written == 1
 
     async def write_stock(self, product_id: str, stock: int, token: int | None) -> int:
         """1 written, 0 refused by the fence, -1 unknown product."""
@@ -84,13 +86,13 @@ class Store:
         outcome, stock = await self._deduct(keys=[self._product(product_id)], args=[quantity])
         return int(outcome), int(stock)
 
-    async def add_order(self, user: str, order: dict) -> None:
+    async def add_order(self, user: str, order: dict[str, Any]) -> None:
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.rpush(f"{self.prefix}:orders:{user}", json.dumps(order))
             pipe.incr(f"{self.prefix}:orders-created")
             await pipe.execute()
 
-    async def orders(self, user: str) -> list[dict]:
+    async def orders(self, user: str) -> list[dict[str, Any]]:
         return [json.loads(raw) for raw in await self.redis.lrange(f"{self.prefix}:orders:{user}", 0, -1)]
 
     async def record_run(self, tick: int, replica: str) -> None:
@@ -99,7 +101,7 @@ class Store:
             pipe.ltrim(f"{self.prefix}:jobs", -MAX_RUNS, -1)
             await pipe.execute()
 
-    async def runs(self) -> list[dict]:
+    async def runs(self) -> list[dict[str, Any]]:
         return [json.loads(raw) for raw in await self.redis.lrange(f"{self.prefix}:jobs", 0, -1)]
 
 

@@ -15,7 +15,7 @@ import logging
 import math
 import random
 from functools import partial
-from typing import Any, Protocol
+from typing import Any, Coroutine, Protocol
 
 from . import _scripts
 from ._errors import LockError, LockTimeout, RedisUnavailable
@@ -40,7 +40,7 @@ class Caller(Protocol):
     async def _call(self, script: _scripts.Script, keys: tuple[str, ...], args: list[Any],
                     operation: str, name: str) -> Any: ...
 
-    def _background_task(self, coro: Any) -> None: ...
+    def _background_task(self, coro: Coroutine[Any, Any, Any]) -> None: ...
 
 
 class Reply:
@@ -215,7 +215,7 @@ class Attempt:
         elif args[4] != "-1":
             manager._background_task(self._leave())
 
-    def _leave(self) -> Any:
+    def _leave(self) -> Coroutine[Any, Any, Any]:
         return self.manager._call(_scripts.leave, self.keys, [self.waiter_id, self.manager.fence_ttl_ms],
                                   "release", self.name)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import socket
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable, cast
 
 import hiredis
 import redis.asyncio as aioredis
@@ -57,15 +57,15 @@ class _Protocol(asyncio.Protocol):
 
     def __init__(self, on_push: Callable[[Any], None] | None, on_lost: Callable[[], None] | None) -> None:
         self.reader = hiredis.Reader()
-        self.pending: collections.deque[asyncio.Future] = collections.deque()
+        self.pending: collections.deque[asyncio.Future[Any]] = collections.deque()
         self.transport: asyncio.Transport | None = None
         self.on_push = on_push
         self.on_lost = on_lost
         self.closed = False
         self.stuck = False
 
-    def connection_made(self, transport) -> None:
-        self.transport = transport
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # a stream connection's transport
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -106,8 +106,9 @@ class Connection:
 
     def __init__(self, *, host: str = "127.0.0.1", port: int = 6379, path: str | None = None, db: int = 0,
                  username: str | None = None, password: str | None = None, timeout: float | None = 2.0,
-                 connect_timeout: float | None = 2.0, on_push=None, on_lost=None) -> None:
-        self._where = dict(host=host, port=port, path=path)
+                 connect_timeout: float | None = 2.0, on_push: Callable[[Any], None] | None = None,
+                 on_lost: Callable[[], None] | None = None) -> None:
+        self._host, self._port, self._path = host, port, path
         self._db, self._username, self._password = int(db or 0), username, password
         self._timeout, self._connect_timeout = timeout, connect_timeout
         self._on_push, self._on_lost = on_push, on_lost
@@ -142,10 +143,10 @@ class Connection:
             protocol = _Protocol(None, None)
             try:
                 async with asyncio.timeout(self._connect_timeout):
-                    if self._where["path"]:
-                        await loop.create_unix_connection(lambda: protocol, self._where["path"])
+                    if self._path:
+                        await loop.create_unix_connection(lambda: protocol, self._path)
                     else:
-                        await loop.create_connection(lambda: protocol, self._where["host"], self._where["port"])
+                        await loop.create_connection(lambda: protocol, self._host, self._port)
                     if self._password:
                         auth = ("AUTH", self._username, self._password) if self._username else ("AUTH", self._password)
                         await self._send(protocol, auth)
@@ -166,26 +167,31 @@ class Connection:
     async def execute(self, *args: Any) -> Any:
         if not self.connected:
             await self.connect()
-        return await self._send(self._protocol, args)
+        protocol = self._protocol
+        assert protocol is not None  # connect() set it
+        return await self._send(protocol, args)
 
-    async def execute_many(self, commands: list[tuple]) -> list:
+    async def execute_many(self, commands: list[tuple[Any, ...]]) -> list[Any]:
         """Several commands in one write (one round trip); errors are returned in place."""
         if not self.connected:
             await self.connect()
         protocol = self._protocol
+        assert protocol is not None and protocol.transport is not None  # connect() set them
         loop = asyncio.get_running_loop()
-        futures = [loop.create_future() for _ in commands]
+        futures: list[asyncio.Future[Any]] = [loop.create_future() for _ in commands]
         protocol.pending.extend(futures)
         protocol.transport.write(b"".join(_pack(c) for c in commands))
-        return await self._wait(protocol, asyncio.gather(*futures, return_exceptions=True))
+        results: list[Any] = await self._wait(protocol, asyncio.gather(*futures, return_exceptions=True))
+        return results
 
-    async def _send(self, protocol: _Protocol, args: tuple) -> Any:
-        future = asyncio.get_running_loop().create_future()
+    async def _send(self, protocol: _Protocol, args: tuple[Any, ...]) -> Any:
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         protocol.pending.append(future)
+        assert protocol.transport is not None  # set by connection_made, before any command
         protocol.transport.write(_pack(args))
         return await self._wait(protocol, future)
 
-    async def _wait(self, protocol: _Protocol, future: asyncio.Future) -> Any:
+    async def _wait(self, protocol: _Protocol, future: asyncio.Future[Any]) -> Any:
         if self._timeout is None:
             return await future
         # A reply that does not come in time means the socket is stuck: drop it,
@@ -201,17 +207,17 @@ class Connection:
             handle.cancel()
 
     @staticmethod
-    def _stuck(protocol: _Protocol, future: asyncio.Future) -> None:
+    def _stuck(protocol: _Protocol, future: asyncio.Future[Any]) -> None:
         if not future.done():
             protocol.stuck = True
             protocol.abort()
 
     # -- the subset of redis-py's client the lock uses --------------------------
 
-    def evalsha(self, sha: str, numkeys: int, *args: Any):
+    def evalsha(self, sha: str, numkeys: int, *args: Any) -> Awaitable[Any]:
         return self.execute("EVALSHA", sha, numkeys, *args)
 
-    def script_load(self, source: str):
+    def script_load(self, source: str) -> Awaitable[Any]:
         return self.execute("SCRIPT", "LOAD", source)
 
     async def aclose(self) -> None:

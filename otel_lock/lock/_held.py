@@ -13,7 +13,7 @@ import logging
 import math
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Callable, Protocol
+from typing import Awaitable, Callable, Protocol
 
 from opentelemetry import trace
 
@@ -75,34 +75,37 @@ class Lease:
     def __init__(self, manager: Releaser, key: str, redis_key: str, name: str, owner: str, token: int,
                  lease: float, renew_every: float, cancel_on_lost: bool, valid_from: float, acquired_at: float,
                  explicit_owner: bool, share_with_children: bool) -> None:
-        self.manager, self.name, self.owner, self.token = manager, name, owner, token
-        self.lock_key = key
-        self.key = redis_key
-        self.lease_seconds = lease
-        self.renew_ms = int(lease * 1000)
-        self.renew = renew_every != NEVER
-        self.renew_every = renew_every
-        self.drift = lease * 0.01 + 0.002
-        self.cancel_on_lost = cancel_on_lost
-        self.task = asyncio.current_task()
+        self.manager: Releaser = manager
+        self.name: str = name
+        self.owner: str = owner
+        self.token: int = token
+        self.lock_key: str = key
+        self.key: str = redis_key
+        self.lease_seconds: float = lease
+        self.renew_ms: int = int(lease * 1000)
+        self.renew: bool = renew_every != NEVER
+        self.renew_every: float = renew_every
+        self.drift: float = lease * 0.01 + 0.002
+        self.cancel_on_lost: bool = cancel_on_lost
+        self.task: asyncio.Task[object] | None = asyncio.current_task()
         self.span: trace.Span = trace.INVALID_SPAN  # the `lock hold` span, set by the manager
-        self.acquired_at = acquired_at
-        self.expires_at = valid_from + lease - self.drift
-        self.renew_at = valid_from + renew_every
-        self.depth = 1
-        self.child_holds = 0             # holds of spawned tasks (share_with_children)
-        self.children_done = asyncio.Event()
+        self.acquired_at: float = acquired_at
+        self.expires_at: float = valid_from + lease - self.drift
+        self.renew_at: float = valid_from + renew_every
+        self.depth: int = 1
+        self.child_holds: int = 0        # holds of spawned tasks (share_with_children)
+        self.children_done: asyncio.Event = asyncio.Event()
         self.children_done.set()
-        self.closing = False             # the final release has begun: no more re-entry
+        self.closing: bool = False       # the final release has begun: no more re-entry
         self._loop = asyncio.get_running_loop()
-        self.lost = LostEvent(self)
-        self.lost_reason = ""
+        self.lost: asyncio.Event = LostEvent(self)
+        self.lost_reason: str = ""
         self.on_lost: list[Callable[[], None]] = []
-        self.explicit_owner = explicit_owner  # other holders may count on the Redis depth
-        self.share_with_children = share_with_children
-        self.cancelled_by_us = False
-        self.counted = True              # still counted in `otel_lock.active`
-        self.ended = False
+        self.explicit_owner: bool = explicit_owner  # other holders may count on the Redis depth
+        self.share_with_children: bool = share_with_children
+        self.cancelled_by_us: bool = False
+        self.counted: bool = True        # still counted in `otel_lock.active`
+        self.ended: bool = False
 
     def check_validity(self) -> None:
         if not self.ended and not self.lost_reason and self._loop.time() >= self.expires_at:
@@ -110,6 +113,7 @@ class Lease:
             self.manager._lose(self, reason)
 
     def confirmed(self, sent_at: float) -> None:
+        """A renewal sent at `sent_at` (loop time) succeeded: valid for a full lease from then."""
         self.expires_at = sent_at + self.renew_ms / 1000 - self.drift
         self.renew_at = sent_at + self.renew_every
 
@@ -118,6 +122,9 @@ class HeldLock:
     """What `lock()` yields and `try_lock()` returns: one (possibly nested) hold."""
 
     __slots__ = ("_lease", "depth", "_release", "_outer", "_child")
+
+    depth: int
+    """Reentrancy depth: 1 for the outermost hold."""
 
     def __init__(self, lease: Lease, depth: int, *, outer: bool = False, child: bool = False) -> None:
         self._lease = lease
@@ -167,8 +174,9 @@ class LockContext:
 
     __slots__ = ("_acquire", "_held")
 
-    def __init__(self, acquire: Callable[[], Any]) -> None:
-        self._acquire, self._held = acquire, None
+    def __init__(self, acquire: Callable[[], Awaitable[HeldLock]]) -> None:
+        self._acquire = acquire
+        self._held: HeldLock | None = None
 
     async def __aenter__(self) -> HeldLock:
         held: HeldLock = await self._acquire()

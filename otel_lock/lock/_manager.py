@@ -19,11 +19,12 @@ import uuid
 from contextvars import ContextVar
 from functools import partial
 from types import MappingProxyType, TracebackType
-from typing import Any, Mapping
+from typing import Any, Coroutine, Mapping
 from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
 from opentelemetry import trace
+from opentelemetry.metrics import MeterProvider
 from opentelemetry.trace import Status, StatusCode
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
@@ -75,31 +76,32 @@ class LockManager:
     def __init__(self, redis: aioredis.Redis, *, namespace: str = "otel-lock", lease: float = 30.0,
                  wait: float = 5.0, cancel_on_lost: bool = False, fence_ttl: float = 3600.0,
                  poll_cap: float = 0.5, renew_interval: float | None = None,
-                 tracer_provider: trace.TracerProvider | None = None, meter_provider: Any = None) -> None:
+                 tracer_provider: trace.TracerProvider | None = None,
+                 meter_provider: MeterProvider | None = None) -> None:
         if not isinstance(namespace, str) or not namespace or "{" in namespace or "}" in namespace:
             raise ValueError(f"namespace must be a non-empty string without '{{' or '}}', not {namespace!r}")
-        self.redis = redis
-        self.namespace = namespace
-        self.lease = _check_seconds("lease", lease, allow_zero=False)
+        self.redis: aioredis.Redis = redis
+        self.namespace: str = namespace
+        self.lease: float = _check_seconds("lease", lease, allow_zero=False)
         if self.lease < MIN_LEASE:
             raise ValueError(f"lease must be at least {MIN_LEASE} s, not {lease!r}")
-        self.renew_interval = self.lease / 3 if renew_interval is None else _check_seconds(
+        self.renew_interval: float = self.lease / 3 if renew_interval is None else _check_seconds(
             "renew_interval", renew_interval, allow_zero=False)
         if self.renew_interval >= self.lease:
             raise ValueError(f"lease ({lease} s) must be longer than the renewal interval ({self.renew_interval} s)")
-        self.wait = _check_seconds("wait", wait, allow_zero=True, allow_inf=True)
-        self.cancel_on_lost = bool(cancel_on_lost)
-        self.fence_ttl_ms = int(_check_seconds("fence_ttl", fence_ttl, allow_zero=False) * 1000)
-        self.poll_cap = _check_seconds("poll_cap", poll_cap, allow_zero=False)
+        self.wait: float = _check_seconds("wait", wait, allow_zero=True, allow_inf=True)
+        self.cancel_on_lost: bool = bool(cancel_on_lost)
+        self.fence_ttl_ms: int = int(_check_seconds("fence_ttl", fence_ttl, allow_zero=False) * 1000)
+        self.poll_cap: float = _check_seconds("poll_cap", poll_cap, allow_zero=False)
         self.telemetry: Telemetry = get_telemetry(tracer_provider, meter_provider)
         self._counts = LockCounts(meter_provider)
         self.telemetry.gauges.add(self._counts)
-        self.id = uuid.uuid4().hex[:12]
+        self.id: str = uuid.uuid4().hex[:12]
         self._ids = itertools.count(1)
         # The hot path (scripts, renewals, the subscriber) uses a lean pipelined
         # connection to the same server when the client allows; else redis-py.
         self._direct = Connection.for_client(redis)
-        self._client: Any = self._direct or redis
+        self._client: _scripts.ScriptClient = self._direct or redis
         subscriber = partial(Connection.for_client, redis) if self._direct else None
         self._waiting = Waiting(redis, f"{namespace}:wake:{self.id}", subscriber, self._pass_on)
         self._watchdog = Watchdog(self)
@@ -369,7 +371,7 @@ class LockManager:
         self._background_task(self._call(_scripts.leave, keys, [waiter_id, self.fence_ttl_ms], "release",
                                          default_name(redis_key.partition("{")[2])))
 
-    def _background_task(self, coro: Any) -> None:
+    def _background_task(self, coro: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.ensure_future(coro)
         self._background.add(task)
         task.add_done_callback(self._background_done)

@@ -25,7 +25,7 @@ request, which Redis ran before the hand-over: no Redis clock is involved.
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Protocol, Sequence
+from typing import Any, Awaitable, Protocol, Sequence
 
 from redis.exceptions import NoScriptError
 
@@ -195,9 +195,9 @@ return 1
 class ScriptClient(Protocol):
     """What a script needs of a client: redis-py's or the lean connection."""
 
-    async def evalsha(self, sha: str, numkeys: int, *args: Any) -> Any: ...
+    def evalsha(self, sha: str, numkeys: int, /, *args: Any) -> Awaitable[Any]: ...
 
-    async def script_load(self, source: str) -> Any: ...
+    def script_load(self, source: str, /) -> Awaitable[Any]: ...
 
 
 class Script:

@@ -19,9 +19,12 @@ import asyncio
 import contextlib
 import logging
 from collections import OrderedDict
-from typing import Any, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 from redis.exceptions import RedisError
+
+if TYPE_CHECKING:
+    from ._connection import Connection
 
 log = logging.getLogger("otel_lock")
 
@@ -78,7 +81,7 @@ class Waiter:
 class Waiting:
     """The manager's subscriber and its registry of local waiters."""
 
-    def __init__(self, redis: Any, channel: str, subscriber: Callable[..., Any] | None = None,
+    def __init__(self, redis: Any, channel: str, subscriber: Callable[..., Connection | None] | None = None,
                  on_orphan: Callable[[str, str], None] | None = None) -> None:
         self._redis = redis
         self._subscriber = subscriber  # makes a lean Connection, when the client allows one
@@ -110,7 +113,9 @@ class Waiting:
 
     def is_first(self, waiter: Waiter) -> bool:
         queue = self._by_key.get(waiter.key)
-        return bool(queue) and next(iter(queue)) == waiter.id
+        if not queue:
+            return False
+        return next(iter(queue)) == waiter.id
 
     def remove(self, waiter: Waiter) -> None:
         self._waiters.pop(waiter.id, None)
@@ -158,6 +163,7 @@ class Waiting:
         first = True
         while True:
             connection = self._subscriber(on_push=self._on_push, on_lost=lost.set)
+            assert connection is not None  # given only for a client that has a lean connection
             try:
                 await connection.execute("SUBSCRIBE", self.channel)
             except (RedisError, OSError) as exc:
@@ -182,7 +188,7 @@ class Waiting:
             await asyncio.sleep(RECONNECT_DELAY)
 
     @staticmethod
-    async def _watch(connection: Any, lost: asyncio.Event) -> None:
+    async def _watch(connection: Connection, lost: asyncio.Event) -> None:
         """Until the connection drops; a PING now and then finds one that went silent (half-open)."""
         while not lost.is_set():
             try:

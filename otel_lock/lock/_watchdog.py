@@ -12,13 +12,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 from redis.exceptions import NoScriptError, RedisError
 
 from . import _scripts
 from ..telemetry._instruments import suppressed
 from ._held import NEVER, Lease
+
+if TYPE_CHECKING:
+    import redis.asyncio as aioredis
+
+    from ._connection import Connection
 
 log = logging.getLogger("otel_lock")
 
@@ -29,9 +34,9 @@ RETRY_AFTER_ERROR = 0.5
 class Renewer(Protocol):
     """The manager, as its watchdog sees it (abstract, so this module imports no manager)."""
 
-    redis: Any
-    _direct: Any
-    _client: Any
+    redis: aioredis.Redis
+    _direct: Connection | None
+    _client: _scripts.ScriptClient
 
     def _lose(self, lease: Lease, reason: str, count: bool = True) -> None: ...
 
@@ -106,22 +111,25 @@ class Watchdog:
             keys = [l.key for l in chunk]
             calls.append(("EVALSHA", _scripts.renew.sha, len(keys), *keys,
                           *[a for l in chunk for a in (l.owner, l.renew_ms)]))
-        for attempt in (1, 2):
-            try:
-                if manager._direct is not None:
-                    results = await manager._direct.execute_many(calls)
-                    errors = [r for r in results if isinstance(r, Exception)]
-                    if errors:
-                        raise errors[0]
-                    return results
-                pipe = manager.redis.pipeline(transaction=False)
-                for call in calls:
-                    pipe.execute_command(*call)
-                return await pipe.execute()
-            except NoScriptError:
-                if attempt == 2:
-                    raise
-                await manager._client.script_load(_scripts.renew.source)
+        try:
+            return await self._send_once(calls)
+        except NoScriptError:
+            await manager._client.script_load(_scripts.renew.source)
+        return await self._send_once(calls)
+
+    async def _send_once(self, calls: list[tuple[Any, ...]]) -> list[Any]:
+        manager = self._manager
+        if manager._direct is not None:
+            results = await manager._direct.execute_many(calls)
+            errors = [r for r in results if isinstance(r, Exception)]
+            if errors:
+                raise errors[0]
+            return results
+        pipe = manager.redis.pipeline(transaction=False)
+        for call in calls:
+            pipe.execute_command(*call)
+        answers: list[Any] = await pipe.execute()
+        return answers
 
     async def aclose(self) -> None:
         if self._task is not None:

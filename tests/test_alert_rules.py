@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from otel_lock.cli._local_stack import render_prometheus_config
+from otel_lock.cli._local_stack import (DEFAULT_GRAFANA_URL, DEFAULT_RUNBOOK_BASE, StackError,
+                                        render_prometheus_config, render_rules)
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMETHEUS = ROOT / "deploy" / "prometheus"
@@ -75,7 +76,50 @@ def test_alert_has_for_severity_summary_description_and_runbook(alert):
     annotations = alert["annotations"]
     assert annotations["summary"] and annotations["description"]
     page, _, anchor = annotations["runbook_url"].partition("#")
-    assert page == "docs/observability.md" and anchor
+    assert page == DEFAULT_RUNBOOK_BASE and anchor, "runbook links are absolute, with the default base"
+    assert annotations["dashboard"].startswith(DEFAULT_GRAFANA_URL + "/d/otel-lock-")
+
+
+def _rules() -> list[dict]:
+    return [rule for path in RULES for group in yaml.safe_load(path.read_text())["groups"] for rule in group["rules"]]
+
+
+@pytest.mark.parametrize("rule", _rules(), ids=lambda rule: rule.get("alert") or rule["record"])
+def test_every_aggregation_keeps_the_service(rule):
+    """A page must say which service: every `by (...)` keeps job; none drops it with `without`."""
+    expr = rule["expr"]
+    assert " without " not in expr and "without(" not in expr
+    for labels in re.findall(r"\bby \(([^)]*)\)", expr):
+        assert "job" in [label.strip() for label in labels.split(",")], f"by ({labels}) drops job: {expr}"
+    bare = re.findall(r"\b(sum|max|min|count|avg)\s*\(", expr)
+    grouped = re.findall(r"\b(sum|max|min|count|avg)\s+by\s*\(", expr)
+    assert len(bare) == 0 or not grouped and "absent(" in expr, f"an aggregation without by (...): {expr}"
+
+
+@pytest.mark.parametrize("rule", _rules(), ids=lambda rule: rule.get("alert") or rule["record"])
+def test_busy_is_never_an_error(rule):
+    """A try_lock miss (lock_outcome="busy") is an answer: no rule counts it as a timeout or error."""
+    for selector in re.findall(r'lock_outcome=~?"([^"]*)"', rule["expr"]):
+        assert "busy" not in selector.split("|"), rule["expr"]
+
+
+def test_rules_render_with_another_runbook_base_and_grafana():
+    text = RULES[0].read_text()
+    out = render_rules(text, runbook_base="https://wiki.example.com/otel-lock/", grafana_url="https://grafana.example.com")
+    assert DEFAULT_RUNBOOK_BASE not in out and DEFAULT_GRAFANA_URL not in out
+    alerts = [rule for group in yaml.safe_load(out)["groups"] for rule in group["rules"] if "alert" in rule]
+    assert all(a["annotations"]["runbook_url"].startswith("https://wiki.example.com/otel-lock#") for a in alerts)
+    assert all(a["annotations"]["dashboard"].startswith("https://grafana.example.com/d/") for a in alerts)
+    with pytest.raises(StackError, match="absolute"):
+        render_rules(text, runbook_base="docs/observability.md")
+
+
+@needs_promtool
+def test_rendered_rules_still_pass_their_unit_tests_shape(tmp_path):
+    path = tmp_path / "otel-lock.rules.yml"
+    path.write_text(render_rules(RULES[0].read_text(), runbook_base="https://wiki.example.com/x"))
+    result = _promtool("check", "rules", str(path))
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 @pytest.mark.parametrize("alert", _alerts(), ids=lambda alert: alert["alert"])

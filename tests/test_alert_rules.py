@@ -144,3 +144,63 @@ def test_alert_has_a_firing_and_a_silent_unit_test(alert):
                     else:
                         silent += 1
     assert firing and silent, f"{alert['alert']}: {firing} firing and {silent} silent unit tests"
+
+
+def _generator():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("dashboards_generate", ROOT / "dashboards" / "generate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@needs_promtool
+def test_leases_lost_stat_counts_what_the_alert_counts(tmp_path):
+    """The overview's "Leases lost" stat read 0 while OtelLockLeaseLost fired (a series born at 1)."""
+    stat = _generator().leases_lost()
+    [alert] = [rule["expr"] for rule in _alerts() if rule["alert"] == "OtelLockLeaseLost"]
+    expr = stat.replace('$job', '.*').replace('$instance', '.*').replace('$__range', '10m')
+    rules_copy = tmp_path / "rules.yml"
+    rules_copy.write_text(RULES[0].read_text())
+    case = {
+        "rule_files": [str(rules_copy)],
+        "evaluation_interval": "1m",
+        "tests": [{
+            "interval": "1m",
+            "input_series": [
+                # the first loss on replica r1, seen by the watchdog and at release: one loss
+                {"series": 'otel_lock_renewals_total{job="shop",instance="r1",lock_name="stock",'
+                           'lock_renewal_outcome="lost"}', "values": "_x5 1x20"},
+                {"series": 'otel_lock_hold_duration_seconds_count{job="shop",instance="r1",lock_name="stock",'
+                           'lock_release_outcome="lost"}', "values": "_x6 1x20"},
+                # a fixed lease that expired under its holder on r2: another
+                {"series": 'otel_lock_hold_duration_seconds_count{job="shop",instance="r2",lock_name="report",'
+                           'lock_release_outcome="expired"}', "values": "_x7 1x20"},
+            ],
+            "promql_expr_test": [
+                {"expr": expr, "eval_time": "9m", "exp_samples": [{"labels": "{}", "value": 2}]},
+                # and the alert fires for both at that moment
+                {"expr": f"count({alert})", "eval_time": "9m", "exp_samples": [{"labels": "{}", "value": 2}]},
+            ],
+        }],
+    }
+    path = tmp_path / "stat.test.yml"
+    path.write_text(yaml.safe_dump(case))
+    result = _promtool("test", "rules", str(path))
+    assert result.returncode == 0 and "SUCCESS" in result.stdout + result.stderr, result.stdout + result.stderr
+
+
+@needs_promtool
+def test_the_old_increase_only_stat_would_have_read_zero(tmp_path):
+    """The regression the stat above fixes, shown on the same input: increase() misses series born at 1."""
+    old = 'sum(increase(otel_lock_renewals_total{lock_renewal_outcome="lost"}[10m])) or vector(0)'
+    case = {"rule_files": [], "evaluation_interval": "1m", "tests": [{
+        "interval": "1m",
+        "input_series": [{"series": 'otel_lock_renewals_total{job="shop",instance="r1",lock_name="stock",'
+                                    'lock_renewal_outcome="lost"}', "values": "_x5 1x20"}],
+        "promql_expr_test": [{"expr": old, "eval_time": "9m", "exp_samples": [{"labels": "{}", "value": 0}]}]}]}
+    path = tmp_path / "old.test.yml"
+    path.write_text(yaml.safe_dump(case))
+    result = _promtool("test", "rules", str(path))
+    assert result.returncode == 0, result.stdout + result.stderr

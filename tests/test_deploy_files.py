@@ -85,6 +85,9 @@ def test_replicas_push_otlp_to_the_collector():
     for name in ("app1", "app2"):
         endpoint = SERVICES[name]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"]
         assert endpoint == "http://otel-collector:4318"
+        # one metrics reader per replica (the collector serves Prometheus), keys hashed in spans
+        assert SERVICES[name]["environment"]["OTEL_METRICS_EXPORTER"] == "otlp"
+        assert SERVICES[name]["environment"]["OTEL_LOCK_REDACT"] == "hash"
     assert COLLECTOR["receivers"]["otlp"]["protocols"]["http"]["endpoint"].endswith(":4318")
 
 

@@ -13,6 +13,7 @@ from starlette.routing import Route
 
 from otel_lock import LockManager, telemetry
 from otel_lock.telemetry._instruments import LockCounts, Telemetry, get_telemetry
+from otel_lock.telemetry._names import RECORDED
 from otel_lock.telemetry._prom import FastMetrics
 
 from _telemetry_helpers import OtlpReceiver
@@ -33,12 +34,18 @@ RECORDS = [
 ]
 
 
+RECORDED_FAMILIES = tuple(spec.prom for spec in RECORDED)
+
+
 def samples(registry) -> set:
-    """(name, labels, value) of every otel_lock sample, minus what only one path adds."""
+    """(name, labels, value) of every recorded otel_lock sample, minus what only one path adds.
+
+    Observed gauges are left out: they read every live manager in the process.
+    """
     out = set()
     for family in text_string_to_metric_families(generate_latest(registry).decode()):
         for sample in family.samples:
-            if not sample.name.startswith("otel_lock") or sample.name.endswith("_created"):
+            if not sample.name.startswith(RECORDED_FAMILIES) or sample.name.endswith("_created"):
                 continue
             labels = {k: v for k, v in sample.labels.items() if v != "" and not k.startswith("otel_scope_")}
             if "le" in labels:

@@ -180,3 +180,21 @@ def test_gauges_of_global_managers_are_served_by_the_fast_path(clean):
     assert ('otel_lock_redis_connection_count{db_client_connection_pool_name="shop",'
             'db_client_connection_state="used"} 2.0') in text
     assert 'otel_lock_redis_connection_pending_requests{db_client_connection_pool_name="shop"} 1.0' in text
+
+
+async def test_a_manager_given_the_installed_provider_is_on_the_fast_path_too(clean, redis_client):
+    """`meter_provider=installed.meter_provider` must not put a second copy of the families on /metrics."""
+    installed = telemetry.setup("shop", "r1")
+    named = LockManager(redis_client, namespace="fast-named", meter_provider=installed.meter_provider)
+    unnamed = LockManager(redis_client, namespace="fast-unnamed")
+    try:
+        async with named.lock("a:1", name="a"), unnamed.lock("b:1", name="b"):
+            text = await scrape(installed)
+    finally:
+        await named.aclose()
+        await unnamed.aclose()
+    own = families(text)
+    assert len(own) == len(set(own)), own
+    assert 'otel_lock_active{lock_name="a"} 1.0' in text and 'otel_lock_active{lock_name="b"} 1.0' in text
+    waits = [line for line in text.splitlines() if line.startswith("otel_lock_wait_duration_seconds_count{")]
+    assert len(waits) == 2 and all("otel_scope_name" not in line for line in waits)

@@ -31,7 +31,7 @@ from ._names import HOLD_BUCKETS, OBSERVED, RECORDED, WAIT_BUCKETS
 from ._redact import redact
 
 __all__ = ["HOLD_BUCKETS", "LockCounts", "Telemetry", "WAIT_BUCKETS", "current_traceparent", "get_telemetry",
-           "redact", "route_default_metrics", "suppressed"]
+           "redact", "route_default_metrics", "routed", "suppressed"]
 
 SCOPE = "otel_lock"
 _propagator = TraceContextTextMapPropagator()
@@ -57,9 +57,10 @@ class _Tee:
 class _Route:
     """Where the global-provider Telemetry records: fast path, an SDK provider, or both."""
 
-    def __init__(self, fast=None, meter_provider=None) -> None:
+    def __init__(self, fast=None, meter_provider=None, global_provider=None) -> None:
         self.fast = fast
-        self.sdk = _sdk_instruments(meter_provider, None, routed=True) if meter_provider is not None else None
+        self.global_provider = global_provider
+        self.sdk = _sdk_instruments(meter_provider, None, is_route=True) if meter_provider is not None else None
 
     def instrument(self, attr: str):
         sinks = [s[attr] if isinstance(s, dict) else s.instruments[attr] for s in (self.sdk, self.fast) if s]
@@ -67,6 +68,17 @@ class _Route:
 
 
 _route: _Route | None = None
+
+
+def routed(meter_provider) -> bool:
+    """Does a manager made with this `meter_provider` record through the route of `setup()`?
+
+    The global provider, named (`meter_provider=installed.meter_provider`) or
+    not (None): otherwise the SDK's Prometheus reader would expose a second
+    copy of the fast path's families on the same /metrics.
+    """
+    route = _route
+    return route is not None and (meter_provider is None or meter_provider is route.global_provider)
 
 
 class Telemetry:
@@ -82,9 +94,9 @@ class Telemetry:
         self._bind()
 
     def _bind(self) -> None:
-        routed = _route is not None and self._meter_provider is None
+        route = _route if routed(self._meter_provider) else None
         for spec in RECORDED:
-            setattr(self, spec.attr, _route.instrument(spec.attr) if routed else self._own[spec.attr])
+            setattr(self, spec.attr, route.instrument(spec.attr) if route else self._own[spec.attr])
 
     # -- spans -------------------------------------------------------------
 
@@ -151,7 +163,7 @@ class Telemetry:
             span.set_status(Status(StatusCode.ERROR, description))
 
 
-def _sdk_instruments(meter_provider, owner: Telemetry | None, routed: bool = False) -> dict:
+def _sdk_instruments(meter_provider, owner: Telemetry | None, is_route: bool = False) -> dict:
     """The OTel instruments of `_names` on one meter (observed ones read `ALL_COUNTS` at collection)."""
     meter = metrics.get_meter(SCOPE, __version__, meter_provider=meter_provider)
     made: dict = {}
@@ -161,7 +173,7 @@ def _sdk_instruments(meter_provider, owner: Telemetry | None, routed: bool = Fal
                                                      explicit_bucket_boundaries_advisory=spec.buckets)
         else:
             made[spec.attr] = meter.create_counter(spec.name, unit=spec.unit, description=spec.description)
-    mine = (lambda c: c.meter_provider is None) if routed else _same_provider(owner)
+    mine = (lambda c: routed(c.meter_provider)) if is_route else _same_provider(owner)
     for which, spec in OBSERVED.items():
         create = (meter.create_observable_gauge if spec.kind == "gauge"
                   else meter.create_observable_up_down_counter)
@@ -175,12 +187,10 @@ def _same_provider(owner: Telemetry | None):
 
     def mine(counts: LockCounts) -> bool:
         telemetry = ref() if ref is not None else None
-        if telemetry is None:
+        # Routed away (fast path / OTLP-only provider): these copies stay silent,
+        # or /metrics would show every family twice.
+        if telemetry is None or routed(telemetry._meter_provider) or routed(counts.meter_provider):
             return False
-        if telemetry._meter_provider is None and _route is not None:
-            # Routed away (fast path / OTLP-only provider): the global provider's
-            # copies stay silent, or /metrics would show every family twice.
-            return counts.meter_provider is not None and _resolve(counts.meter_provider) is _resolve(None)
         # A manager made before the app installed its SDK (the API's proxy) and one
         # made after end up on the same meter, where only the first callback is kept.
         return _resolve(counts.meter_provider) is _resolve(telemetry._meter_provider)
@@ -207,19 +217,21 @@ def _resolve(meter_provider):
     return meter_provider if meter_provider is not None else metrics.get_meter_provider()
 
 
-def route_default_metrics(registry=None, meter_provider=None) -> None:
+def route_default_metrics(registry=None, meter_provider=None, global_provider=None) -> None:
     """Send the global-provider Telemetry's metrics to prometheus-client `registry` and/or `meter_provider`.
 
-    Called by `setup()`; `route_default_metrics()` with no arguments restores
-    the default (the global SDK provider). Telemetry objects already handed
-    out are rebound in place: managers keep working across the switch.
+    Called by `setup()`, which names the global provider it installed
+    (`global_provider`: managers given it explicitly are routed too);
+    `route_default_metrics()` with no arguments restores the default (the
+    global SDK provider). Telemetry objects already handed out are rebound in
+    place: managers keep working across the switch.
     """
     global _route
     from ._prom import FastMetrics
 
     with _cache_lock:
         fast = FastMetrics(registry) if registry is not None else None
-        _route = _Route(fast, meter_provider) if (fast or meter_provider is not None) else None
+        _route = _Route(fast, meter_provider, global_provider) if (fast or meter_provider is not None) else None
         for telemetry in _cache.values():
             telemetry._bind()
 

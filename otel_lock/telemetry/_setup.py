@@ -228,7 +228,7 @@ def _install(service_name, service_instance_id, prometheus, otlp, otlp_metrics,
     if prometheus and otlp_metrics:
         lock_provider = MeterProvider(resource=resource, metric_readers=[_otlp_reader()])
     if prometheus:
-        route_default_metrics(registry, lock_provider)
+        route_default_metrics(registry, lock_provider, meter_provider)
     return TelemetrySetup(
         tracer_provider or trace.get_tracer_provider(), meter_provider, registry, resource,
         installed=True, otlp=bool(otlp), lock_meter_provider=lock_provider)

@@ -198,3 +198,29 @@ async def test_a_manager_given_the_installed_provider_is_on_the_fast_path_too(cl
     assert 'otel_lock_active{lock_name="a"} 1.0' in text and 'otel_lock_active{lock_name="b"} 1.0' in text
     waits = [line for line in text.splitlines() if line.startswith("otel_lock_wait_duration_seconds_count{")]
     assert len(waits) == 2 and all("otel_scope_name" not in line for line in waits)
+
+
+def test_threads_recording_at_once_lose_nothing_and_share_children():
+    import threading
+
+    registry = CollectorRegistry()
+    fast = FastMetrics(registry).instruments["errors"]
+    start = threading.Barrier(4)
+
+    def work(n: int) -> None:
+        start.wait()
+        for i in range(2000):
+            # half the threads build the dict in the other order: same label set
+            attrs = ({"lock.name": f"n{i % 5}", "lock.operation": "acquire"} if n % 2 else
+                     {"lock.operation": "acquire", "lock.name": f"n{i % 5}"})
+            fast.add(1, attrs)
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    lines = [line for line in generate_latest(registry).decode().splitlines()
+             if line.startswith("otel_lock_errors_total{")]
+    assert len(lines) == 5
+    assert sum(float(line.rsplit(" ", 1)[1]) for line in lines) == 8000

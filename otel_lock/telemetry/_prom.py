@@ -45,7 +45,7 @@ class _Child:
 class FastInstrument:
     """`record()`/`add()` like an OTel instrument; children cached by the attribute items."""
 
-    __slots__ = ("spec", "_bounds", "_children", "_by_labels", "_histogram")
+    __slots__ = ("spec", "_bounds", "_children", "_by_labels", "_histogram", "_binding")
 
     def __init__(self, spec: Spec) -> None:
         self.spec = spec
@@ -53,6 +53,7 @@ class FastInstrument:
         self._children: dict = {}
         self._by_labels: dict = {}
         self._histogram = spec.kind == "histogram"
+        self._binding = threading.Lock()  # two threads binding one new label set must share a child
 
     def record(self, amount: float, attributes=None, context=None) -> None:
         # The core builds its attribute dicts in a fixed order per call site, so
@@ -76,10 +77,11 @@ class FastInstrument:
         # Like the SDK's reader: one label per attribute given, none for one absent.
         labels = {prom_label(k): prom_value(v) for k, v in attributes.items() if v is not None}
         canonical = tuple(sorted(labels.items()))
-        child = self._by_labels.get(canonical)
-        if child is None:
-            child = self._by_labels[canonical] = _Child(labels, len(self._bounds))
-        self._children[key] = child
+        with self._binding:
+            child = self._by_labels.get(canonical)
+            if child is None:
+                child = self._by_labels[canonical] = _Child(labels, len(self._bounds))
+            self._children[key] = child
         return child
 
     def family(self):

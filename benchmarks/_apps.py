@@ -5,7 +5,7 @@
 bare      POST /items/{id} answers {"id": ...}: no lock, no middleware
 locked    the same handler with @locked("item:{path.id}") behind LockMiddleware
 redis-py  the same handler taking redis-py's asyncio Lock by hand
-demo      the demo shop, with BENCH_TELEMETRY=off|sdk-memory|otlp-prom
+demo      the demo shop, with BENCH_TELEMETRY=off|prom|prom-lock|otlp|otlp-lock (benchmarks._otel_modes)
 two-pings the bare handler awaiting two PINGs through redis-py (the cost of 2 round trips here)
 locked-via-redis-py  `locked` with otel-lock's Redis calls through redis-py instead of its lean connection
 """

@@ -1,7 +1,8 @@
 """Run the benchmarks, print markdown tables, write benchmarks/results/*.json and docs/benchmarks.md.
 
     .venv/bin/python -m benchmarks.run             # everything, ~10 minutes on 2 cores
-    .venv/bin/python -m benchmarks.run --quick     # shorter windows, < 2 minutes per suite
+    .venv/bin/python -m benchmarks.run --quick     # shorter windows, < 2 minutes per suite; no verdicts,
+                                                   # results in a temporary directory (no tracked file changes)
     .venv/bin/python -m benchmarks.run --only lock --profile
 
 Every suite starts its own redis-server on a free loopback port (never the
@@ -17,6 +18,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -161,7 +163,7 @@ def telemetry_suite(url: str, quick: bool, profile_dir: Path | None) -> dict:
 
     if not available("otel-lock"):
         return {"cycle": [], "endpoint": [], "skipped": "otel_lock not importable"}
-    _say("telemetry: off / sdk-memory / otlp-prom, lock cycle then the demo endpoint")
+    _say("telemetry: off / prom (fast path) / otlp, lock cycle then the demo endpoint")
     data = bench_telemetry.run(url, quick)
     if profile_dir is not None:
         _say("profile: lock cycle per telemetry mode")
@@ -186,23 +188,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--profile", action="store_true", help="also cProfile otel-lock's hot paths")
     parser.add_argument("--no-docs", action="store_true", help="do not rewrite docs/benchmarks.md")
     args = parser.parse_args(argv)
-    RESULTS.mkdir(exist_ok=True)
+    # A quick run's numbers are for a look, not a record: never rewrite tracked files.
+    results = Path(tempfile.mkdtemp(prefix="otel-lock-bench-")) if args.quick else RESULTS
+    write_docs = not (args.no_docs or args.quick)
+    results.mkdir(exist_ok=True)
     for name in args.only or sorted(SUITES):
         facts = machine()
         started = time.monotonic()
         with RedisServer() as server:
             data = SUITES[name](server.url, args.quick,
-                                RESULTS / "profiles" if args.profile else None)
+                                results / "profiles" if args.profile else None)
         data["machine"] = {**facts, "quick": args.quick, "seconds": round(time.monotonic() - started, 1),
                            "loadavg_at_end": round(os.getloadavg()[0], 2)}
-        path = RESULTS / f"{name}{'-quick' if args.quick else ''}.json"
+        path = results / f"{name}{'-quick' if args.quick else ''}.json"
         path.write_text(json.dumps(data, indent=1, default=float) + "\n")
         markdown = _report.render(name, data)
         print(markdown)
-        if not args.no_docs:
+        if write_docs:
             _report.update_docs(DOCS, name, markdown)
-        _say(f"{name}: {data['machine']['seconds']} s, raw numbers in {path.relative_to(RESULTS.parent.parent)}")
-    if not args.no_docs:
+        _say(f"{name}: {data['machine']['seconds']} s, raw numbers in {path}")
+    if write_docs:
         _report.update_docs(DOCS, "summary", _report.render_summary(RESULTS, args.quick))
 
 

@@ -16,13 +16,59 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-DATASOURCE = {"type": "prometheus", "uid": "prometheus"}  # fixed in deploy/grafana/provisioning
+RULES = HERE.parent / "deploy" / "prometheus" / "rules" / "otel-lock.rules.yml"
+# The Prometheus datasource is a variable, so the dashboards import into any
+# Grafana; deploy/grafana/provisioning names its default `prometheus`.
+DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 DEFAULT_LEASE = 30  # seconds: drawn beside hold time
 RATE = "[$__rate_interval]"
-DRILL_DOWN = "/d/otel-lock-lock/otel-lock-lock?var-lock_name=${__field.labels.lock_name}&${__url_time_range}"
+# Every selector is narrowed to the chosen services and replicas.
+SCOPE = 'job=~"$job",instance=~"$instance"'
+DRILL_DOWN = ("/d/otel-lock-lock/otel-lock-lock?var-lock_name=${__field.labels.lock_name}"
+              "&${job:queryparam}&${instance:queryparam}&${datasource:queryparam}&${__url_time_range}")
 
 WAIT = "otel_lock_wait_duration_seconds"
 HOLD = "otel_lock_hold_duration_seconds"
+REDIS = "otel_lock_redis_operation_duration_seconds"
+
+
+def sel(*matchers: str) -> str:
+    """`{job=~"$job",instance=~"$instance",<matchers>}`"""
+    return "{" + ",".join((SCOPE, *matchers)) + "}"
+
+
+def variables(lock_name: bool = False) -> list[dict]:
+    found = [{"name": "datasource", "label": "Prometheus", "type": "datasource", "query": "prometheus",
+              "current": {}, "hide": 0, "refresh": 1, "regex": "", "options": []}]
+    for name, label, query in (("job", "service", f"label_values({WAIT}_count, job)"),
+                               ("instance", "replica", f'label_values({WAIT}_count{{job=~"$job"}}, instance)')):
+        found.append({"name": name, "label": label, "type": "query", "datasource": DATASOURCE,
+                      "query": {"query": query, "refId": name}, "definition": query, "refresh": 2, "sort": 1,
+                      "multi": True, "includeAll": True, "allValue": ".*",
+                      "current": {"text": "All", "value": "$__all"}})
+    if lock_name:
+        query = f'label_values({WAIT}_count{{job=~"$job"}}, lock_name)'
+        found.append({"name": "lock_name", "label": "lock", "type": "query", "datasource": DATASOURCE,
+                      "query": {"query": query, "refId": "lock_name"}, "definition": query,
+                      "refresh": 2, "sort": 1, "multi": False, "includeAll": False, "current": {}})
+    return found
+
+
+def leases_lost(scope: str = SCOPE) -> str:
+    """The OtelLockLeaseLost expression (both arms, born-at-1 series counted) over the dashboard range.
+
+    Read from the rules file, so the stat and the alert cannot disagree.
+    """
+    import yaml
+
+    groups = yaml.safe_load(RULES.read_text())["groups"]
+    [expr] = [rule["expr"] for group in groups for rule in group["rules"] if rule.get("alert") == "OtelLockLeaseLost"]
+    expr = expr.strip()
+    assert expr.endswith("> 0"), expr
+    expr = expr[: -len("> 0")].strip().replace("[10m]", "[$__range]").replace("offset 10m", "offset $__range")
+    expr = expr.replace('{lock_renewal_outcome="lost"}', "{" + scope + ',lock_renewal_outcome="lost"}')
+    expr = expr.replace('{lock_release_outcome=~"lost|expired"}', "{" + scope + ',lock_release_outcome=~"lost|expired"}')
+    return f"round(sum({expr})) or vector(0)"
 
 
 # -- panel helpers -----------------------------------------------------------
@@ -66,6 +112,23 @@ def stat(title: str, description: str, targets: list[dict], unit: str = "short",
     }
 
 
+def table(title: str, description: str, targets: list[dict], columns: dict[str, tuple[str, str]]) -> dict:
+    """Instant queries joined on their labels; `columns`: Value #ref -> (header, unit)."""
+    overrides = [{"matcher": {"id": "byName", "options": f"Value #{ref}"},
+                  "properties": [{"id": "displayName", "value": header}, {"id": "unit", "value": unit}]}
+                 for ref, (header, unit) in columns.items()]
+    return {
+        "type": "table", "title": title, "description": description, "datasource": DATASOURCE,
+        "targets": [{**t, "instant": True, "range": False, "format": "table"} for t in targets],
+        "fieldConfig": {"defaults": {}, "overrides": overrides},
+        "transformations": [{"id": "merge", "options": {}},
+                            {"id": "organize", "options": {"excludeByName": {"Time": True},
+                                                           "renameByName": {"lock_name": "lock", "instance": "replica",
+                                                                            "job": "service"}}}],
+        "options": {"showHeader": True, "sortBy": [{"displayName": "held / lease", "desc": True}]},
+    }
+
+
 def heatmap(title: str, description: str, expr: str) -> dict:
     return {
         "type": "heatmap", "title": title, "description": description, "datasource": DATASOURCE,
@@ -90,7 +153,7 @@ def color(name: str, value: str, fixed: str) -> dict:
                            {"id": "custom.lineWidth", "value": 3}]}
 
 
-def quantiles(metric: str, by: str, selector: str = "", qs=(0.5, 0.95, 0.99), exemplar: bool = False) -> list[dict]:
+def quantiles(metric: str, by: str, selector: str = sel(), qs=(0.5, 0.95, 0.99), exemplar: bool = False) -> list[dict]:
     return [
         target(f"histogram_quantile({q}, sum by ({by}le) (rate({metric}_bucket{selector}{RATE})))",
                f"p{int(q * 100)}" + (" {{lock_name}}" if "lock_name" in by else ""), chr(ord("A") + i),
@@ -119,7 +182,7 @@ def layout(panels: list[dict]) -> list[dict]:
     return panels
 
 
-def dashboard(uid: str, title: str, description: str, panels: list[dict], variables: list[dict] = ()) -> dict:
+def dashboard(uid: str, title: str, description: str, panels: list[dict], variables: list[dict]) -> dict:
     return {
         "id": None, "uid": uid, "title": title, "description": description,
         "tags": ["otel-lock"], "timezone": "browser", "editable": False, "graphTooltip": 1,
@@ -134,155 +197,219 @@ def dashboard(uid: str, title: str, description: str, panels: list[dict], variab
 
 # -- the lock overview -------------------------------------------------------
 
+BUSY_GREY = "#8e8e8e"
+NOT_BUSY = 'lock_outcome!="busy"'
+ACQUIRED = 'lock_outcome="acquired"'
+TIMEOUT = 'lock_outcome="timeout"'
+CONTENDED = 'lock_contended="true"'
+USED = 'db_client_connection_state="used"'
+HTTP_ERRORS = 'http_status_code=~"[45].."'
+
+
+def outcome_colors() -> list[dict]:
+    return [color("lock_outcome", "timeout", "orange"), color("lock_outcome", "error", "red"),
+            color("lock_outcome", "busy", BUSY_GREY)]
+
+
+def held_now() -> dict:
+    return table(
+        "Held now",
+        "Every lock name held at this moment, per replica: age of its oldest current hold, the lease in "
+        "force, and their ratio (OtelLockHoldNearLease warns above 0.8). A holder that never releases "
+        "shows here long before any histogram sees it.",
+        [target(f"max by (job, instance, lock_name) (otel_lock_hold_age_seconds{sel()})", ref="A"),
+         target(f"max by (job, instance, lock_name) (otel_lock_lease_seconds{sel()})", ref="B"),
+         target(f"max by (job, instance, lock_name) (otel_lock_hold_age_seconds{sel()} "
+                f"/ otel_lock_lease_seconds{sel()})", ref="C")],
+        {"A": ("held for", "s"), "B": ("lease", "s"), "C": ("held / lease", "percentunit")})
+
+
+def redis_row(scope: str = "") -> list[dict]:
+    by_op = sel(*([scope] if scope else []))
+    return [
+        row("Redis"),
+        timeseries("Redis command latency p50 / p99 by operation",
+                   "Round trip of each lock script to Redis (acquire, release, renew, leave), as "
+                   "db.client.operation.duration: a slow Redis makes every lock slow.",
+                   [target(f"histogram_quantile({q}, sum by (lock_operation, le) (rate({REDIS}_bucket{by_op}{RATE})))",
+                           f"p{int(q * 100)} {{{{lock_operation}}}}", chr(ord('A') + i))
+                    for i, q in enumerate((0.5, 0.99))], "s"),
+        timeseries("Redis commands/s by operation and error.type",
+                   "Lock scripts sent to Redis per second; failed ones carry error.type.",
+                   [target(f"sum by (lock_operation, error_type) (rate({REDIS}_count{by_op}{RATE}))",
+                           "{{lock_operation}} {{error_type}}")], "ops"),
+        timeseries("Redis connections in use and pending requests",
+                   "Connections the lock managers hold open (db.client.connection.count, state=used) and "
+                   "lock commands sent and not yet answered (db.client.connection.pending_requests), per replica.",
+                   [target(f"sum by (instance) (otel_lock_redis_connection_count{sel(USED)})",
+                           "in use {{instance}}"),
+                    target(f"sum by (instance) (otel_lock_redis_connection_pending_requests{sel()})",
+                           "pending {{instance}}", "B")]),
+    ]
+
 
 def overview() -> dict:
     lost_red = [color("lock_renewal_outcome", "lost", "red"), color("lock_renewal_outcome", "error", "orange")]
     panels = [
         row("Locks"),
         stat("Acquisitions/s", "Lock acquisitions per second over all locks and replicas.",
-             [target(f"sum(rate({WAIT}_count{{lock_outcome=\"acquired\"}}{RATE}))")], "reqps", red_above=1e12),
-        stat("Timeouts/s", "Callers that gave up after their wait (HTTP 409 + Retry-After).",
-             [target(f"sum(rate({WAIT}_count{{lock_outcome=\"timeout\"}}{RATE})) or vector(0)")], "reqps",
+             [target(f"sum(rate({WAIT}_count{sel(ACQUIRED)}{RATE}))")], "reqps",
+             red_above=1e12),
+        stat("Timeouts/s", "Callers that gave up after their wait (HTTP 409 + Retry-After). A try_lock miss "
+             "(busy) is not a timeout and is not counted.",
+             [target(f"sum(rate({WAIT}_count{sel(TIMEOUT)}{RATE})) or vector(0)")], "reqps",
              red_above=0.01),
-        stat("Leases lost", "Holders that lost their lease in the selected range. Must be 0.",
-             [target("sum(increase(otel_lock_renewals_total{lock_renewal_outcome=\"lost\"}[$__range])) or vector(0)")],
-             red_above=0.5),
+        stat("Leases lost", "Leases lost in the selected range, counted as OtelLockLeaseLost counts them: "
+             "by the watchdog or at release (lost or expired), once per loss, including a replica's very "
+             "first loss. Must be 0.",
+             [target(leases_lost())], red_above=0.5),
         stat("Waiting now", "Callers queued for any lock, all replicas.",
-             [target("sum(otel_lock_pending)")], red_above=20),
+             [target(f"sum(otel_lock_pending{sel()}) or vector(0)")], red_above=20),
+        held_now(),
+        timeseries("Held for / lease, by lock and replica",
+                   "Age of each lock name's oldest current hold over its lease. At 1 a fixed lease runs out; "
+                   "the alert warns above 0.8.",
+                   [target(f"max by (lock_name, instance) (otel_lock_hold_age_seconds{sel()} "
+                           f"/ otel_lock_lease_seconds{sel()})", "{{lock_name}} {{instance}}")],
+                   "percentunit", links=True,
+                   thresholds=[{"color": "transparent", "value": None}, {"color": "orange", "value": 0.8},
+                               {"color": "red", "value": 1}]),
         timeseries("Acquisitions/s by lock and outcome",
-                   "Every attempt, by lock name and outcome (acquired, timeout, error, cancelled).",
-                   [target(f"sum by (lock_name, lock_outcome) (rate({WAIT}_count{RATE}))",
+                   "Every attempt, by lock name and outcome (acquired, busy = a try_lock miss, grey, not an "
+                   "error; timeout, error, cancelled).",
+                   [target(f"sum by (lock_name, lock_outcome) (rate({WAIT}_count{sel()}{RATE}))",
                            "{{lock_name}} {{lock_outcome}}")],
-                   "reqps", links=True,
-                   overrides=[color("lock_outcome", "timeout", "orange"), color("lock_outcome", "error", "red")]),
+                   "reqps", links=True, overrides=outcome_colors()),
         timeseries("Contention ratio",
-                   "Share of acquisitions that found the lock held and had to wait.",
-                   [target(f"sum by (lock_name) (rate({WAIT}_count{{lock_contended=\"true\"}}{RATE}))"
-                           f" / sum by (lock_name) (rate({WAIT}_count{RATE}))", "{{lock_name}}")],
+                   "Share of waiting acquisitions (busy excluded) that found the lock held and had to wait.",
+                   [target(f"sum by (lock_name) (rate({WAIT}_count{sel(CONTENDED, NOT_BUSY)}{RATE}))"
+                           f" / sum by (lock_name) (rate({WAIT}_count{sel(NOT_BUSY)}{RATE}))", "{{lock_name}}")],
                    "percentunit", links=True),
         timeseries("Wait p50 / p95 / p99 by lock",
-                   "Time from asking for a lock to getting it or giving up (histogram_quantile).",
-                   quantiles(WAIT, "lock_name, ", exemplar=True), "s", links=True),
+                   "Time from asking for a lock to getting it or giving up (histogram_quantile; busy excluded).",
+                   quantiles(WAIT, "lock_name, ", sel(NOT_BUSY), exemplar=True), "s", links=True),
         heatmap("Wait time heatmap (exemplars link to traces)",
                 "Distribution of waits over time. Exemplar dots carry trace ids: click one to open "
                 "the slow request, whose acquire span links to the holder that made it wait.",
-                f"sum by (le) (increase({WAIT}_bucket{RATE}))"),
+                f"sum by (le) (increase({WAIT}_bucket{sel(NOT_BUSY)}{RATE}))"),
         timeseries("Timeouts by lock", "Acquisitions that gave up after their wait.",
-                   [target(f"sum by (lock_name) (rate({WAIT}_count{{lock_outcome=\"timeout\"}}{RATE}))",
+                   [target(f"sum by (lock_name) (rate({WAIT}_count{sel(TIMEOUT)}{RATE}))",
                            "{{lock_name}}")], "reqps", links=True),
         timeseries("Errors by operation and error.type",
                    "Failed Redis round trips of acquire, release and renew (redis_unavailable, redis_error).",
-                   [target("sum by (lock_operation, error_type) (rate(otel_lock_errors_total" + RATE + "))",
+                   [target(f"sum by (lock_operation, error_type) (rate(otel_lock_errors_total{sel()}{RATE}))",
                            "{{lock_operation}} {{error_type}}")], "reqps"),
-        timeseries("Active locks", "Locks held right now, summed over replicas.",
-                   [target("sum by (lock_name) (otel_lock_active)", "{{lock_name}}")], links=True),
+        timeseries("Active locks", "Locks held right now (expired holds not counted), summed over replicas.",
+                   [target(f"sum by (lock_name) (otel_lock_active{sel()})", "{{lock_name}}")], links=True),
         timeseries("Pending (waiting callers)", "Callers queued for a lock right now, summed over replicas.",
-                   [target("sum by (lock_name) (otel_lock_pending)", "{{lock_name}}")], links=True),
+                   [target(f"sum by (lock_name) (otel_lock_pending{sel()})", "{{lock_name}}")], links=True),
         timeseries("Hold p95 / p99 beside the lease",
-                   f"How long locks are held. The red band is the default lease ({DEFAULT_LEASE} s): a fixed "
-                   "lease shorter than the hold expires under the holder; watchdog-renewed holds this long "
-                   "mean slow work inside the lock.",
+                   f"How long finished holds lasted. The red band is the default lease ({DEFAULT_LEASE} s); "
+                   "current holds are in Held now.",
                    quantiles(HOLD, "lock_name, ", qs=(0.95, 0.99)), "s", links=True,
                    thresholds=[{"color": "transparent", "value": None},
-                               {"color": "orange", "value": DEFAULT_LEASE * 2 / 3},
+                               {"color": "orange", "value": DEFAULT_LEASE * 0.8},
                                {"color": "red", "value": DEFAULT_LEASE}]),
         timeseries("Releases by outcome", "How holds ended: released, expired (fixed lease ran out), lost, error.",
-                   [target(f"sum by (lock_name, lock_release_outcome) (rate({HOLD}_count{RATE}))",
+                   [target(f"sum by (lock_name, lock_release_outcome) (rate({HOLD}_count{sel()}{RATE}))",
                            "{{lock_name}} {{lock_release_outcome}}")], "ops",
                    overrides=[color("lock_release_outcome", "lost", "red"),
                               color("lock_release_outcome", "expired", "orange")]),
         timeseries("Renewals by outcome (lost in red)",
                    "Watchdog lease renewals: ok, error (Redis failed, retried), lost (another owner or "
                    "no confirmation within the lease).",
-                   [target("sum by (lock_renewal_outcome) (rate(otel_lock_renewals_total" + RATE + "))",
+                   [target(f"sum by (lock_renewal_outcome) (rate(otel_lock_renewals_total{sel()}{RATE}))",
                            "{{lock_renewal_outcome}}")], "ops", overrides=lost_red),
+        *redis_row(),
         row("Idempotency"),
         timeseries("Idempotency-Key outcomes by route",
                    "stored (first request), replayed (retry answered from the store), conflict (409, in "
                    "flight), mismatch (422, key reused with another body), missing_key / invalid_key (400).",
-                   [target("sum by (http_route, idempotency_outcome) "
-                           "(rate(otel_lock_idempotency_requests_total" + RATE + "))",
+                   [target(f"sum by (http_route, idempotency_outcome) "
+                           f"(rate(otel_lock_idempotency_requests_total{sel()}{RATE}))",
                            "{{http_route}} {{idempotency_outcome}}")], "reqps", stack=True,
                    overrides=[color("idempotency_outcome", "conflict", "orange"),
                               color("idempotency_outcome", "mismatch", "red")]),
         row("HTTP"),
         timeseries("Requests/s by route", "HTTP requests by route template and method (OpenTelemetry ASGI).",
-                   [target("sum by (http_target, http_method) (rate(http_server_duration_milliseconds_count"
-                           + RATE + "))", "{{http_method}} {{http_target}}")], "reqps"),
+                   [target(f"sum by (http_target, http_method) (rate(http_server_duration_milliseconds_count"
+                           f"{sel()}{RATE}))", "{{http_method}} {{http_target}}")], "reqps"),
         timeseries("Error responses by route and status",
                    "4xx and 5xx answers: 409 lock-timeout or out-of-stock, 400/422 idempotency, 503 Redis.",
-                   [target("sum by (http_target, http_status_code) (rate(http_server_duration_milliseconds_count"
-                           "{http_status_code=~\"[45]..\"}" + RATE + "))",
+                   [target(f"sum by (http_target, http_status_code) (rate(http_server_duration_milliseconds_count"
+                           f"{sel(HTTP_ERRORS)}{RATE}))",
                            "{{http_status_code}} {{http_target}}")], "reqps"),
         timeseries("Request duration p95 by route", "Server-side latency including the lock wait.",
-                   [target("histogram_quantile(0.95, sum by (http_target, le) "
-                           "(rate(http_server_duration_milliseconds_bucket" + RATE + ")))", "{{http_target}}")],
+                   [target(f"histogram_quantile(0.95, sum by (http_target, le) "
+                           f"(rate(http_server_duration_milliseconds_bucket{sel()}{RATE})))", "{{http_target}}")],
                    "ms"),
     ]
     return dashboard("otel-lock-overview", "otel-lock: lock overview",
-                     "Acquisitions, contention, wait and hold time, renewals, idempotency and HTTP for every lock.",
-                     panels)
+                     "Acquisitions, contention, wait and hold time, holds right now, Redis, idempotency and HTTP "
+                     "for every lock. Alerts link here; the service and replica variables narrow every panel.",
+                     panels, variables())
 
 
 # -- one lock -----------------------------------------------------------------
 
 
 def one_lock() -> dict:
-    sel = '{lock_name="$lock_name"}'
-    variable = {
-        "name": "lock_name", "label": "lock", "type": "query", "datasource": DATASOURCE,
-        "query": {"query": f"label_values({WAIT}_count, lock_name)", "refId": "lock_name"},
-        "definition": f"label_values({WAIT}_count, lock_name)",
-        "refresh": 2, "sort": 1, "multi": False, "includeAll": False, "current": {},
-    }
+    name = 'lock_name="$lock_name"'
+    one = sel(name)
     panels = [
         row("$lock_name"),
         stat("Acquisitions/s", "Successful acquisitions of this lock per second.",
-             [target(f"sum(rate({WAIT}_count{{lock_name=\"$lock_name\",lock_outcome=\"acquired\"}}{RATE}))")],
+             [target(f"sum(rate({WAIT}_count{sel(name, ACQUIRED)}{RATE}))")],
              "reqps", red_above=1e12),
-        stat("Contention", "Share of acquisitions that had to wait.",
-             [target(f"sum(rate({WAIT}_count{{lock_name=\"$lock_name\",lock_contended=\"true\"}}{RATE}))"
-                     f" / sum(rate({WAIT}_count{sel}{RATE}))")], "percentunit", red_above=0.5),
-        stat("Wait p95", "95th percentile wait for this lock.",
-             [target(f"histogram_quantile(0.95, sum by (le) (rate({WAIT}_bucket{sel}{RATE})))")], "s",
-             red_above=0.5),
-        stat("Hold p99", f"99th percentile hold time (default lease {DEFAULT_LEASE} s).",
-             [target(f"histogram_quantile(0.99, sum by (le) (rate({HOLD}_bucket{sel}{RATE})))")], "s",
-             red_above=DEFAULT_LEASE * 2 / 3),
-        timeseries("Attempts by outcome", "Acquired, timeout, error, cancelled; contended or not.",
-                   [target(f"sum by (lock_outcome, lock_contended) (rate({WAIT}_count{sel}{RATE}))",
+        stat("Contention", "Share of waiting acquisitions (busy excluded) that had to wait.",
+             [target(f"sum(rate({WAIT}_count{sel(name, CONTENDED, NOT_BUSY)}{RATE}))"
+                     f" / sum(rate({WAIT}_count{sel(name, NOT_BUSY)}{RATE}))")], "percentunit", red_above=0.5),
+        stat("Wait p95", "95th percentile wait for this lock (busy excluded).",
+             [target(f"histogram_quantile(0.95, sum by (le) (rate({WAIT}_bucket{sel(name, NOT_BUSY)}{RATE})))")],
+             "s", red_above=0.5),
+        stat("Held for / lease (max)", "Oldest current hold of this lock over its lease, worst replica.",
+             [target(f"max(otel_lock_hold_age_seconds{one} / otel_lock_lease_seconds{one}) or vector(0)")],
+             "percentunit", red_above=0.8),
+        timeseries("Attempts by outcome", "Acquired, busy (try_lock miss, not an error), timeout, error, "
+                   "cancelled; contended or not.",
+                   [target(f"sum by (lock_outcome, lock_contended) (rate({WAIT}_count{one}{RATE}))",
                            "contended={{lock_contended}} {{lock_outcome}}")], "reqps",
-                   overrides=[color("lock_outcome", "timeout", "orange"), color("lock_outcome", "error", "red")]),
+                   overrides=outcome_colors()),
         timeseries("Wait p50 / p95 / p99", "Wait time of this lock; exemplars link to traces.",
-                   quantiles(WAIT, "", sel, exemplar=True), "s"),
+                   quantiles(WAIT, "", sel(name, NOT_BUSY), exemplar=True), "s"),
         heatmap("Wait time heatmap (exemplars link to traces)",
                 "Waits of this lock over time; click an exemplar to open the waiting request's trace.",
-                f"sum by (le) (increase({WAIT}_bucket{sel}{RATE}))"),
+                f"sum by (le) (increase({WAIT}_bucket{sel(name, NOT_BUSY)}{RATE}))"),
         timeseries("Hold p50 / p95 / p99 beside the lease",
-                   f"Hold time of this lock; orange at 2/3 and red at the default lease ({DEFAULT_LEASE} s).",
-                   quantiles(HOLD, "", sel), "s",
+                   f"Hold time of this lock; orange at 0.8 and red at the default lease ({DEFAULT_LEASE} s).",
+                   quantiles(HOLD, "", one), "s",
                    thresholds=[{"color": "transparent", "value": None},
-                               {"color": "orange", "value": DEFAULT_LEASE * 2 / 3},
+                               {"color": "orange", "value": DEFAULT_LEASE * 0.8},
                                {"color": "red", "value": DEFAULT_LEASE}]),
         timeseries("Held and waiting, by replica", "Active holds and queued callers per replica (instance).",
-                   [target(f"sum by (instance) (otel_lock_active{sel})", "held {{instance}}"),
-                    target(f"sum by (instance) (otel_lock_pending{sel})", "waiting {{instance}}", "B")]),
+                   [target(f"sum by (instance) (otel_lock_active{one})", "held {{instance}}"),
+                    target(f"sum by (instance) (otel_lock_pending{one})", "waiting {{instance}}", "B")]),
+        timeseries("Held for and lease, by replica", "Age of the oldest current hold and the lease it runs on.",
+                   [target(f"max by (instance) (otel_lock_hold_age_seconds{one})", "held for {{instance}}"),
+                    target(f"max by (instance) (otel_lock_lease_seconds{one})", "lease {{instance}}", "B")], "s"),
         timeseries("Releases by outcome", "released, expired, lost, error.",
-                   [target(f"sum by (lock_release_outcome) (rate({HOLD}_count{sel}{RATE}))",
+                   [target(f"sum by (lock_release_outcome) (rate({HOLD}_count{one}{RATE}))",
                            "{{lock_release_outcome}}")], "ops",
                    overrides=[color("lock_release_outcome", "lost", "red"),
                               color("lock_release_outcome", "expired", "orange")]),
         timeseries("Renewals by outcome (lost in red)", "Watchdog renewals of this lock.",
-                   [target(f"sum by (lock_renewal_outcome) (rate(otel_lock_renewals_total{sel}{RATE}))",
+                   [target(f"sum by (lock_renewal_outcome) (rate(otel_lock_renewals_total{one}{RATE}))",
                            "{{lock_renewal_outcome}}")], "ops",
                    overrides=[color("lock_renewal_outcome", "lost", "red"),
                               color("lock_renewal_outcome", "error", "orange")]),
         timeseries("Errors by operation and error.type", "Redis failures on acquire, release, renew.",
-                   [target(f"sum by (lock_operation, error_type) (rate(otel_lock_errors_total{sel}{RATE}))",
+                   [target(f"sum by (lock_operation, error_type) (rate(otel_lock_errors_total{one}{RATE}))",
                            "{{lock_operation}} {{error_type}}")], "reqps"),
+        *redis_row(name)[:2],
     ]
     return dashboard("otel-lock-lock", "otel-lock: one lock",
-                     "Drill-down into one lock name: choose it in the `lock` variable.", panels, [variable])
+                     "Drill-down into one lock name: choose it in the `lock` variable.", panels,
+                     variables(lock_name=True))
 
 
 DASHBOARDS = {"otel-lock-overview.json": overview, "otel-lock-lock.json": one_lock}

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from otel_lock.cli._local_stack import render_prometheus_config
+from otel_lock.cli._local_stack import (DEFAULT_GRAFANA_URL, DEFAULT_RUNBOOK_BASE, StackError,
+                                        render_prometheus_config, render_rules)
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMETHEUS = ROOT / "deploy" / "prometheus"
@@ -75,7 +76,50 @@ def test_alert_has_for_severity_summary_description_and_runbook(alert):
     annotations = alert["annotations"]
     assert annotations["summary"] and annotations["description"]
     page, _, anchor = annotations["runbook_url"].partition("#")
-    assert page == "docs/observability.md" and anchor
+    assert page == DEFAULT_RUNBOOK_BASE and anchor, "runbook links are absolute, with the default base"
+    assert annotations["dashboard"].startswith(DEFAULT_GRAFANA_URL + "/d/otel-lock-")
+
+
+def _rules() -> list[dict]:
+    return [rule for path in RULES for group in yaml.safe_load(path.read_text())["groups"] for rule in group["rules"]]
+
+
+@pytest.mark.parametrize("rule", _rules(), ids=lambda rule: rule.get("alert") or rule["record"])
+def test_every_aggregation_keeps_the_service(rule):
+    """A page must say which service: every `by (...)` keeps job; none drops it with `without`."""
+    expr = rule["expr"]
+    assert " without " not in expr and "without(" not in expr
+    for labels in re.findall(r"\bby \(([^)]*)\)", expr):
+        assert "job" in [label.strip() for label in labels.split(",")], f"by ({labels}) drops job: {expr}"
+    bare = re.findall(r"\b(sum|max|min|count|avg)\s*\(", expr)
+    grouped = re.findall(r"\b(sum|max|min|count|avg)\s+by\s*\(", expr)
+    assert len(bare) == 0 or not grouped and "absent(" in expr, f"an aggregation without by (...): {expr}"
+
+
+@pytest.mark.parametrize("rule", _rules(), ids=lambda rule: rule.get("alert") or rule["record"])
+def test_busy_is_never_an_error(rule):
+    """A try_lock miss (lock_outcome="busy") is an answer: no rule counts it as a timeout or error."""
+    for selector in re.findall(r'lock_outcome=~?"([^"]*)"', rule["expr"]):
+        assert "busy" not in selector.split("|"), rule["expr"]
+
+
+def test_rules_render_with_another_runbook_base_and_grafana():
+    text = RULES[0].read_text()
+    out = render_rules(text, runbook_base="https://wiki.example.com/otel-lock/", grafana_url="https://grafana.example.com")
+    assert DEFAULT_RUNBOOK_BASE not in out and DEFAULT_GRAFANA_URL not in out
+    alerts = [rule for group in yaml.safe_load(out)["groups"] for rule in group["rules"] if "alert" in rule]
+    assert all(a["annotations"]["runbook_url"].startswith("https://wiki.example.com/otel-lock#") for a in alerts)
+    assert all(a["annotations"]["dashboard"].startswith("https://grafana.example.com/d/") for a in alerts)
+    with pytest.raises(StackError, match="absolute"):
+        render_rules(text, runbook_base="docs/observability.md")
+
+
+@needs_promtool
+def test_rendered_rules_still_pass_their_unit_tests_shape(tmp_path):
+    path = tmp_path / "otel-lock.rules.yml"
+    path.write_text(render_rules(RULES[0].read_text(), runbook_base="https://wiki.example.com/x"))
+    result = _promtool("check", "rules", str(path))
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 @pytest.mark.parametrize("alert", _alerts(), ids=lambda alert: alert["alert"])
@@ -100,3 +144,63 @@ def test_alert_has_a_firing_and_a_silent_unit_test(alert):
                     else:
                         silent += 1
     assert firing and silent, f"{alert['alert']}: {firing} firing and {silent} silent unit tests"
+
+
+def _generator():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("dashboards_generate", ROOT / "dashboards" / "generate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@needs_promtool
+def test_leases_lost_stat_counts_what_the_alert_counts(tmp_path):
+    """The overview's "Leases lost" stat read 0 while OtelLockLeaseLost fired (a series born at 1)."""
+    stat = _generator().leases_lost()
+    [alert] = [rule["expr"] for rule in _alerts() if rule["alert"] == "OtelLockLeaseLost"]
+    expr = stat.replace('$job', '.*').replace('$instance', '.*').replace('$__range', '10m')
+    rules_copy = tmp_path / "rules.yml"
+    rules_copy.write_text(RULES[0].read_text())
+    case = {
+        "rule_files": [str(rules_copy)],
+        "evaluation_interval": "1m",
+        "tests": [{
+            "interval": "1m",
+            "input_series": [
+                # the first loss on replica r1, seen by the watchdog and at release: one loss
+                {"series": 'otel_lock_renewals_total{job="shop",instance="r1",lock_name="stock",'
+                           'lock_renewal_outcome="lost"}', "values": "_x5 1x20"},
+                {"series": 'otel_lock_hold_duration_seconds_count{job="shop",instance="r1",lock_name="stock",'
+                           'lock_release_outcome="lost"}', "values": "_x6 1x20"},
+                # a fixed lease that expired under its holder on r2: another
+                {"series": 'otel_lock_hold_duration_seconds_count{job="shop",instance="r2",lock_name="report",'
+                           'lock_release_outcome="expired"}', "values": "_x7 1x20"},
+            ],
+            "promql_expr_test": [
+                {"expr": expr, "eval_time": "9m", "exp_samples": [{"labels": "{}", "value": 2}]},
+                # and the alert fires for both at that moment
+                {"expr": f"count({alert})", "eval_time": "9m", "exp_samples": [{"labels": "{}", "value": 2}]},
+            ],
+        }],
+    }
+    path = tmp_path / "stat.test.yml"
+    path.write_text(yaml.safe_dump(case))
+    result = _promtool("test", "rules", str(path))
+    assert result.returncode == 0 and "SUCCESS" in result.stdout + result.stderr, result.stdout + result.stderr
+
+
+@needs_promtool
+def test_the_old_increase_only_stat_would_have_read_zero(tmp_path):
+    """The regression the stat above fixes, shown on the same input: increase() misses series born at 1."""
+    old = 'sum(increase(otel_lock_renewals_total{lock_renewal_outcome="lost"}[10m])) or vector(0)'
+    case = {"rule_files": [], "evaluation_interval": "1m", "tests": [{
+        "interval": "1m",
+        "input_series": [{"series": 'otel_lock_renewals_total{job="shop",instance="r1",lock_name="stock",'
+                                    'lock_renewal_outcome="lost"}', "values": "_x5 1x20"}],
+        "promql_expr_test": [{"expr": old, "eval_time": "9m", "exp_samples": [{"labels": "{}", "value": 0}]}]}]}
+    path = tmp_path / "old.test.yml"
+    path.write_text(yaml.safe_dump(case))
+    result = _promtool("test", "rules", str(path))
+    assert result.returncode == 0, result.stdout + result.stderr

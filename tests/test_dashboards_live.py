@@ -16,6 +16,7 @@ import math
 import shutil
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -27,13 +28,16 @@ from otel_lock import LockManager, LockTimeout, RedisUnavailable
 from otel_lock.cli._load_loop import LoadLoop
 from otel_lock.cli._local_stack import LocalStack
 from otel_lock.cli._redis_server import RedisServer, free_port
+from otel_lock.telemetry._instruments import LockCounts, get_telemetry
 
 pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None,
                                 reason="prometheus binary not on PATH (Debian: apt-get install prometheus)")
 
 STOCK_LOCK = "stock:{path.product_id}"  # the demo's stock lock name, used as $lock_name
-SUBSTITUTIONS = {"$__rate_interval": "10s", "$__range": "5m", "$lock_name": STOCK_LOCK}
+SUBSTITUTIONS = {"$__rate_interval": "10s", "$__range": "5m", "$lock_name": STOCK_LOCK, "$job": ".*",
+                 "$instance": ".*"}
 DEADLINE = 60.0
+_KEEP: list = []  # LockCounts are held weakly by the readers: keep the fault target's alive
 
 
 def _dashboards() -> dict:
@@ -95,6 +99,14 @@ async def _cause_rare_events(redis_url: str, meter_provider) -> None:
         await holder.aclose()
         await other.aclose()
 
+    # Until the core reports them (LockCounts.hold_started / watch_connections,
+    # Telemetry.redis_duration), the hold, lease and Redis panels are fed here
+    # at the instrument level, for a lock name of their own.
+    counts = LockCounts(meter_provider)
+    counts.hold_started(SimpleNamespace(name=STOCK_LOCK, acquired_at=time.monotonic() - 5, lease_seconds=30))
+    counts.watch_connections(lambda: (1, 0), pool_name="faults")
+    _KEEP.append(counts)
+
     dead = RedisServer().start()
     dead.stop()
     unreachable = LockManager.from_url(dead.url, namespace="faults", socket_timeout=0.5,
@@ -105,6 +117,14 @@ async def _cause_rare_events(redis_url: str, meter_provider) -> None:
                 pass
     finally:
         await unreachable.aclose()
+
+
+async def _feed_redis_latency(meter_provider) -> None:
+    """Redis round trips as the core will record them (Telemetry.redis_duration), until cancelled."""
+    instrument = get_telemetry(meter_provider=meter_provider).redis_duration
+    while True:
+        instrument.record(0.0003, {"lock.name": STOCK_LOCK, "lock.operation": "acquire"})
+        await asyncio.sleep(0.2)  # a steady trickle, so rate() sees an increase
 
 
 def _has_data(result: list) -> bool:
@@ -122,6 +142,7 @@ async def test_every_dashboard_query_returns_data(stack, fault_target):
     load_task = asyncio.create_task(load.run())
     try:
         await _cause_rare_events(stack.redis_url, fault_target[0])
+        feeder = asyncio.create_task(_feed_redis_latency(fault_target[0]))
         pending = list(queries)
         deadline = time.monotonic() + DEADLINE
         async with httpx.AsyncClient(base_url=stack.prometheus.url, timeout=5.0) as client:
@@ -139,14 +160,17 @@ async def test_every_dashboard_query_returns_data(stack, fault_target):
     finally:
         load.stop()
         await load_task
+        if "feeder" in locals():
+            feeder.cancel()
     assert not pending, "panels without data:\n" + "\n".join(f"{uid} / {title}: {expr}"
                                                              for uid, title, expr in pending)
     assert sum(count for status, count in load.requests.items() if 200 <= status < 300) > 0
 
 
 async def test_lock_name_variable_lists_the_stock_lock(stack):
-    variable = _dashboards()["otel-lock-lock.json"]["templating"]["list"][0]
-    metric = variable["definition"].removeprefix("label_values(").split(",")[0]
+    variables = {v["name"]: v for v in _dashboards()["otel-lock-lock.json"]["templating"]["list"]}
+    variable = variables["lock_name"]
+    metric = variable["definition"].removeprefix("label_values(").split(",")[0].replace("$job", ".*")
     deadline = time.monotonic() + DEADLINE
     async with httpx.AsyncClient(base_url=stack.prometheus.url, timeout=5.0) as client:
         while True:

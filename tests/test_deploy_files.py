@@ -85,6 +85,9 @@ def test_replicas_push_otlp_to_the_collector():
     for name in ("app1", "app2"):
         endpoint = SERVICES[name]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"]
         assert endpoint == "http://otel-collector:4318"
+        # one metrics reader per replica (the collector serves Prometheus), keys hashed in spans
+        assert SERVICES[name]["environment"]["OTEL_METRICS_EXPORTER"] == "otlp"
+        assert SERVICES[name]["environment"]["OTEL_LOCK_REDACT"] == "hash"
     assert COLLECTOR["receivers"]["otlp"]["protocols"]["http"]["endpoint"].endswith(":4318")
 
 
@@ -206,7 +209,12 @@ def test_dashboard_is_portable(path):
     assert board["id"] is None
     assert re.fullmatch(r"otel-lock-[a-z-]+", board["uid"])
     assert "__inputs" not in board and "${DS_" not in text
-    assert _walk_datasource_uids(board) <= {source["uid"] for source in _datasources()}
+    # The datasource is a variable: the dashboard imports into any Grafana.
+    assert _walk_datasource_uids(board) == {"${datasource}"}
+    variables = {v["name"]: v for v in board["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    for name in ("job", "instance"):
+        assert variables[name]["includeAll"] and variables[name]["allValue"] == ".*"
     exprs = [target["expr"] for panel in board["panels"] for target in panel.get("targets", [])]
     assert exprs
     for expr in exprs:
@@ -214,6 +222,9 @@ def test_dashboard_is_portable(path):
         for window in re.findall(r"\[([^\]]+)\]", unquoted):
             assert window in ("$__rate_interval", "$__range"), f"hard-coded range [{window}] in {expr}"
     assert any("$__rate_interval" in expr for expr in exprs)
+    for expr in exprs:  # every metric selector is narrowed to the chosen services and replicas
+        for selector in re.findall(r"\b(?:otel_lock|http_server)_\w+(\{[^}]*\})?", expr):
+            assert 'job=~"$job"' in selector and 'instance=~"$instance"' in selector, expr
 
 
 def test_dashboard_uids_are_unique():

@@ -59,3 +59,26 @@ def test_stack_runs_and_stops_everything_on_ctrl_c():
         for url in urls:
             with pytest.raises(httpx.TransportError):
                 client.get(url + "/healthz")
+
+
+def test_render_rules_to_writes_rules_with_this_deployments_links(tmp_path, capsys):
+    code = main(["--render-rules-to", str(tmp_path), "--runbook-base", "https://wiki.example.com/otel-lock",
+                 "--grafana-url", "https://grafana.example.com/"])
+    assert code == 0
+    [path] = tmp_path.glob("*.yml")
+    text = path.read_text()
+    assert "https://wiki.example.com/otel-lock#lease-lost" in text
+    assert '"https://grafana.example.com/d/otel-lock-lock/' in text
+    assert "github.com" not in text and "localhost:3000" not in text
+
+
+def test_render_rules_to_refuses_a_relative_base(tmp_path, capsys):
+    assert main(["--render-rules-to", str(tmp_path), "--runbook-base", "docs/observability.md"]) == 1
+    assert "absolute" in capsys.readouterr().out
+
+
+def test_the_stack_runs_its_replicas_with_keys_hashed_in_spans():
+    from otel_lock.cli._local_stack import LocalStack
+
+    assert LocalStack().replica_env["OTEL_LOCK_REDACT"] == "hash"
+    assert LocalStack(replica_env={"OTEL_LOCK_REDACT": "drop"}).replica_env["OTEL_LOCK_REDACT"] == "drop"

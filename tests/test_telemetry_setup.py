@@ -171,7 +171,10 @@ def test_whole_path_in_a_fresh_process():
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
                          timeout=60, check=True).stdout
     assert 'target_info{service_instance_id="replica-a",service_name="shop"' in out
-    assert 'otel_lock_wait_duration_seconds_count{lock_name="stock:{path.product_id}"' in out
+    # The lock's metrics come from the prometheus-client fast path (labels sorted, no otel_scope_*).
+    counts = [line for line in out.splitlines() if line.startswith("otel_lock_wait_duration_seconds_count{")]
+    assert len(counts) == 1 and 'lock_name="stock:{path.product_id}"' in counts[0] and counts[0].endswith(" 1.0")
+    assert 'lock_outcome="acquired"' in counts[0]
     # HTTP duration per route template (never the concrete path); /metrics itself is excluded.
     assert 'http_target="/api/stock/{product_id}/deduct"' in out
     assert "http_server_duration_milliseconds_bucket{" in out

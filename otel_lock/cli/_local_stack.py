@@ -30,6 +30,11 @@ from ._redis_server import RedisServer, free_port, stop_process
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy" / "prometheus"
 REPLICA_JOB = "otel-lock-replicas"
+# The absolute link bases written in deploy/prometheus/rules/*.yml.
+DEFAULT_RUNBOOK_BASE = "https://github.com/otel-lock/otel-lock/blob/main/docs/observability.md"
+DEFAULT_GRAFANA_URL = "http://localhost:3000"
+# The demo replicas keep concrete lock keys and owners out of their spans.
+REPLICA_ENV = {"OTEL_LOCK_REDACT": "hash"}
 
 
 class StackError(RuntimeError):
@@ -57,6 +62,20 @@ def render_prometheus_config(targets: list[str], rule_files: list[str], *, scrap
     return config
 
 
+def render_rules(text: str, *, runbook_base: str | None = None, grafana_url: str | None = None) -> str:
+    """A rules file with its runbook and dashboard links pointed at this deployment.
+
+    `runbook_base` replaces the docs page (keep `#anchor`s working: point it at
+    a copy of docs/observability.md); `grafana_url` the Grafana root.
+    """
+    for default, new in ((DEFAULT_RUNBOOK_BASE, runbook_base), (DEFAULT_GRAFANA_URL, grafana_url)):
+        if new is not None:
+            if not new.startswith(("http://", "https://")):
+                raise StackError(f"link bases must be absolute http(s) URLs, not {new!r}")
+            text = text.replace(f'"{default}', f'"{new.rstrip("/")}')
+    return text
+
+
 def _yaml():
     try:
         import yaml
@@ -70,7 +89,8 @@ class Prometheus:
     """A prometheus process on a loopback port with a rendered config, stopped by pid."""
 
     def __init__(self, targets: list[str], *, port: int | None = None, scrape_interval: str = "5s",
-                 evaluation_interval: str = "15s") -> None:
+                 evaluation_interval: str = "15s", runbook_base: str | None = None,
+                 grafana_url: str | None = None) -> None:
         self.binary = shutil.which("prometheus")
         if self.binary is None:
             raise StackError("prometheus is not on PATH: install it (Debian: apt-get install prometheus; "
@@ -81,6 +101,7 @@ class Prometheus:
         self.targets = targets
         self.scrape_interval = scrape_interval
         self.evaluation_interval = evaluation_interval
+        self.links = {"runbook_base": runbook_base, "grafana_url": grafana_url}
         self.process: subprocess.Popen | None = None
 
     @property
@@ -91,7 +112,9 @@ class Prometheus:
         self._dir = Path(tempfile.mkdtemp(prefix="otel-lock-prometheus-"))
         rules = []
         for rule_file in sorted((DEPLOY / "rules").glob("*.yml")):
-            rules.append(str(shutil.copy(rule_file, self._dir / rule_file.name)))
+            copy = self._dir / rule_file.name
+            copy.write_text(render_rules(rule_file.read_text(), **self.links))
+            rules.append(str(copy))
         config = render_prometheus_config(self.targets, rules, scrape_interval=self.scrape_interval,
                                           evaluation_interval=self.evaluation_interval)
         config_path = self._dir / "prometheus.yml"
@@ -141,7 +164,9 @@ class LocalStack:
 
     def __init__(self, *, redis_url: str | None = None, replicas: int = 2, prometheus_port: int | None = None,
                  namespace: str = "otel-lock", job_interval: float = 5.0, scrape_interval: str = "5s",
-                 evaluation_interval: str = "15s", extra_targets: list[str] | None = None) -> None:
+                 evaluation_interval: str = "15s", extra_targets: list[str] | None = None,
+                 runbook_base: str | None = None, grafana_url: str | None = None,
+                 replica_env: dict[str, str] | None = None) -> None:
         self.redis_url = redis_url
         self.replica_count = replicas
         self.prometheus_port = prometheus_port
@@ -150,6 +175,8 @@ class LocalStack:
         self.scrape_interval = scrape_interval
         self.evaluation_interval = evaluation_interval
         self.extra_targets = extra_targets or []
+        self.links = {"runbook_base": runbook_base, "grafana_url": grafana_url}
+        self.replica_env = {**REPLICA_ENV, **(replica_env or {})}
         self.redis: RedisServer | None = None
         self.replicas = None
         self.prometheus: Prometheus | None = None
@@ -162,10 +189,10 @@ class LocalStack:
                 self.redis = RedisServer().start()
                 self.redis_url = self.redis.url
             self.replicas = Replicas(self.redis_url, count=self.replica_count, namespace=self.namespace,
-                                     job_interval=self.job_interval).start()
+                                     job_interval=self.job_interval, env=self.replica_env).start()
             targets = [url.removeprefix("http://") for url in self.replicas.urls] + self.extra_targets
             self.prometheus = Prometheus(targets, port=self.prometheus_port, scrape_interval=self.scrape_interval,
-                                         evaluation_interval=self.evaluation_interval).start()
+                                         evaluation_interval=self.evaluation_interval, **self.links).start()
         except BaseException:
             self.stop()
             raise
@@ -197,15 +224,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--namespace", default="otel-lock", help="lock key prefix (default: %(default)s)")
     parser.add_argument("--job-interval", type=float, default=5.0, help="background job period in seconds")
     parser.add_argument("--load", action="store_true", help="also run the contended load loop")
+    parser.add_argument("--runbook-base", default=None,
+                        help=f"absolute URL of docs/observability.md for alert links (default: {DEFAULT_RUNBOOK_BASE})")
+    parser.add_argument("--grafana-url", default=None,
+                        help=f"Grafana root for alert dashboard links (default: {DEFAULT_GRAFANA_URL})")
+    parser.add_argument("--render-rules-to", metavar="DIR", default=None,
+                        help="only write the alert rules with these links into DIR (for another Prometheus) and exit")
     args = parser.parse_args(argv)
     if not 1 <= args.replicas <= 16:
         parser.error(f"--replicas must be 1-16, got {args.replicas}")
     if not 0 <= args.prometheus_port < 65536:
         parser.error(f"--prometheus-port must be 0-65535, got {args.prometheus_port}")
 
+    if args.render_rules_to is not None:
+        return _render_rules_to(Path(args.render_rules_to), args.runbook_base, args.grafana_url)
+
     stack = LocalStack(redis_url=args.redis_url, replicas=args.replicas,
                        prometheus_port=args.prometheus_port or None, namespace=args.namespace,
-                       job_interval=args.job_interval)
+                       job_interval=args.job_interval, runbook_base=args.runbook_base,
+                       grafana_url=args.grafana_url)
     try:
         stack.start()
     except (StackError, RuntimeError) as exc:
@@ -222,6 +259,19 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(_run_until_signal(stack.replicas.urls if args.load else None))
     finally:
         stack.stop()
+    return 0
+
+
+def _render_rules_to(directory: Path, runbook_base: str | None, grafana_url: str | None) -> int:
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        for rule_file in sorted((DEPLOY / "rules").glob("*.yml")):
+            text = render_rules(rule_file.read_text(), runbook_base=runbook_base, grafana_url=grafana_url)
+            (directory / rule_file.name).write_text(text)
+            print(directory / rule_file.name)
+    except (StackError, OSError) as exc:
+        print(f"otel-lock stack: {exc}")
+        return 1
     return 0
 
 

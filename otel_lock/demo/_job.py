@@ -2,9 +2,11 @@
 
 A tick is wall-clock time // interval, so all replicas agree on it without
 talking. Each tries `job:tick:<n>` once (`try_lock`, no waiting): the winner
-runs, the others skip. The lock is kept for two more ticks before release,
-so a replica that computed tick n and then stalled (a busy CPU, a GC pause)
-cannot take it after the winner let go.
+runs, the others skip. The lock is kept until two more ticks have passed
+(by the clock, whether or not this replica won them), so a replica that
+computed tick n and then stalled (a busy CPU, a GC pause) cannot take it
+after the winner let go; the lease (three ticks) outlasts that, so every
+hold ends `released`, never `expired`.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ async def run_job(
     `locks=None` (locks disabled) runs on every replica, which is the bug
     this job exists to show.
     """
-    kept: deque = deque()
+    kept: deque = deque()  # (tick, held), oldest first
     last = None
     while True:
         tick = int(time.time() // interval)
@@ -46,6 +48,7 @@ async def run_job(
             await asyncio.sleep(max(0.001, (tick + 1) * interval - time.time()))
             continue
         last, held = tick, None
+        await release_old(kept, tick)  # before this tick's work, which may be slow
         try:
             if locks is not None:
                 # Fixed lease: a tick's lock must expire by itself even if this replica dies.
@@ -60,10 +63,14 @@ async def run_job(
             # A failed tick is logged and the next one still runs.
             log.exception("job tick %d failed", tick)
         if held is not None:
-            kept.append(held)
-        while len(kept) > KEEP_TICKS:
-            await _release(kept.popleft())
+            kept.append((tick, held))
         await asyncio.sleep(max(0.0, (tick + 1) * interval - time.time()))
+
+
+async def release_old(kept: deque, now_tick: int) -> None:
+    """Release the holds of ticks at least KEEP_TICKS old, by tick age (not by later wins)."""
+    while kept and kept[0][0] <= now_tick - KEEP_TICKS:
+        await _release(kept.popleft()[1])
 
 
 async def _release(held) -> None:

@@ -9,10 +9,14 @@ from typing import Any
 
 _SETUP_NAMES = ("TelemetrySetup", "current", "default_instance_id", "metrics_endpoint", "setup", "_reset_for_tests")
 
-__all__ = ["TelemetrySetup", "current", "default_instance_id", "metrics_endpoint", "setup"]
+__all__ = ["TelemetrySetup", "configure_redaction", "current", "default_instance_id", "metrics_endpoint", "setup"]
 
 
 def __getattr__(name: str) -> Any:
+    if name == "configure_redaction":
+        from ._redact import configure_redaction
+
+        return configure_redaction
     if name in _SETUP_NAMES:
         from . import _setup
 

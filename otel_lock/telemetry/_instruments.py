@@ -3,13 +3,18 @@
 Everything goes through the OpenTelemetry API: with no SDK configured the
 calls hit no-op implementations, and hot paths check `span.is_recording()`
 before computing attributes. Tests pass their own providers.
+
+Where metrics go: a `Telemetry` on the global meter provider (the usual
+case) records into whatever `route_default_metrics()` chose. `setup()` routes
+them to the prometheus-client fast path when /metrics is served, to an SDK
+provider with only the OTLP reader when OTLP is on, or to both; without
+`setup()` they go to the global SDK provider like any instrumentation.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
-from collections import Counter
 from contextlib import contextmanager
 from typing import Iterable, Iterator
 
@@ -20,12 +25,60 @@ from opentelemetry.trace import INVALID_SPAN, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from .. import __version__
+from . import _counts
+from ._counts import ALL_COUNTS, LockCounts
+from ._names import HOLD_BUCKETS, OBSERVED, RECORDED, WAIT_BUCKETS
+from ._redact import redact
+
+__all__ = ["HOLD_BUCKETS", "LockCounts", "Telemetry", "WAIT_BUCKETS", "current_traceparent", "get_telemetry",
+           "redact", "route_default_metrics", "routed", "suppressed"]
 
 SCOPE = "otel_lock"
-WAIT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-HOLD_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-
 _propagator = TraceContextTextMapPropagator()
+
+
+class _Tee:
+    """Record into several sinks (fast path and an OTLP-only SDK provider)."""
+
+    __slots__ = ("_sinks",)
+
+    def __init__(self, sinks) -> None:
+        self._sinks = tuple(sinks)
+
+    def record(self, amount, attributes=None, context=None) -> None:
+        for sink in self._sinks:
+            sink.record(amount, attributes, context)
+
+    def add(self, amount, attributes=None, context=None) -> None:
+        for sink in self._sinks:
+            sink.add(amount, attributes, context)
+
+
+class _Route:
+    """Where the global-provider Telemetry records: fast path, an SDK provider, or both."""
+
+    def __init__(self, fast=None, meter_provider=None, global_provider=None) -> None:
+        self.fast = fast
+        self.global_provider = global_provider
+        self.sdk = _sdk_instruments(meter_provider, None, is_route=True) if meter_provider is not None else None
+
+    def instrument(self, attr: str):
+        sinks = [s[attr] if isinstance(s, dict) else s.instruments[attr] for s in (self.sdk, self.fast) if s]
+        return sinks[0] if len(sinks) == 1 else _Tee(sinks)
+
+
+_route: _Route | None = None
+
+
+def routed(meter_provider) -> bool:
+    """Does a manager made with this `meter_provider` record through the route of `setup()`?
+
+    The global provider, named (`meter_provider=installed.meter_provider`) or
+    not (None): otherwise the SDK's Prometheus reader would expose a second
+    copy of the fast path's families on the same /metrics.
+    """
+    route = _route
+    return route is not None and (meter_provider is None or meter_provider is route.global_provider)
 
 
 class Telemetry:
@@ -33,48 +86,17 @@ class Telemetry:
 
     def __init__(self, tracer_provider=None, meter_provider=None) -> None:
         self.tracer = trace.get_tracer(SCOPE, __version__, tracer_provider=tracer_provider)
-        meter = metrics.get_meter(SCOPE, __version__, meter_provider=meter_provider)
-        self.wait_duration = meter.create_histogram(
-            "otel_lock.wait.duration", unit="s",
-            description="Time from asking for a lock to getting it or giving up.",
-            explicit_bucket_boundaries_advisory=WAIT_BUCKETS,
-        )
-        self.hold_duration = meter.create_histogram(
-            "otel_lock.hold.duration", unit="s",
-            description="Time a lock was held, from acquire to release or loss.",
-            explicit_bucket_boundaries_advisory=HOLD_BUCKETS,
-        )
-        self.errors = meter.create_counter(
-            "otel_lock.errors", unit="{error}", description="Failed lock operations by operation and error type.")
-        self.renewals = meter.create_counter(
-            "otel_lock.renewals", unit="{renewal}", description="Lease renewals by outcome (ok, lost, error).")
-        # Held and waiting counts are read from the managers when a reader
-        # collects, so taking a lock pays nothing for them. The set is shared
-        # by every Telemetry and filtered by provider at collection time: a
-        # manager made before the app installed its SDK (instruments through
-        # the API's proxy) and one made after end up on the same meter, where
-        # only the first observable callback is kept.
-        self.gauges = ALL_COUNTS
         self._meter_provider = meter_provider
-        self.active = meter.create_observable_up_down_counter(
-            "otel_lock.active", callbacks=[self._observe("active")], unit="{lock}",
-            description="Locks held by this process right now.")
-        self.pending = meter.create_observable_up_down_counter(
-            "otel_lock.pending", callbacks=[self._observe("pending")], unit="{request}",
-            description="Callers waiting for a lock in this process.")
-        self.idempotency_requests = meter.create_counter(
-            "otel_lock.idempotency.requests", unit="{request}",
-            description="Requests carrying an Idempotency-Key by outcome.")
+        # Held and waiting counts are read from the managers when a reader
+        # collects, so taking a lock pays nothing for them.
+        self.gauges = ALL_COUNTS
+        self._own = _sdk_instruments(meter_provider, self)
+        self._bind()
 
-    def _observe(self, which: str):
-        def observe(options: CallbackOptions) -> Iterable[Observation]:
-            totals: Counter = Counter()
-            mine = _resolve(self._meter_provider)
-            for counts in list(self.gauges):
-                if _resolve(counts.meter_provider) is mine:
-                    totals.update(dict(getattr(counts, which)))  # a copy: the loop thread keeps counting
-            return [Observation(value, {"lock.name": name}) for name, value in totals.items()]
-        return observe
+    def _bind(self) -> None:
+        route = _route if routed(self._meter_provider) else None
+        for spec in RECORDED:
+            setattr(self, spec.attr, route.instrument(spec.attr) if route else self._own[spec.attr])
 
     # -- spans -------------------------------------------------------------
 
@@ -96,15 +118,34 @@ class Telemetry:
             yield span
 
     def start_hold_span(self, name: str, attributes: dict) -> trace.Span:
-        """`lock hold {name}`: from acquired to released, a child of the current span if it records."""
+        """`lock hold {name}`: from acquired to released, a child of the current span, not made current.
+
+        Its own span, so hold time reaches the trace even when the framework
+        ends the request span before the lock is released (ASGI
+        instrumentations end it at the last body message). Non-recording
+        outside a recording span, like the acquire span. The caller ends it,
+        e.g. with `end_hold_span`.
+        """
         if not trace.get_current_span().is_recording():
             return INVALID_SPAN
-        return self.tracer.start_span(f"lock hold {name}", kind=SpanKind.INTERNAL, attributes=attributes,
-                                      record_exception=False, set_status_on_exception=False)
+        return self.tracer.start_span(f"lock hold {name}", kind=SpanKind.INTERNAL,
+                                      attributes=redact(attributes), record_exception=False,
+                                      set_status_on_exception=False)
+
+    @staticmethod
+    def end_hold_span(span: trace.Span, outcome: str) -> None:
+        """Set `lock.release.outcome`; lost, expired and error make the span an Error."""
+        if not span.is_recording():
+            return
+        span.set_attribute("lock.release.outcome", outcome)
+        if outcome in ("lost", "expired", "error"):
+            span.set_status(Status(StatusCode.ERROR, f"lock {outcome}"))
+        span.end()
 
     @staticmethod
     def redact(attributes: dict) -> dict:
-        return attributes
+        """Span attributes with `lock.key` / `lock.owner` hashed or dropped, per `configure_redaction`."""
+        return redact(attributes)
 
     @staticmethod
     def link_holder(span: trace.Span, holder_context: str | None) -> None:
@@ -120,6 +161,79 @@ class Telemetry:
     def set_error(span: trace.Span, description: str) -> None:
         if span.is_recording():
             span.set_status(Status(StatusCode.ERROR, description))
+
+
+def _sdk_instruments(meter_provider, owner: Telemetry | None, is_route: bool = False) -> dict:
+    """The OTel instruments of `_names` on one meter (observed ones read `ALL_COUNTS` at collection)."""
+    meter = metrics.get_meter(SCOPE, __version__, meter_provider=meter_provider)
+    made: dict = {}
+    for spec in RECORDED:
+        if spec.kind == "histogram":
+            made[spec.attr] = meter.create_histogram(spec.name, unit=spec.unit, description=spec.description,
+                                                     explicit_bucket_boundaries_advisory=spec.buckets)
+        else:
+            made[spec.attr] = meter.create_counter(spec.name, unit=spec.unit, description=spec.description)
+    mine = (lambda c: routed(c.meter_provider)) if is_route else _same_provider(owner)
+    for which, spec in OBSERVED.items():
+        create = (meter.create_observable_gauge if spec.kind == "gauge"
+                  else meter.create_observable_up_down_counter)
+        made[which] = create(spec.name, callbacks=[_observe(which, mine)], unit=spec.unit,
+                             description=spec.description)
+    return made
+
+
+def _same_provider(owner: Telemetry | None):
+    ref = weakref.ref(owner) if owner is not None else None
+
+    def mine(counts: LockCounts) -> bool:
+        telemetry = ref() if ref is not None else None
+        # Routed away (fast path / OTLP-only provider): these copies stay silent,
+        # or /metrics would show every family twice.
+        if telemetry is None or routed(telemetry._meter_provider) or routed(counts.meter_provider):
+            return False
+        # A manager made before the app installed its SDK (the API's proxy) and one
+        # made after end up on the same meter, where only the first callback is kept.
+        return _resolve(counts.meter_provider) is _resolve(telemetry._meter_provider)
+    return mine
+
+
+def _observe(which: str, mine):
+    def observe(options: CallbackOptions) -> Iterable[Observation]:
+        counts = [c for c in list(ALL_COUNTS) if mine(c)]
+        if which in ("active", "pending"):
+            return [Observation(v, {"lock.name": n}) for n, v in _counts.totals(counts, which).items()]
+        if which in ("hold_age", "lease"):
+            index = 0 if which == "hold_age" else 1
+            return [Observation(v[index], {"lock.name": n}) for n, v in _counts.oldest(counts).items()]
+        figures = _counts.connections(counts)
+        if which == "connections":
+            return [Observation(used, {"db.client.connection.state": "used", "db.client.connection.pool.name": p})
+                    for p, (used, _) in figures.items()]
+        return [Observation(pending, {"db.client.connection.pool.name": p}) for p, (_, pending) in figures.items()]
+    return observe
+
+
+def _resolve(meter_provider):
+    return meter_provider if meter_provider is not None else metrics.get_meter_provider()
+
+
+def route_default_metrics(registry=None, meter_provider=None, global_provider=None) -> None:
+    """Send the global-provider Telemetry's metrics to prometheus-client `registry` and/or `meter_provider`.
+
+    Called by `setup()`, which names the global provider it installed
+    (`global_provider`: managers given it explicitly are routed too);
+    `route_default_metrics()` with no arguments restores the default (the
+    global SDK provider). Telemetry objects already handed out are rebound in
+    place: managers keep working across the switch.
+    """
+    global _route
+    from ._prom import FastMetrics
+
+    with _cache_lock:
+        fast = FastMetrics(registry) if registry is not None else None
+        _route = _Route(fast, meter_provider, global_provider) if (fast or meter_provider is not None) else None
+        for telemetry in _cache.values():
+            telemetry._bind()
 
 
 def current_traceparent() -> str:
@@ -139,32 +253,10 @@ def suppressed() -> Iterator[None]:
         otel_context.detach(token)
 
 
-ALL_COUNTS: "weakref.WeakSet[LockCounts]" = weakref.WeakSet()
-
-
-def _resolve(meter_provider):
-    return meter_provider if meter_provider is not None else metrics.get_meter_provider()
-
-
-class LockCounts:
-    """One manager's held and waiting callers by lock name, read by the observable counters."""
-
-    def __init__(self, meter_provider=None) -> None:
-        self.meter_provider = meter_provider
-        self.active: Counter = Counter()
-        self.pending: Counter = Counter()
-
-    def hold_started(self, hold) -> None:
-        self.active[hold.name] += 1
-
-    def hold_ended(self, hold) -> None:
-        self.active[hold.name] -= 1
-
-
 # Keyed by the providers themselves (kept alive here), not their id(): a freed
 # provider's id may be reused by a new one.
 _cache: dict[tuple[object, object], Telemetry] = {}
-_cache_lock = threading.Lock()
+_cache_lock = threading.RLock()
 
 
 def get_telemetry(tracer_provider=None, meter_provider=None) -> Telemetry:

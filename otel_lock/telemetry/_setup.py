@@ -3,20 +3,26 @@
 otel-lock records through the OpenTelemetry API only; this module is the
 optional wiring that turns those calls into data: a Resource that tells the
 replicas apart, OTLP push (traces and metrics, HTTP/protobuf, configured by
-the standard ``OTEL_*`` variables) and Prometheus pull at ``/metrics``
-(prometheus-client, fed by the OpenTelemetry Prometheus reader), so the same
-metric names reach Prometheus by either path.
+the standard ``OTEL_*`` variables) and Prometheus pull at ``/metrics``, with
+the same metric names by either path.
+
+One reader per destination, never two for one job: with /metrics on, the
+lock's own metrics are recorded straight into prometheus-client children
+bound per label set (`_prom`), and the SDK's Prometheus reader only carries
+the HTTP instrumentation's metrics. With OTLP on, the lock's metrics go to an
+SDK provider whose only reader is the OTLP exporter. A deployment that
+pushes OTLP to a collector which serves Prometheus (docker-compose.yml) sets
+``OTEL_METRICS_EXPORTER=otlp`` and records each measurement once.
 
 Apps that installed their own SDK keep it: `setup()` logs a warning and
-returns their providers unchanged. Calling `setup()` twice returns the first
-result, so every worker or import path may call it.
+returns their providers unchanged (the lock then records through that SDK).
+Calling `setup()` twice returns the first result, so every worker or import
+path may call it.
 
-Exemplars: the Prometheus reader of opentelemetry-exporter-prometheus does
-not attach exemplars to the samples it hands to prometheus-client, so
-``/metrics`` carries none. Exemplars (trace ids on histogram buckets) travel
-by OTLP: the SDK samples them in the request context, the collector's
-``prometheus`` exporter exposes them as OpenMetrics, and a Prometheus started
-with ``--enable-feature=exemplar-storage`` keeps them (deploy/ does this).
+Exemplars travel by OTLP only: the SDK samples them in the request context,
+the collector's ``prometheus`` exporter exposes them as OpenMetrics, and a
+Prometheus started with ``--enable-feature=exemplar-storage`` keeps them
+(deploy/ does this). ``/metrics`` carries none.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
 from .. import __version__
+from ._instruments import route_default_metrics
+from ._redact import MODES, configure_redaction
 
 __all__ = ["TelemetrySetup", "setup", "metrics_endpoint", "default_instance_id"]
 
@@ -59,29 +67,18 @@ class TelemetrySetup:
     resource: Any = None
     installed: bool = True
     otlp: bool = False
+    lock_meter_provider: Any = None   # OTLP-only provider of the lock's metrics when /metrics is on too
 
     def instrument_app(self, app, excluded_urls: str = DEFAULT_EXCLUDED_URLS):
-        """Wrap an ASGI app with the OpenTelemetry ASGI middleware (HTTP server spans
-        and duration per route), using these providers.
+        """Wrap an ASGI app with HTTP server spans and duration per route, using these providers.
 
         Wrap the *outermost* app, e.g. ``app = telemetry.instrument_app(app)`` after
-        every ``add_middleware``: the route template is read from the scope after
-        Starlette's router filled it in.
-
-        Per route means the default (pre-stable) HTTP conventions: in
-        opentelemetry-instrumentation-asgi 0.66b2 only `http.server.duration`
-        (ms, Prometheus `http_server_duration_milliseconds`) carries the route
-        template, as `http.target`; the stable `http.server.request.duration` has
-        no `http.route` for plain ASGI apps. The dashboards query the former.
+        every ``add_middleware``. See `_http` for the choice of instrumentation,
+        route-named spans and what happens to raw URLs.
         """
-        from opentelemetry.instrumentation.asgi import OpenTelemetryMiddleware
+        from ._http import instrument
 
-        # No span per ASGI receive/send message: they double the middleware's
-        # cost (measured in docs/benchmarks.md) and say nothing about locks.
-        return OpenTelemetryMiddleware(
-            app, excluded_urls=excluded_urls, exclude_spans=["receive", "send"],
-            tracer_provider=self.tracer_provider, meter_provider=self.meter_provider,
-        )
+        return instrument(app, excluded_urls, self.tracer_provider, self.meter_provider)
 
 
 _lock = threading.Lock()
@@ -98,15 +95,21 @@ def setup(
     service_name: str = DEFAULT_SERVICE_NAME,
     service_instance_id: str | None = None,
     *,
-    prometheus: bool = True,
+    prometheus: bool | None = None,
     otlp: bool | None = None,
     resource_attributes: Mapping[str, Any] | None = None,
+    redact: str | None = None,
 ) -> TelemetrySetup:
     """Install tracer and meter providers globally, once per process.
 
-    ``otlp=None`` enables OTLP when an ``OTEL_EXPORTER_OTLP_*ENDPOINT`` variable
-    is set; ``True`` forces it (default endpoint http://localhost:4318). With
-    ``prometheus=True`` the metrics are served by `metrics_endpoint`.
+    ``otlp=None`` enables OTLP (traces and metrics) when an
+    ``OTEL_EXPORTER_OTLP_*ENDPOINT`` variable is set; ``True`` forces it (default
+    endpoint http://localhost:4318). ``prometheus=None`` serves metrics at
+    `metrics_endpoint` unless ``OTEL_METRICS_EXPORTER`` says otherwise: that
+    standard variable (``otlp``, ``prometheus``, ``none``, comma-separated)
+    picks the metric destinations when set, so a replica behind a collector
+    runs one reader. ``redact`` (``off``, ``hash``, ``drop``; None: read
+    ``OTEL_LOCK_REDACT``) keeps lock keys and owners out of spans.
     ``OTEL_SERVICE_NAME`` wins over the default service name, never over an
     explicit one.
     """
@@ -117,9 +120,13 @@ def setup(
         raise ValueError(f"service_instance_id must be a non-empty string or None, not {service_instance_id!r}")
     if resource_attributes is not None and not isinstance(resource_attributes, Mapping):
         raise ValueError(f"resource_attributes must be a mapping, not {type(resource_attributes).__name__}")
+    if redact is not None and (not isinstance(redact, str) or redact not in MODES):
+        raise ValueError(f"redact must be one of {', '.join(MODES)}, not {redact!r}")
+    exporters = _metrics_exporters()
     with _lock:
         if _current is not None:
             return _current
+        configure_redaction(redact)
         existing = _existing_sdk()
         if existing is not None:
             log.warning(
@@ -128,8 +135,26 @@ def setup(
             _current = TelemetrySetup(
                 trace.get_tracer_provider(), metrics.get_meter_provider(), None, installed=False)
             return _current
-        _current = _install(service_name, service_instance_id, prometheus, otlp, resource_attributes)
+        if otlp is None:
+            otlp = any(os.environ.get(name) for name in _OTLP_ENDPOINT_VARS)
+        if prometheus is None:
+            prometheus = exporters is None or "prometheus" in exporters
+        otlp_metrics = bool(otlp) and (exporters is None or "otlp" in exporters)
+        _current = _install(service_name, service_instance_id, prometheus, bool(otlp), otlp_metrics,
+                            resource_attributes)
         return _current
+
+
+def _metrics_exporters() -> set[str] | None:
+    value = os.environ.get("OTEL_METRICS_EXPORTER")
+    if value is None or not value.strip():
+        return None
+    names = {part.strip().lower() for part in value.split(",") if part.strip()}
+    unknown = names - {"otlp", "prometheus", "none"}
+    if unknown:
+        raise ValueError(f"OTEL_METRICS_EXPORTER={value!r}: otel-lock knows otlp, prometheus and none, "
+                         f"not {', '.join(sorted(unknown))}")
+    return names - {"none"}
 
 
 def current() -> TelemetrySetup | None:
@@ -167,43 +192,54 @@ def _is_api_default(provider) -> bool:
         "ProxyTracerProvider", "NoOpTracerProvider", "_ProxyMeterProvider", "NoOpMeterProvider"}
 
 
-def _install(service_name, service_instance_id, prometheus, otlp, resource_attributes) -> TelemetrySetup:
+def _install(service_name, service_instance_id, prometheus, otlp, otlp_metrics,
+             resource_attributes) -> TelemetrySetup:
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.trace import TracerProvider
 
     resource = _resource(service_name, service_instance_id, resource_attributes)
-    if otlp is None:
-        otlp = any(os.environ.get(name) for name in _OTLP_ENDPOINT_VARS)
-
     readers = []
     registry = None
     if prometheus:
         from opentelemetry.exporter.prometheus import PrometheusMetricReader
 
         # A registry of our own: a second app or test in the process cannot collide
-        # with prometheus-client's global one.
+        # with prometheus-client's global one. The SDK reader here only carries
+        # the HTTP instrumentation's metrics; the lock's go to the fast path.
         registry = CollectorRegistry(auto_describe=True)
         readers.append(PrometheusMetricReader(registry=registry))
+    if otlp_metrics:
+        readers.append(_otlp_reader())
     # Without an exporter spans would be built and dropped: keep the API's no-op
     # tracer (incoming traceparent headers still propagate) and pay nothing.
     tracer_provider = None
     if otlp:
-        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-        # Exporters and the reader read OTEL_EXPORTER_OTLP_* and
-        # OTEL_METRIC_EXPORT_INTERVAL themselves.
-        readers.append(PeriodicExportingMetricReader(OTLPMetricExporter()))
         tracer_provider = TracerProvider(resource=resource)
         tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
         trace.set_tracer_provider(tracer_provider)
     meter_provider = MeterProvider(resource=resource, metric_readers=readers)
     metrics.set_meter_provider(meter_provider)
+    # The lock's metrics: one reader each. With both destinations the OTLP copy
+    # comes from a provider of its own, so the Prometheus reader never sees it.
+    lock_provider = None
+    if prometheus and otlp_metrics:
+        lock_provider = MeterProvider(resource=resource, metric_readers=[_otlp_reader()])
+    if prometheus:
+        route_default_metrics(registry, lock_provider, meter_provider)
     return TelemetrySetup(
         tracer_provider or trace.get_tracer_provider(), meter_provider, registry, resource,
-        installed=True, otlp=bool(otlp))
+        installed=True, otlp=bool(otlp), lock_meter_provider=lock_provider)
+
+
+def _otlp_reader():
+    from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+    from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+
+    # The exporter and the reader read OTEL_EXPORTER_OTLP_* and OTEL_METRIC_EXPORT_INTERVAL.
+    return PeriodicExportingMetricReader(OTLPMetricExporter())
 
 
 def _resource(service_name, service_instance_id, resource_attributes):
@@ -234,12 +270,16 @@ def _reset_for_tests() -> None:
     with _lock:
         if _current is not None and _current.installed:
             _current.meter_provider.shutdown()
+            if _current.lock_meter_provider is not None:
+                _current.lock_meter_provider.shutdown()
             if _current.otlp:
                 _current.tracer_provider.shutdown()
             # Kept alive: otel_lock.telemetry._instruments caches instruments by id(provider), and a
             # freed provider's id could be reused by the next test's provider.
             _retired.append(_current)
         _current = None
+        route_default_metrics()
+        configure_redaction()
     trace._TRACER_PROVIDER_SET_ONCE = Once()
     trace._TRACER_PROVIDER = None
     metrics._internal._METER_PROVIDER_SET_ONCE = Once()

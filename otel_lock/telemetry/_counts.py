@@ -1,0 +1,115 @@
+"""What each lock manager holds, waits for and keeps open, read only when a reader collects.
+
+The core updates plain counters and dicts on its event loop; readers (the
+SDK's periodic exporter thread, a /metrics scrape) sum them at collection
+time. Taking a lock therefore pays a dict update, never a metric record.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections import Counter
+from typing import Callable, Iterable, Iterator
+
+# Every manager's counts, whatever its meter provider; readers filter.
+ALL_COUNTS: "weakref.WeakSet[LockCounts]" = weakref.WeakSet()
+
+
+class LockCounts:
+    """One manager's held and waiting callers, current holds and Redis connections.
+
+    `active` / `pending`: Counters by lock name, updated by the core.
+    `hold_started(hold)` / `hold_ended(hold)`: `hold` has `.name`,
+    `.acquired_at` (event-loop time, i.e. `time.monotonic()` seconds) and
+    `.lease_seconds`; they feed `otel_lock.hold.age` and `otel_lock.lease`.
+    `connections(used, pending)` or `watch_connections(fn)`: the Redis gauges.
+    """
+
+    def __init__(self, meter_provider=None) -> None:
+        self.meter_provider = meter_provider
+        self.active: Counter = Counter()
+        self.pending: Counter = Counter()
+        self._holds: dict[str, dict[int, object]] = {}
+        self._connections: tuple[int, int] | None = None
+        self._connection_source: Callable[[], tuple[int, int]] | None = None
+        self.pool_name = "otel-lock"
+        ALL_COUNTS.add(self)
+
+    # -- holds ---------------------------------------------------------------
+
+    def hold_started(self, hold) -> None:
+        self._holds.setdefault(hold.name, {})[id(hold)] = hold
+
+    def hold_ended(self, hold) -> None:
+        holds = self._holds.get(hold.name)
+        if holds is not None and holds.pop(id(hold), None) is not None and not holds:
+            del self._holds[hold.name]
+
+    def oldest_holds(self) -> Iterator[tuple[str, float, float]]:
+        """(lock name, age of its oldest hold, that hold's lease), ages against time.monotonic()."""
+        now = time.monotonic()
+        for name, holds in list(self._holds.items()):
+            try:
+                oldest = min(list(holds.values()), key=_acquired_at)
+            except ValueError:  # emptied by the loop thread meanwhile
+                continue
+            yield name, max(0.0, now - oldest.acquired_at), float(oldest.lease_seconds)
+
+    # -- Redis connections ---------------------------------------------------
+
+    def connections(self, used: int, pending: int) -> None:
+        """Push the connection figures: open connections in use, commands awaiting a reply."""
+        self._connections = (int(used), int(pending))
+
+    def watch_connections(self, source: Callable[[], tuple[int, int]], pool_name: str | None = None) -> None:
+        """Pull instead: `source()` returns (used, pending) when a reader collects.
+
+        It runs on the reader's thread (the OTLP exporter's, or the /metrics
+        request's), so it must only read a few attributes: no I/O, no locks.
+        """
+        self._connection_source = source
+        if pool_name:
+            self.pool_name = pool_name
+
+    def connection_figures(self) -> tuple[int, int] | None:
+        if self._connection_source is not None:
+            try:
+                used, pending = self._connection_source()
+                return int(used), int(pending)
+            except Exception:  # a collection must never fail because of one manager
+                return None
+        return self._connections
+
+
+def _acquired_at(hold) -> float:
+    return hold.acquired_at
+
+
+def totals(counts: Iterable[LockCounts], which: str) -> dict[str, int]:
+    """Sum `active` or `pending` over managers, by lock name (zeros kept: a series going to 0 is news)."""
+    total: Counter = Counter()
+    for one in counts:
+        total.update(dict(getattr(one, which)))  # a copy: the loop thread keeps counting
+    return dict(total)
+
+
+def oldest(counts: Iterable[LockCounts]) -> dict[str, tuple[float, float]]:
+    """Per lock name over managers: (age of the oldest hold, its lease)."""
+    best: dict[str, tuple[float, float]] = {}
+    for one in counts:
+        for name, age, lease in one.oldest_holds():
+            if name not in best or age > best[name][0]:
+                best[name] = (age, lease)
+    return best
+
+
+def connections(counts: Iterable[LockCounts]) -> dict[str, tuple[int, int]]:
+    """Per pool name: (connections in use, pending requests)."""
+    out: dict[str, tuple[int, int]] = {}
+    for one in counts:
+        figures = one.connection_figures()
+        if figures is not None:
+            used, pending = out.get(one.pool_name, (0, 0))
+            out[one.pool_name] = (used + figures[0], pending + figures[1])
+    return out

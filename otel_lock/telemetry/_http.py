@@ -1,0 +1,100 @@
+"""HTTP server spans named by route, with raw URLs kept out under the redaction switch.
+
+Which instrumentation: opentelemetry-instrumentation-asgi (contrib), not
+Starlette 1.10's experimental `starlette.middleware.opentelemetry`.
+
+- Starlette's names spans by route (`scope["route"]`) and uses the stable
+  HTTP conventions, but records no metrics at all (its meter_provider
+  argument is unused in 1.10), is marked experimental (telemetry may change
+  in a minor release), and always records the raw `url.path` and
+  `url.query`.
+- Contrib records `http.server.duration` per route template (the dashboards'
+  request panels and the endpoint benchmark use it), `http.server.active_requests`,
+  honours `excluded_urls` and header-capture settings, and is what most apps
+  already run. Its weakness is the span: named `{method} {raw path}` at
+  start, with the raw path and query in `http.target` / `http.url`.
+
+So contrib stays, and `_RouteSpan` (inside it, where its server span is
+current) fixes the span once the router has matched: name `{method} {route}`
+(or just `{method}` when nothing matched, so scanners cannot mint names),
+`http.route` set; and when `OTEL_LOCK_REDACT` is on, `http.target` and
+`http.url` are overwritten with the route template (query dropped; empty
+when unmatched). Span processors' `on_start` still see the raw values;
+exporters see the final ones.
+"""
+
+from __future__ import annotations
+
+from opentelemetry import trace
+
+from ._redact import redaction_mode
+
+_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH"})
+
+
+def instrument(app, excluded_urls: str, tracer_provider, meter_provider):
+    from opentelemetry.instrumentation.asgi import OpenTelemetryMiddleware
+
+    # No span per ASGI receive/send message: they double the middleware's
+    # cost (measured in docs/benchmarks.md) and say nothing about locks.
+    return OpenTelemetryMiddleware(
+        _RouteSpan(app), excluded_urls=excluded_urls, exclude_spans=["receive", "send"],
+        tracer_provider=tracer_provider, meter_provider=meter_provider,
+    )
+
+
+def route_template(scope) -> str | None:
+    """The matched route's template with the mount prefix, as Starlette and the contrib metrics see it."""
+    path_format = getattr(scope.get("route"), "path_format", None)
+    if not isinstance(path_format, str):
+        return None
+    return scope.get("root_path", "").rstrip("/") + path_format or "/"
+
+
+class _RouteSpan:
+    """Renames the current server span by route when the response starts (or the app fails)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        span = trace.get_current_span()
+        if scope["type"] != "http" or not span.is_recording():
+            await self.app(scope, receive, send)
+            return
+        named = False
+
+        async def send_named(message) -> None:
+            nonlocal named
+            if not named and message["type"] == "http.response.start":
+                named = True
+                _name(span, scope)
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_named)
+        finally:
+            if not named:
+                _name(span, scope)
+
+
+def _name(span, scope) -> None:
+    method = str(scope.get("method", "")).upper()
+    method = method if method in _METHODS else "HTTP"
+    route = route_template(scope)
+    span.update_name(f"{method} {route}" if route else method)
+    if route:
+        span.set_attribute("http.route", route)
+    if redaction_mode() != "off":
+        span.set_attribute("http.target", route or "")
+        span.set_attribute("http.url", _url_without_path(scope) + (route or ""))
+
+
+def _url_without_path(scope) -> str:
+    scheme = scope.get("scheme", "http")
+    server = scope.get("server")
+    if not server:
+        return ""
+    host, port = server[0], server[1]
+    default = (scheme == "http" and port == 80) or (scheme == "https" and port == 443)
+    return f"{scheme}://{host}" + ("" if default or port is None else f":{port}")

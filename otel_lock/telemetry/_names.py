@@ -1,0 +1,97 @@
+"""Every instrument otel-lock records, in one table: OTel name, unit, labels, buckets.
+
+Both recording paths read it: the OpenTelemetry SDK instruments
+(`_instruments.Telemetry`) and the prometheus-client fast path (`_prom`), so
+the two cannot drift apart. `prom` is the default OTel -> Prometheus
+translation of the name (dots to underscores, unit suffix), which is what
+the SDK's Prometheus reader and the collector's `prometheus` exporter
+produce, and what the alert rules and dashboards query.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Boundaries fall on the alert thresholds (wait p95 0.5 s), so
+# histogram_quantile() is exact at the line that pages instead of
+# interpolated across a wide bucket. Hold time against the lease is alerted
+# on the hold-age gauge, not on this histogram.
+WAIT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+HOLD_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+# Redis round trips of the lock scripts: sub-millisecond on a LAN, 1 s = the
+# edge of the default socket timeout (2 s).
+REDIS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+@dataclass(frozen=True)
+class Spec:
+    attr: str                      # attribute of Telemetry the core calls
+    name: str                      # OpenTelemetry instrument name
+    kind: str                      # histogram | counter
+    unit: str
+    prom: str                      # Prometheus family name (without _total/_bucket suffixes)
+    labels: tuple[str, ...]        # OTel attribute names, in Prometheus label order
+    description: str
+    buckets: tuple[float, ...] = ()
+
+
+RECORDED = (
+    Spec("wait_duration", "otel_lock.wait.duration", "histogram", "s", "otel_lock_wait_duration_seconds",
+         ("lock.name", "lock.outcome", "lock.contended", "error.type"),
+         "Time from asking for a lock to getting it or giving up.", WAIT_BUCKETS),
+    Spec("hold_duration", "otel_lock.hold.duration", "histogram", "s", "otel_lock_hold_duration_seconds",
+         ("lock.name", "lock.release.outcome"),
+         "Time a lock was held, from acquire to release or loss.", HOLD_BUCKETS),
+    Spec("errors", "otel_lock.errors", "counter", "{error}", "otel_lock_errors",
+         ("lock.name", "lock.operation", "error.type"),
+         "Failed lock operations by operation and error type."),
+    Spec("renewals", "otel_lock.renewals", "counter", "{renewal}", "otel_lock_renewals",
+         ("lock.name", "lock.renewal.outcome"),
+         "Lease renewals by outcome (ok, lost, error)."),
+    Spec("idempotency_requests", "otel_lock.idempotency.requests", "counter", "{request}",
+         "otel_lock_idempotency_requests", ("http.route", "idempotency.outcome"),
+         "Requests carrying an Idempotency-Key by outcome."),
+    Spec("redis_duration", "otel_lock.redis.operation.duration", "histogram", "s",
+         "otel_lock_redis_operation_duration_seconds", ("lock.name", "lock.operation", "error.type"),
+         "Redis round trip of one lock script (acquire, release, renew, leave), "
+         "modelled on db.client.operation.duration.", REDIS_BUCKETS),
+)
+
+
+@dataclass(frozen=True)
+class GaugeSpec:
+    name: str
+    kind: str                      # updowncounter | gauge
+    unit: str
+    prom: str
+    description: str
+
+
+OBSERVED = {
+    "active": GaugeSpec("otel_lock.active", "updowncounter", "{lock}", "otel_lock_active",
+                        "Locks held by this process right now (expired holds not counted)."),
+    "pending": GaugeSpec("otel_lock.pending", "updowncounter", "{request}", "otel_lock_pending",
+                         "Callers waiting for a lock in this process."),
+    "hold_age": GaugeSpec("otel_lock.hold.age", "gauge", "s", "otel_lock_hold_age_seconds",
+                          "Age of the oldest hold of each lock name in this process."),
+    "lease": GaugeSpec("otel_lock.lease", "gauge", "s", "otel_lock_lease_seconds",
+                       "Lease of that oldest hold (the time it may go unrenewed)."),
+    "connections": GaugeSpec("otel_lock.redis.connection.count", "updowncounter", "{connection}",
+                             "otel_lock_redis_connection_count",
+                             "Redis connections open for the lock managers (state=used), "
+                             "as db.client.connection.count."),
+    "connection_pending": GaugeSpec("otel_lock.redis.connection.pending_requests", "updowncounter",
+                                    "{request}", "otel_lock_redis_connection_pending_requests",
+                                    "Lock commands sent or queued and not yet answered, "
+                                    "as db.client.connection.pending_requests."),
+}
+
+
+def prom_label(attribute: str) -> str:
+    return attribute.replace(".", "_")
+
+
+def prom_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return "" if value is None else str(value)

@@ -1,9 +1,7 @@
 """Issue 9 end to end through the lock core: the hooks of otel_lock.telemetry as the core will call them.
 
-The hooks themselves are tested in test_telemetry_hooks.py. These tests need
-the core to call them (the lead's half of issue 9) and are strict xfails until
-it does: when one starts passing, pytest reports XPASS(strict) as a failure,
-the signal to delete its marker.
+The hooks themselves are tested in test_telemetry_hooks.py; these prove the
+core calls them.
 """
 
 from __future__ import annotations
@@ -21,7 +19,6 @@ from opentelemetry.trace import StatusCode
 from otel_lock import LockManager, telemetry
 from otel_lock.telemetry import _redact
 
-needs_core = pytest.mark.xfail(strict=True, reason="issue 9: waits for the core to call the telemetry hook")
 
 
 class Otel:
@@ -60,7 +57,6 @@ async def locks(redis_url, otel):
         await manager.aclose()
 
 
-@needs_core
 async def test_a_try_lock_miss_is_busy_not_a_timeout(locks, otel):
     first, second = locks
     with otel.tracer.start_as_current_span("job tick"):
@@ -72,7 +68,6 @@ async def test_a_try_lock_miss_is_busy_not_a_timeout(locks, otel):
     assert miss_span.status.status_code == StatusCode.UNSET
 
 
-@needs_core
 async def test_each_hold_has_its_span_from_acquired_to_released(locks, otel):
     with otel.tracer.start_as_current_span("POST /api/stock/{product_id}/deduct") as request:
         async with locks[0].lock("stock:7", name="stock:{path.product_id}"):
@@ -83,7 +78,6 @@ async def test_each_hold_has_its_span_from_acquired_to_released(locks, otel):
     assert hold.attributes["lock.release.outcome"] == "released"
 
 
-@needs_core
 async def test_hash_mode_hashes_keys_and_owners_on_every_lock_span(locks, otel):
     telemetry.configure_redaction("hash")
     with otel.tracer.start_as_current_span("request"):
@@ -97,7 +91,6 @@ async def test_hash_mode_hashes_keys_and_owners_on_every_lock_span(locks, otel):
         assert span.attributes["lock.key"].startswith("h:")
 
 
-@needs_core
 async def test_current_holds_feed_hold_age_and_lease(locks, otel):
     async with locks[0].lock("report:1", name="report", lease=5.0):
         ages = {a["lock.name"]: p.value for a, p in otel.points("otel_lock.hold.age")}
@@ -106,7 +99,6 @@ async def test_current_holds_feed_hold_age_and_lease(locks, otel):
     assert "report" not in {a["lock.name"] for a, _ in otel.points("otel_lock.hold.age")}
 
 
-@needs_core
 async def test_an_expired_hold_is_not_active(locks, otel, redis_client):
     held = await locks[0].acquire("short:1", name="short", lease=0.2)
     try:
@@ -121,7 +113,6 @@ async def test_an_expired_hold_is_not_active(locks, otel, redis_client):
         assert await held.release() is False
 
 
-@needs_core
 async def test_redis_round_trips_are_timed_per_operation(locks, otel):
     async with locks[0].lock("k", name="k"):
         pass
@@ -129,7 +120,6 @@ async def test_redis_round_trips_are_timed_per_operation(locks, otel):
     assert {"acquire", "release"} <= operations
 
 
-@needs_core
 async def test_connections_in_use_are_reported(locks, otel):
     async with locks[0].lock("k", name="k"):
         used = [p.value for a, p in otel.points("otel_lock.redis.connection.count")

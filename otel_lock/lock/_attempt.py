@@ -83,7 +83,9 @@ class Attempt:
     async def try_once(self) -> Reply | None:
         """One ACQUIRE without queueing: the Reply, or None when the lock is busy."""
         try:
-            return await self._ask(queue=False)
+            reply = await self._ask(queue=False)
+            self.contended = reply is None
+            return reply
         except RedisUnavailable:
             if self.private:
                 self.manager._background_task(self._release_when_back())
@@ -217,7 +219,7 @@ class Attempt:
 
     def _leave(self) -> Coroutine[Any, Any, Any]:
         return self.manager._call(_scripts.leave, self.keys, [self.waiter_id, self.manager.fence_ttl_ms],
-                                  "release", self.name)
+                                  "leave", self.name)
 
     async def _give_up(self) -> None:
         """Leave the queue (passing on a hand-over not claimed yet); undo a maybe-taken lock."""

@@ -132,6 +132,12 @@ class Connection:
                    timeout=timeout, connect_timeout=kw.get("socket_connect_timeout") or timeout, **extra)
 
     @property
+    def in_flight(self) -> int:
+        """Commands sent and not answered yet."""
+        protocol = self._protocol
+        return 0 if protocol is None else len(protocol.pending)
+
+    @property
     def connected(self) -> bool:
         return self._protocol is not None and not self._protocol.closed
 

@@ -15,6 +15,7 @@ import asyncio
 import itertools
 import logging
 import math
+import time
 import uuid
 from contextvars import ContextVar
 from functools import partial
@@ -25,7 +26,6 @@ from urllib.parse import urlsplit
 import redis.asyncio as aioredis
 from opentelemetry import trace
 from opentelemetry.metrics import MeterProvider
-from opentelemetry.trace import Status, StatusCode
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -96,6 +96,7 @@ class LockManager:
         self.telemetry: Telemetry = get_telemetry(tracer_provider, meter_provider)
         self._counts = LockCounts(meter_provider)
         self.telemetry.gauges.add(self._counts)
+        self._counts.watch_connections(self._connection_figures, pool_name=namespace)
         self.id: str = uuid.uuid4().hex[:12]
         self._ids = itertools.count(1)
         # The hot path (scripts, renewals, the subscriber) uses a lean pipelined
@@ -307,6 +308,7 @@ class LockManager:
             "lock.name": name, "lock.key": keys[0], "lock.owner": lease_obj.owner, "lock.token": reply.token,
             "lock.lease": lease}))
         self._counts.hold_started(lease_obj)
+        self._counts.active[name] += 1
         self._watchdog.add(lease_obj)
         _HELD.set(MappingProxyType({**_HELD.get(), (self.id, key): lease_obj}))
         return HeldLock(lease_obj, reply.depth, outer=True)
@@ -368,7 +370,7 @@ class LockManager:
     def _pass_on(self, waiter_id: str, redis_key: str) -> None:
         """A hand-over to a waiter this manager no longer has: pass it on now, not after its lease."""
         keys = _lock_keys(redis_key)
-        self._background_task(self._call(_scripts.leave, keys, [waiter_id, self.fence_ttl_ms], "release",
+        self._background_task(self._call(_scripts.leave, keys, [waiter_id, self.fence_ttl_ms], "leave",
                                          default_name(redis_key.partition("{")[2])))
 
     def _background_task(self, coro: Coroutine[Any, Any, Any]) -> None:
@@ -450,17 +452,14 @@ class LockManager:
         self.telemetry.hold_duration.record(loop.time() - lease.acquired_at,
                                             {"lock.name": lease.name, "lock.release.outcome": outcome})
         self._uncount(lease)
-        span = lease.span
-        if span.is_recording():
-            span.set_attribute("lock.release.outcome", outcome)
-            if outcome in ("lost", "error"):
-                span.set_status(Status(StatusCode.ERROR, f"lock {outcome}"))
-            span.end()
+        self._counts.hold_ended(lease)  # a lost hold stays in the age gauge until its holder lets go
+        self.telemetry.end_hold_span(lease.span, outcome)
 
     def _uncount(self, lease: Lease) -> None:
+        """`otel_lock.active` counts what is held: a lost or expired lease leaves it at once."""
         if lease.counted:
             lease.counted = False
-            self._counts.hold_ended(lease)
+            self._counts.active[lease.name] -= 1
 
     def _lose(self, lease: Lease, reason: str, count: bool = True) -> None:
         """The lease is gone: tell the holder, and cancel it if it asked for that."""
@@ -493,15 +492,31 @@ class LockManager:
 
     # -- Redis -----------------------------------------------------------------
 
+    def _connection_figures(self) -> tuple[int, int]:
+        """(connections in use, replies awaited): read by a metrics reader, on its own thread."""
+        used = len(getattr(self.redis.connection_pool, "_in_use_connections", ()))
+        pending = 0
+        if self._direct is not None and self._direct.connected:
+            used += 1
+            pending = self._direct.in_flight
+        return used, pending
+
     async def _call(self, script: _scripts.Script, keys: tuple[str, ...], args: list[Any], operation: str,
                     name: str) -> Any:
+        began = time.perf_counter()
         try:
             if self._direct is not None:  # no Redis instrumentation sees the lean connection
-                return await script(self._direct, keys, args)
-            with suppressed():
-                return await script(self.redis, keys, args)
+                answer = await script(self._direct, keys, args)
+            else:
+                with suppressed():
+                    answer = await script(self.redis, keys, args)
+            self.telemetry.redis_duration.record(time.perf_counter() - began,
+                                                 {"lock.name": name, "lock.operation": operation})
+            return answer
         except (RedisError, OSError) as exc:
             error_type = _error_type(exc)
+            self.telemetry.redis_duration.record(time.perf_counter() - began, {
+                "lock.name": name, "lock.operation": operation, "error.type": error_type})
             self.telemetry.errors.add(1, {"lock.name": name, "lock.operation": operation, "error.type": error_type})
             if error_type == "redis_unavailable":
                 raise RedisUnavailable(f"Redis is unavailable ({operation} {keys[0]}): {exc}", key=keys[0]) from exc

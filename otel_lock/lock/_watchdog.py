@@ -12,12 +12,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 from redis.exceptions import NoScriptError, RedisError
 
 from . import _scripts
-from ..telemetry._instruments import suppressed
+from ..telemetry._instruments import Telemetry, suppressed
+from ._errors import is_unavailable
 from ._held import NEVER, Lease
 
 if TYPE_CHECKING:
@@ -35,6 +37,7 @@ class Renewer(Protocol):
     """The manager, as its watchdog sees it (abstract, so this module imports no manager)."""
 
     redis: aioredis.Redis
+    telemetry: Telemetry
     _direct: Connection | None
     _client: _scripts.ScriptClient
 
@@ -85,10 +88,13 @@ class Watchdog:
         loop = asyncio.get_running_loop()
         sent_at = loop.time()
         chunks = [leases[i:i + BATCH] for i in range(0, len(leases), BATCH)]
+        began = time.perf_counter()
         try:
             with suppressed():
                 results = await self._send(chunks)
+            self._record(leases, time.perf_counter() - began, None)
         except (RedisError, OSError) as exc:
+            self._record(leases, time.perf_counter() - began, exc)
             for lease in leases:
                 # retry soon, and well before the lease runs out even with a short lease
                 lease.renew_at = min(lease.expires_at, sent_at + min(RETRY_AFTER_ERROR, lease.renew_every / 2))
@@ -103,6 +109,14 @@ class Watchdog:
                     continue
                 lease.confirmed(sent_at)
                 manager._count_renewal(lease, "ok")
+
+    def _record(self, leases: list[Lease], seconds: float, error: BaseException | None) -> None:
+        """One batched round trip: its time, once per lock name it renewed."""
+        for name in {lease.name for lease in leases}:
+            attributes = {"lock.name": name, "lock.operation": "renew"}
+            if error is not None:
+                attributes["error.type"] = "redis_unavailable" if is_unavailable(error) else "redis_error"
+            self._manager.telemetry.redis_duration.record(seconds, attributes)
 
     async def _send(self, chunks: Sequence[list[Lease]]) -> list[Any]:
         manager = self._manager

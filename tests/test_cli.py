@@ -251,3 +251,19 @@ def test_demo_with_an_unreachable_redis_fails_fast(capsys):
     assert main(["demo", "--redis-url", f"redis://:secret@127.0.0.1:{free_port()}/0"]) == 1
     err = capsys.readouterr().err
     assert "cannot reach Redis at redis://***@127.0.0.1:" in err and "secret" not in err
+
+
+def test_stack_checks_its_files_before_starting_anything(monkeypatch, tmp_path, capsys):
+    """An installation without its Prometheus files used to start Redis and replicas first."""
+    from otel_lock.cli import _files, _local_stack
+
+    started = []
+    monkeypatch.setattr(_files, "prometheus_dir", lambda: tmp_path)  # an empty folder: no config, no rules
+    monkeypatch.setattr(_local_stack, "RedisServer", lambda *args, **kwargs: started.append("redis"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    (tmp_path / "prometheus").write_text("#!/bin/sh\nexit 1\n")
+    (tmp_path / "prometheus").chmod(0o755)
+    assert _local_stack.main(["--prometheus-port", "0"]) == 1
+    out, err = capsys.readouterr()
+    assert started == [] and out == ""
+    assert err.startswith("otel-lock stack: ") and "prometheus.yml not found" in err

@@ -163,8 +163,9 @@ class Venv:
         self.env["PATH"] = f"{self.bin}{os.pathsep}{os.environ.get('PATH', '')}"
 
     def install(self, requirement: str) -> None:
-        subprocess.run([sys.executable, "-m", "pip", "--python", str(self.bin / "python"), "install", "-q",
-                        requirement], check=True, capture_output=True, timeout=600)
+        result = subprocess.run([sys.executable, "-m", "pip", "--python", str(self.bin / "python"), "install",
+                                 "-q", requirement], capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, f"pip install {requirement} failed:\n{result.stderr[-3000:]}"
 
     def run(self, *argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         return subprocess.run([str(self.bin / argv[0]), *argv[1:]], capture_output=True, text=True,

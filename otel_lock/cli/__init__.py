@@ -21,13 +21,16 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, TypeVar
 from urllib.parse import urlsplit
 
 from .. import __version__
 from .._extras import MissingExtra, requires
 from ._redis_server import redact_url
+
+if TYPE_CHECKING:
+    from .. import LockInfo, LockManager
 
 __all__ = ["AUDIT_STREAM_LEN", "DEFAULT_NAMESPACE", "build_parser", "main"]
 
@@ -213,7 +216,7 @@ def _serve(args: argparse.Namespace) -> int:
 _T = TypeVar("_T")
 
 
-def _against_redis(command: str, args: argparse.Namespace, work: Callable[[Any], Coroutine[Any, Any, _T]]) -> _T:
+def _against_redis(command: str, args: argparse.Namespace, work: Callable[[LockManager], Awaitable[_T]]) -> _T:
     """Run `work(manager)` on a fresh manager; every Redis failure becomes _RedisFailed (one line)."""
     from redis.exceptions import RedisError
 
@@ -229,14 +232,14 @@ def _against_redis(command: str, args: argparse.Namespace, work: Callable[[Any],
     try:
         return asyncio.run(run())
     except (RedisError, LockError, OSError) as exc:
-        raise _RedisFailed(f"otel-lock {command}: {describe_redis_error(exc, args.redis_url)}") from exc
+        raise _RedisFailed(f"otel-lock {command}: {_describe_redis_error(exc, args.redis_url)}") from exc
 
 
 class _RedisFailed(Exception):
     """A Redis error already worded for the operator."""
 
 
-def describe_redis_error(exc: BaseException, url: str) -> str:
+def _describe_redis_error(exc: BaseException, url: str) -> str:
     """One line that says what went wrong with the Redis at `url` (its password never shown)."""
     from redis.exceptions import AuthenticationError, InvalidResponse, ResponseError
     from redis.exceptions import ConnectionError as RedisConnectionError
@@ -260,18 +263,18 @@ def _root_cause(exc: BaseException) -> BaseException:
     """The Redis error under the core's own wrappers (RedisUnavailable ... from ConnectionError)."""
     from redis.exceptions import RedisError
 
-    seen = exc
-    while seen.__cause__ is not None and seen.__cause__ is not seen:
-        seen = seen.__cause__
-        if isinstance(seen, (RedisError, OSError)):
-            return seen
+    cause, seen = exc.__cause__, {id(exc)}
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, (RedisError, OSError)):
+            return cause
+        seen.add(id(cause))
+        cause = cause.__cause__
     return exc
 
 
 def _locks(args: argparse.Namespace) -> int:
-    async def held(manager: Any) -> list[Any]:
-        infos: list[Any] = await manager.held_locks()
-        return infos
+    async def held(manager: LockManager) -> list[LockInfo]:
+        return await manager.held_locks()
 
     try:
         infos = _against_redis("locks", args, held)
@@ -305,8 +308,8 @@ def _unlock(args: argparse.Namespace) -> int:
     name = _lock_name(args.key, args.namespace)
     who = f"{getpass.getuser()}@{socket.gethostname()}"
 
-    async def force(manager: Any) -> bool:
-        released = bool(await manager.force_release(name))
+    async def force(manager: LockManager) -> bool:
+        released = await manager.force_release(name)
         # The audit record lives next to the locks, so every operator sees it.
         await manager.redis.xadd(f"{args.namespace}:audit", {
             "action": "unlock", "lock": name, "by": who, "pid": str(os.getpid()),

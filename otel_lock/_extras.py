@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from importlib.util import find_spec
 
-# Top-level modules (or dotted prefixes) each extra brings in.
-_TELEMETRY = ("opentelemetry.sdk", "opentelemetry.exporter", "opentelemetry.instrumentation", "prometheus_client")
+# The modules each extra brings in (prometheus_client alone, for instance, is not the extra).
+_TELEMETRY = ("opentelemetry.sdk", "opentelemetry.exporter.otlp.proto.http", "opentelemetry.exporter.prometheus",
+              "opentelemetry.instrumentation.asgi", "prometheus_client")
 EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     "telemetry": _TELEMETRY,
     "cli": (*_TELEMETRY, "uvicorn", "httpx", "yaml"),
@@ -29,16 +31,28 @@ class MissingExtra(ModuleNotFoundError):
 
 
 def _belongs(module: str, extra: str) -> bool:
-    return any(module == prefix or module.startswith(prefix + ".") for prefix in EXTRA_MODULES[extra])
+    """`module` is one of the extra's modules, inside one, or a package above one."""
+    return any(module == wanted or module.startswith(wanted + ".") or wanted.startswith(module + ".")
+               for wanted in EXTRA_MODULES[extra])
+
+
+def _installed(module: str) -> bool:
+    try:
+        return find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package is missing, or a stub without a spec
+        return False
 
 
 @contextmanager
 def requires(extra: str, feature: str) -> Iterator[None]:
-    """Turn a ModuleNotFoundError for one of `extra`'s modules into MissingExtra; others pass unchanged."""
+    """Check that every module of `extra` is installed (without importing it), then run the block;
+    a ModuleNotFoundError for one of them inside the block also becomes MissingExtra."""
+    for module in EXTRA_MODULES[extra]:
+        if not _installed(module):
+            raise MissingExtra(extra, feature, module)
     try:
         yield
     except ModuleNotFoundError as exc:  # a MissingExtra of an included extra is named anew
-
         if exc.name is None or not _belongs(exc.name, extra):
             raise
         raise MissingExtra(extra, feature, exc.name) from exc

@@ -205,6 +205,15 @@ except ImportError as exc:
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == []
 
+    # Part of an extra is not the extra: prometheus-client alone (common in apps) still
+    # leaves setup() without an SDK, and the error says so before anything runs.
+    core_venv.install("prometheus-client")
+    result = core_venv.run("python", "-c", "from otel_lock.telemetry import setup")
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == (
+        "otel_lock._extras.MissingExtra: otel_lock.telemetry.setup needs the [telemetry] extra "
+        "(module 'opentelemetry.sdk' is not installed): pip install 'otel-lock[telemetry]'")
+
 
 @pytest.fixture(scope="module")
 def cli_venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Venv:

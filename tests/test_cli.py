@@ -1,16 +1,20 @@
-"""The `otel-lock` command: demo end to end, locks/unlock on a real Redis, argument errors."""
+"""The `otel-lock` command: demo end to end, locks/unlock on a real Redis, argument and Redis errors."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import subprocess
 import sys
+import threading
 import types
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+import otel_lock
 from otel_lock import LockManager
 from otel_lock.cli import _lock_name, main
 
@@ -68,29 +72,88 @@ async def test_locks_says_when_nothing_is_held(redis_url, capsys):
     assert "no locks held in namespace 'empty'" in capsys.readouterr().out
 
 
+async def test_locks_json_is_one_parseable_document(redis_url, capsys):
+    async with LockManager.from_url(redis_url, namespace="js") as locks:
+        held = await locks.acquire("stock:7", lease=60, wait=0)
+        code = await asyncio.to_thread(main, ["locks", "--json", "--redis-url", redis_url, "--namespace", "js"])
+        await held.release()
+    assert code == 0
+    [row] = json.loads(capsys.readouterr().out)
+    assert row == {"key": "js:{stock:7}", "name": "stock:7", "owner": held.owner, "depth": 1,
+                   "ttl": row["ttl"], "token": held.token}
+    assert 0 < row["ttl"] <= 60
+    # Nothing held: still JSON (an empty array), not the sentence for people.
+    assert await asyncio.to_thread(main, ["locks", "--json", "--redis-url", redis_url, "--namespace", "js"]) == 0
+    assert json.loads(capsys.readouterr().out) == []
+
+
+def test_version_names_the_package_version():
+    result = run_cli("--version", env=dict(os.environ))
+    assert result.returncode == 0
+    assert result.stdout.strip() == f"otel-lock {otel_lock.__version__}"
+
+
 async def test_unlock_force_releases_and_audits(redis_url, redis_client, capsys):
     async with LockManager.from_url(redis_url, namespace="cli") as locks:
         held = await locks.acquire("stock:8", lease=60, wait=0)
         code = await asyncio.to_thread(
             main, ["unlock", "stock:8", "--redis-url", redis_url, "--namespace", "cli", "--reason", "holder died"])
         assert code == 0
+        # The result is on stdout, for scripts.
+        assert "released lock 'stock:8' in namespace 'cli'" in capsys.readouterr().out
         assert await locks.held_locks() == []
         assert await held.release() is False  # the old holder learns it no longer owned it
-        # Nothing left to release: exit status 1, and the attempt is audited too.
+        # Nothing left to release: exit status 1, said on stderr, and the attempt is audited too.
         again = await asyncio.to_thread(main, ["unlock", "cli:{stock:8}", "--redis-url", redis_url,
-                                               "--namespace", "cli"])
+                                               "--namespace", "cli", "--reason", "retry"])
         assert again == 1
+        out, err = capsys.readouterr()
+        assert out == "" and "lock 'stock:8' in namespace 'cli' was not held" in err
     entries = await redis_client.xrange("cli:audit")
     fields = [{k.decode(): v.decode() for k, v in entry.items()} for _, entry in entries]
     assert [(f["lock"], f["released"]) for f in fields] == [("stock:8", "1"), ("stock:8", "0")]
     assert fields[0]["reason"] == "holder died" and "@" in fields[0]["by"]
-    assert "forced release of lock 'stock:8'" in capsys.readouterr().err
 
 
 def test_unlock_accepts_the_key_as_locks_prints_it():
     assert _lock_name("shop:{stock:1001}", "shop") == "stock:1001"
     assert _lock_name("stock:1001", "shop") == "stock:1001"
     assert _lock_name("other:{stock:1001}", "shop") == "other:{stock:1001}"
+
+
+class _HttpOnly(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        self.send_error(400)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def http_url():
+    """A Redis URL that points at an HTTP server (a wrong port in a config)."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _HttpOnly)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"redis://127.0.0.1:{server.server_address[1]}/0"
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.parametrize("command", [["locks"], ["locks", "--json"], ["unlock", "k", "--reason", "r"]])
+@pytest.mark.parametrize("case", ["http-port", "db-out-of-range"])
+def test_redis_errors_end_in_one_line_on_stderr(command, case, request):
+    """InvalidResponse (an HTTP port) and ResponseError (SELECT 99) used to end in tracebacks."""
+    if case == "http-port":
+        url, expected = request.getfixturevalue("http_url"), "does not speak the Redis protocol"
+    else:
+        url = request.getfixturevalue("redis_url").rsplit("/", 1)[0] + "/99"
+        expected = "answered with an error: DB index is out of range"
+    result = run_cli(*command, "--redis-url", url, env=dict(os.environ), timeout=30)
+    assert result.returncode == 1
+    assert result.stdout == ""
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith(f"otel-lock {command[0]}: ") and expected in result.stderr
 
 
 def test_unreachable_redis_is_a_clear_error(capsys):
@@ -106,6 +169,7 @@ def test_unreachable_redis_is_a_clear_error(capsys):
     [], ["nope"], ["serve", "--port", "0"], ["serve", "--port", "http"], ["serve", "--redis-url", "http://x"],
     ["serve", "--job-interval", "0.01"], ["serve", "--job-interval", "nan"], ["demo", "--buyers", "-1"],
     ["demo", "--items", "many"], ["demo", "--job-interval", "0"], ["unlock"], ["locks", "--namespace", "a{b}"], ["locks", "--bogus"],
+    ["unlock", "stock:1"], ["unlock", "stock:1", "--reason", " "],
 ], ids=lambda argv: " ".join(argv) or "no-command")
 def test_bad_arguments_exit_2_with_a_message(argv, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -159,9 +223,15 @@ def test_demo_ctrl_c_stops_everything_it_started():
                 break
         pids = [int(pid) for pid in re.findall(r"\(pid (\d+)\)", "".join(lines))]
         assert len(pids) == 3, lines  # redis-server and two replicas
+        for line in demo.stderr:  # mid-burst: the buyers' requests are in flight
+            if "buyers:" in line:
+                break
         demo.send_signal(signal.SIGINT)
         assert demo.wait(30) == 130
-        assert "interrupted, stopping what it started" in demo.stderr.read()
+        err = demo.stderr.read()
+        assert "interrupted, stopping what it started" in err
+        # Cancelled cleanly: no traceback from a task, no "coroutine ... was never awaited".
+        assert "Traceback" not in err and "RuntimeWarning" not in err and "Error" not in err, err
         assert [pid for pid in pids if _alive(pid)] == []
     finally:
         if demo.poll() is None:
@@ -185,3 +255,19 @@ def test_demo_with_an_unreachable_redis_fails_fast(capsys):
     assert main(["demo", "--redis-url", f"redis://:secret@127.0.0.1:{free_port()}/0"]) == 1
     err = capsys.readouterr().err
     assert "cannot reach Redis at redis://***@127.0.0.1:" in err and "secret" not in err
+
+
+def test_stack_checks_its_files_before_starting_anything(monkeypatch, tmp_path, capsys):
+    """An installation without its Prometheus files used to start Redis and replicas first."""
+    from otel_lock.cli import _files, _local_stack
+
+    started = []
+    monkeypatch.setattr(_files, "prometheus_dir", lambda: tmp_path)  # an empty folder: no config, no rules
+    monkeypatch.setattr(_local_stack, "RedisServer", lambda *args, **kwargs: started.append("redis"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    (tmp_path / "prometheus").write_text("#!/bin/sh\nexit 1\n")
+    (tmp_path / "prometheus").chmod(0o755)
+    assert _local_stack.main(["--prometheus-port", "0"]) == 1
+    out, err = capsys.readouterr()
+    assert started == [] and out == ""
+    assert err.startswith("otel-lock stack: ") and "prometheus.yml not found" in err

@@ -2,7 +2,12 @@
 
 Heavy imports (uvicorn, the demo app, the lock core) happen inside each
 subcommand, so `otel-lock --help` is instant and a bad argument is reported
-(exit 2) before anything starts.
+(exit 2) before anything starts. `locks` and `unlock` need only the core;
+serve, demo and stack need the `[cli]` extra, and say so when it is missing.
+
+Exit status: 0 done, 1 failed (Redis unreachable or refusing, lock not held,
+missing extra, demo verdict FAILED), 2 bad arguments, 130 interrupted.
+Errors are one line on stderr, never a traceback.
 """
 
 from __future__ import annotations
@@ -10,14 +15,24 @@ from __future__ import annotations
 import argparse
 import asyncio
 import getpass
+import json
 import logging
 import os
 import socket
 import sys
 import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, TypeVar
 from urllib.parse import urlsplit
 
+from .. import __version__
+from .._extras import MissingExtra, requires
 from ._redis_server import redact_url
+
+if TYPE_CHECKING:
+    from .. import LockInfo, LockManager
+
+__all__ = ["AUDIT_STREAM_LEN", "DEFAULT_NAMESPACE", "build_parser", "main"]
 
 DEFAULT_NAMESPACE = "otel-lock"
 AUDIT_STREAM_LEN = 10_000
@@ -77,6 +92,11 @@ def _namespace(value: str) -> str:
     return value
 
 
+def _reason(value: str) -> str:
+    if not value.strip():
+        raise argparse.ArgumentTypeError("say why, for the audit record: --reason 'holder pod was deleted'")
+    return value
+
 
 def _add_redis(parser: argparse.ArgumentParser, default: str | None) -> None:
     parser.add_argument("--redis-url", type=_redis_url, default=os.environ.get("REDIS_URL", default),
@@ -88,6 +108,7 @@ def _add_redis(parser: argparse.ArgumentParser, default: str | None) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="otel-lock", description="Redis locks for Starlette/FastAPI replicas, observable with OpenTelemetry.")
+    parser.add_argument("--version", action="version", version=f"otel-lock {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     demo = commands.add_parser(
@@ -124,15 +145,17 @@ def build_parser() -> argparse.ArgumentParser:
     locks = commands.add_parser("locks", help="list held locks: key, owner, depth, TTL, token",
                                 description="List the locks held right now in a namespace.")
     _add_redis(locks, "redis://127.0.0.1:6379/0")
+    locks.add_argument("--json", action="store_true",
+                       help="print a JSON array of {key, name, owner, depth, ttl, token} (ttl in seconds)")
 
     unlock = commands.add_parser(
         "unlock", help="force-release a lock (audited)",
         description="Delete a lock whatever its owner, for an operator who knows the holder is gone. "
-                    "Logged to stderr and appended to the Redis stream <namespace>:audit. "
+                    "Appended to the Redis stream <namespace>:audit; the result goes to stdout. "
                     "Exit status 1 if the lock was not held.")
     unlock.add_argument("key", metavar="KEY", help="lock name (stock:1001) or Redis key as `locks` prints it")
     _add_redis(unlock, "redis://127.0.0.1:6379/0")
-    unlock.add_argument("--reason", default="", help="why, for the audit record")
+    unlock.add_argument("--reason", required=True, type=_reason, help="why, for the audit record (required)")
 
     commands.add_parser("stack", help="run the compose topology without Docker: redis-server, two replicas, Debian prometheus (arguments are passed on)",
                         add_help=False)
@@ -140,22 +163,33 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run `otel-lock ARGV...` and return the exit status (argparse exits 2 itself on bad arguments)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["stack"]:
-        # Its own parser owns every argument after `stack`, --help included.
-        from ._local_stack import main as stack_main
-        return stack_main(argv[1:]) or 0
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s",
-                        stream=sys.stderr)
-    return {"demo": _demo, "serve": _serve, "locks": _locks, "unlock": _unlock}[args.command](args)
+    try:
+        if argv[:1] == ["stack"]:
+            # Its own parser owns every argument after `stack`, --help included.
+            with requires("cli", "otel-lock stack"):
+                from ._local_stack import main as stack_main
+            return stack_main(argv[1:]) or 0
+        args = build_parser().parse_args(argv)
+        logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s",
+                            stream=sys.stderr)
+        command: Callable[[argparse.Namespace], int] = _COMMANDS[args.command]
+        return command(args)
+    except MissingExtra as exc:
+        print(f"otel-lock: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\notel-lock: interrupted", file=sys.stderr)
+        return 130
 
 
 # -- commands -------------------------------------------------------------
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from ._demo import DemoOptions, run_demo
+    with requires("cli", "otel-lock demo"):
+        from ._demo import DemoOptions, run_demo
 
     return run_demo(DemoOptions(redis_url=args.redis_url, replicas=args.replicas, buyers=args.buyers,
                                 items=args.items, double_submits=args.double_submits, namespace=args.namespace,
@@ -163,13 +197,14 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
+    with requires("cli", "otel-lock serve"):
+        import uvicorn
 
-    from .. import telemetry
-    from ..demo import DemoSettings, create_app
+        from .. import telemetry
+        from ..demo import DemoSettings, create_app
 
-    name = args.replica_name or f"{socket.gethostname()}-{os.getpid()}"
-    setup = telemetry.setup(service_name="otel-lock-demo", service_instance_id=name)
+        name = args.replica_name or f"{socket.gethostname()}-{os.getpid()}"
+        setup = telemetry.setup(service_name="otel-lock-demo", service_instance_id=name)
     settings = DemoSettings.from_env(redis_url=args.redis_url, namespace=args.namespace, replica_name=name,
                                      job_interval=args.job_interval)
     app = setup.instrument_app(create_app(settings))
@@ -178,33 +213,78 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _manager(args: argparse.Namespace):
-    from .. import LockManager
-
-    return LockManager.from_url(args.redis_url, namespace=args.namespace, socket_timeout=2.0)
+_T = TypeVar("_T")
 
 
-def _unreachable() -> tuple[type[BaseException], ...]:
-    from redis.exceptions import ConnectionError, TimeoutError
+def _against_redis(command: str, args: argparse.Namespace, work: Callable[[LockManager], Awaitable[_T]]) -> _T:
+    """Run `work(manager)` on a fresh manager; every Redis failure becomes _RedisFailed (one line)."""
+    from redis.exceptions import RedisError
 
-    from .. import RedisUnavailable
+    from .. import LockError, LockManager
 
-    return RedisUnavailable, ConnectionError, TimeoutError
-
-
-def _locks(args: argparse.Namespace) -> int:
-    async def held():
-        manager = _manager(args)
+    async def run() -> _T:
+        manager = LockManager.from_url(args.redis_url, namespace=args.namespace, socket_timeout=2.0)
         try:
-            return await manager.held_locks()
+            return await work(manager)
         finally:
             await manager.aclose()
 
     try:
-        infos = asyncio.run(held())
-    except _unreachable() as exc:
-        print(f"otel-lock locks: Redis unreachable at {redact_url(args.redis_url)}: {exc}", file=sys.stderr)
+        return asyncio.run(run())
+    except (RedisError, LockError, OSError) as exc:
+        raise _RedisFailed(f"otel-lock {command}: {_describe_redis_error(exc, args.redis_url)}") from exc
+
+
+class _RedisFailed(Exception):
+    """A Redis error already worded for the operator."""
+
+
+def _describe_redis_error(exc: BaseException, url: str) -> str:
+    """One line that says what went wrong with the Redis at `url` (its password never shown)."""
+    from redis.exceptions import AuthenticationError, InvalidResponse, ResponseError
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    where = redact_url(url)
+    cause = _root_cause(exc)
+    detail = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+    if isinstance(cause, AuthenticationError):
+        return f"Redis at {where} refused the credentials: {detail}"
+    if isinstance(cause, InvalidResponse):
+        return f"{where} does not speak the Redis protocol (is it an HTTP or other server?): {detail}"
+    if isinstance(cause, ResponseError):
+        return f"Redis at {where} answered with an error: {detail}"
+    if isinstance(cause, (RedisConnectionError, RedisTimeoutError, OSError)):
+        return f"Redis unreachable at {where}: {detail}"
+    return f"Redis error at {where}: {type(cause).__name__}: {detail}"
+
+
+def _root_cause(exc: BaseException) -> BaseException:
+    """The Redis error under the core's own wrappers (RedisUnavailable ... from ConnectionError)."""
+    from redis.exceptions import RedisError
+
+    cause, seen = exc.__cause__, {id(exc)}
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, (RedisError, OSError)):
+            return cause
+        seen.add(id(cause))
+        cause = cause.__cause__
+    return exc
+
+
+def _locks(args: argparse.Namespace) -> int:
+    async def held(manager: LockManager) -> list[LockInfo]:
+        return await manager.held_locks()
+
+    try:
+        infos = _against_redis("locks", args, held)
+    except _RedisFailed as exc:
+        print(exc, file=sys.stderr)
         return 1
+    if args.json:
+        print(json.dumps([{"key": i.key, "name": _lock_name(i.key, args.namespace), "owner": i.owner,
+                           "depth": i.depth, "ttl": i.ttl, "token": i.token} for i in infos], indent=2))
+        return 0
     if not infos:
         print(f"no locks held in namespace {args.namespace!r}")
         return 0
@@ -228,30 +308,31 @@ def _unlock(args: argparse.Namespace) -> int:
     name = _lock_name(args.key, args.namespace)
     who = f"{getpass.getuser()}@{socket.gethostname()}"
 
-    async def force() -> bool:
-        manager = _manager(args)
-        try:
-            released = await manager.force_release(name)
-            # The audit record lives next to the locks, so every operator sees it.
-            await manager.redis.xadd(f"{args.namespace}:audit", {
-                "action": "unlock", "lock": name, "by": who, "pid": str(os.getpid()),
-                "released": "1" if released else "0", "reason": args.reason, "at": f"{time.time():.3f}",
-            }, maxlen=AUDIT_STREAM_LEN, approximate=True)
-            return released
-        finally:
-            await manager.aclose()
+    async def force(manager: LockManager) -> bool:
+        released = await manager.force_release(name)
+        # The audit record lives next to the locks, so every operator sees it.
+        await manager.redis.xadd(f"{args.namespace}:audit", {
+            "action": "unlock", "lock": name, "by": who, "pid": str(os.getpid()),
+            "released": "1" if released else "0", "reason": args.reason, "at": f"{time.time():.3f}",
+        }, maxlen=AUDIT_STREAM_LEN, approximate=True)
+        return released
 
     try:
-        released = asyncio.run(force())
-    except _unreachable() as exc:
-        print(f"otel-lock unlock: Redis unreachable at {redact_url(args.redis_url)}: {exc}", file=sys.stderr)
+        released = _against_redis("unlock", args, force)
+    except _RedisFailed as exc:
+        print(exc, file=sys.stderr)
         return 1
     except ValueError as exc:  # the core rejects names it could never have locked
         print(f"otel-lock unlock: {exc}", file=sys.stderr)
         return 2
-    # Printed, not logged: the audit line must reach stderr whatever logging is configured.
-    print(f"otel-lock unlock: forced release of lock {name!r} in namespace {args.namespace!r} by {who}: "
-          + ("released" if released else "was not held")
-          + (f" (reason: {args.reason})" if args.reason else ""), file=sys.stderr)
-    return 0 if released else 1
+    what = f"lock {name!r} in namespace {args.namespace!r}"
+    if not released:
+        print(f"otel-lock unlock: {what} was not held; nothing released (attempt audited)", file=sys.stderr)
+        return 1
+    print(f"released {what} (forced by {who}, reason: {args.reason}; audited in {args.namespace}:audit)")
+    return 0
 
+
+_COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "demo": _demo, "serve": _serve, "locks": _locks, "unlock": _unlock,
+}

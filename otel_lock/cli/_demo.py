@@ -85,6 +85,10 @@ def run_demo(options: DemoOptions, out: TextIO = sys.stdout) -> int:
         replicas = Replicas(redis_url, count=options.replicas, namespace=options.namespace,
                             job_interval=options.job_interval).start()
         _say(out, "replicas  : " + ", ".join(f"{r.name} {r.url} (pid {r.process.pid})" for r in replicas.replicas))
+        # From here asyncio.run's own Ctrl-C handling applies: it cancels the bursts, which close
+        # their clients, then raises KeyboardInterrupt (a KeyboardInterrupt raised inside a task
+        # would leave tracebacks and never-awaited coroutines behind).
+        interrupted.restore()
         return asyncio.run(_bursts(options, replicas.urls, out))
     except ReplicaFailed as exc:
         print(f"otel-lock demo: a replica did not start: {exc}", file=sys.stderr)

@@ -8,7 +8,9 @@ load loop. Prints the URLs and stops everything by pid on Ctrl-C.
 There is no collector here: Prometheus scrapes the replicas' /metrics
 directly (same metric names, no exemplars). Grafana is not started; point a
 local Grafana at the printed Prometheus URL with the datasource uid
-`prometheus` and import dashboards/*.json.
+`prometheus` and import the dashboards whose folder it prints. The config,
+rules and dashboards come from the installed package or a checkout
+(`_files`); they are checked before anything starts.
 """
 
 from __future__ import annotations
@@ -19,16 +21,17 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
+from ._files import DataFilesMissing, check_prometheus_files, dashboards_dir, prometheus_dir
 from ._redis_server import RedisServer, free_port, stop_process
 
-REPO = Path(__file__).resolve().parents[2]
-DEPLOY = REPO / "deploy" / "prometheus"
+DEPLOY = prometheus_dir()
 REPLICA_JOB = "otel-lock-replicas"
 # The absolute link bases written in deploy/prometheus/rules/*.yml.
 DEFAULT_RUNBOOK_BASE = "https://github.com/otel-lock/otel-lock/blob/main/docs/observability.md"
@@ -80,8 +83,8 @@ def _yaml():
     try:
         import yaml
     except ImportError:
-        raise StackError("otel-lock stack reads deploy/prometheus/prometheus.yml and needs PyYAML: "
-                         "pip install pyyaml") from None
+        raise StackError("otel-lock stack needs the [cli] extra (module 'yaml' is not installed): "
+                         "pip install 'otel-lock[cli]'") from None
     return yaml
 
 
@@ -95,8 +98,10 @@ class Prometheus:
         if self.binary is None:
             raise StackError("prometheus is not on PATH: install it (Debian: apt-get install prometheus; "
                              "do not start its service) or download it from prometheus.io")
-        if not (DEPLOY / "prometheus.yml").exists():
-            raise StackError(f"{DEPLOY} not found: run `otel-lock stack` from a checkout of otel-lock")
+        try:
+            check_prometheus_files()
+        except DataFilesMissing as exc:
+            raise StackError(str(exc)) from None
         self.port = port or free_port()
         self.targets = targets
         self.scrape_interval = scrape_interval
@@ -184,6 +189,7 @@ class LocalStack:
     def start(self) -> "LocalStack":
         from ._replicas import Replicas
 
+        Prometheus([])  # its binary and files are checked before anything starts
         try:
             if self.redis_url is None:
                 self.redis = RedisServer().start()
@@ -246,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         stack.start()
     except (StackError, RuntimeError) as exc:
-        print(f"otel-lock stack: {exc}")
+        print(f"otel-lock stack: {exc}", file=sys.stderr)
         return 1
     try:
         print(f"redis       {stack.redis_url}")
@@ -254,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"replica     {url}   (/metrics, /healthz, /api/stock/1001)")
         print(f"prometheus  {stack.prometheus.url}   (alerts: {stack.prometheus.url}/alerts)")
         print("grafana     not started: add a Prometheus datasource with uid `prometheus` pointing at the URL "
-              "above and import dashboards/*.json")
+              f"above and import the dashboards in {dashboards_dir()}")
         print("Ctrl-C stops everything.", flush=True)
         asyncio.run(_run_until_signal(stack.replicas.urls if args.load else None))
     finally:

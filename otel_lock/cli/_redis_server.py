@@ -14,6 +14,9 @@ import subprocess
 import tempfile
 import time
 from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["RedisServer", "RedisServerNotFound", "free_port", "redact_url", "stop_process"]
 
 
 class RedisServerNotFound(RuntimeError):
@@ -21,9 +24,11 @@ class RedisServerNotFound(RuntimeError):
 
 
 def free_port() -> int:
+    """A loopback port free right now (the kernel's pick)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        port: int = sock.getsockname()[1]
+        return port
 
 
 def _ping(port: int) -> bool:
@@ -35,7 +40,7 @@ def _ping(port: int) -> bool:
         return False
 
 
-def stop_process(process: subprocess.Popen, grace: float = 5.0) -> None:
+def stop_process(process: subprocess.Popen[Any], grace: float = 5.0) -> None:
     """SIGTERM by pid, then SIGKILL if it is still there after `grace` seconds."""
     if process.poll() is not None:
         return
@@ -53,7 +58,7 @@ class RedisServer:
 
     port: int = field(default_factory=free_port)
     extra_args: tuple[str, ...] = ()
-    process: subprocess.Popen | None = None
+    process: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
@@ -101,6 +106,7 @@ class RedisServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
 
 def redact_url(url: str) -> str:
     """A Redis URL fit for logs: never its password."""

@@ -2,7 +2,7 @@
 
 `setup`, `current`, `metrics_endpoint` and `TelemetrySetup` need the
 `[telemetry]` extra; they are imported on first use, so the core never loads
-the SDK.
+the SDK (without the extra, first use raises an ImportError naming it).
 """
 
 from typing import Any
@@ -18,7 +18,9 @@ def __getattr__(name: str) -> Any:
 
         return configure_redaction
     if name in _SETUP_NAMES:
-        from . import _setup
+        from .._extras import requires
 
+        with requires("telemetry", f"otel_lock.telemetry.{name}"):
+            from . import _setup
         return getattr(_setup, name)
     raise AttributeError(f"module 'otel_lock.telemetry' has no attribute {name!r}")

@@ -204,7 +204,9 @@ def _serve(args: argparse.Namespace) -> int:
         from ..demo import DemoSettings, create_app
 
         name = args.replica_name or f"{socket.gethostname()}-{os.getpid()}"
-        setup = telemetry.setup(service_name="otel-lock-demo", service_instance_id=name)
+        # The demo hashes lock keys and owners on spans (they carry user ids) unless told otherwise.
+        setup = telemetry.setup(service_name="otel-lock-demo", service_instance_id=name,
+                                redact=os.environ.get("OTEL_LOCK_REDACT", "hash"))
     settings = DemoSettings.from_env(redis_url=args.redis_url, namespace=args.namespace, replica_name=name,
                                      job_interval=args.job_interval)
     app = setup.instrument_app(create_app(settings))

@@ -19,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.safety._proxy import TcpProxy  # noqa: F401  (tests import it from here)
+
 HERE = Path(__file__).resolve()
 ROOT = HERE.parent.parent
 
@@ -170,121 +172,6 @@ async def queued(redis, name: str, n: int) -> None:
     async def check():
         return await redis.zcard(keys(name)[1]) == n
     await until(check, f"{n} queued on {name}")
-
-
-class TcpProxy:
-    """Loopback proxy to host:port. `stall()` stops forwarding, `stall_replies()`
-    forwards requests but holds Redis's replies (the command runs, the caller
-    never hears of it), `stall_subscribers()` silently holds what Redis sends to
-    connections that subscribed (pub/sub messages), `stall_commands()` holds the
-    replies on every other connection open now, `cut()` drops every
-    connection and refuses new ones, `forward()` returns to normal."""
-
-    def __init__(self, host: str, port: int) -> None:
-        self.target = (host, port)
-        self._requests = asyncio.Event()
-        self._replies = asyncio.Event()
-        self._subscribers: list[asyncio.Event] = []  # per-connection reply gates of subscribers
-        self._gates: list[asyncio.Event] = []  # every connection's reply gate
-        self.forward()
-        self._pairs: set[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = set()
-        self._tasks: set[asyncio.Task] = set()
-        self._server: asyncio.Server | None = None
-        self.port = 0
-        self.accepted = 0  # connections so far: a client reconnecting to retry shows here
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    async def start(self) -> "TcpProxy":
-        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-        return self
-
-    def stall(self) -> None:
-        self._requests.clear()
-        self._replies.clear()
-
-    def stall_replies(self) -> None:
-        self._replies.clear()
-
-    @property
-    def subscriptions(self) -> int:
-        """Connections that sent SUBSCRIBE so far (a subscriber reconnecting shows here)."""
-        return len(self._subscribers)
-
-    def stall_subscribers(self) -> None:
-        for gate in self._subscribers:
-            gate.clear()
-
-    def stall_commands(self) -> None:
-        for gate in self._gates:
-            if gate not in self._subscribers:
-                gate.clear()
-
-    def forward(self) -> None:
-        self._cut = False
-        self._requests.set()
-        self._replies.set()
-        for gate in self._gates:
-            gate.set()
-
-    def cut(self) -> None:
-        self._cut = True
-        for pair in list(self._pairs):
-            for writer in pair:
-                writer.transport.abort()
-        self._pairs.clear()
-
-    async def _accept(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
-        self.accepted += 1
-        if self._cut:
-            client_w.transport.abort()
-            return
-        try:
-            up_r, up_w = await asyncio.open_connection(*self.target)
-        except OSError:
-            client_w.transport.abort()
-            return
-        pair = (client_w, up_w)
-        self._pairs.add(pair)
-        gate = asyncio.Event()
-        gate.set()
-        self._gates.append(gate)
-        pipes = [asyncio.create_task(self._pipe(client_r, up_w, self._requests, subscriber_gate=gate)),
-                 asyncio.create_task(self._pipe(up_r, client_w, self._replies, gate))]
-        self._tasks.update(pipes)
-        try:
-            await asyncio.wait(pipes, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in pipes:
-                task.cancel()
-            await asyncio.gather(*pipes, return_exceptions=True)
-            self._tasks.difference_update(pipes)
-            self._pairs.discard(pair)
-            for writer in pair:
-                writer.transport.abort()
-
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *gates: asyncio.Event,
-                    subscriber_gate: asyncio.Event | None = None) -> None:
-        with contextlib.suppress(OSError):
-            while data := await reader.read(65536):
-                if subscriber_gate is not None and b"SUBSCRIBE" in data.upper():
-                    self._subscribers.append(subscriber_gate)
-                for gate in gates:
-                    await gate.wait()  # stalled: hold the bytes, the peer sees silence
-                writer.write(data)
-                await writer.drain()
-
-    async def aclose(self) -> None:
-        self.cut()
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
 # -- child side --------------------------------------------------------------

@@ -408,3 +408,32 @@ async def test_7_8_a_replica_whose_master_is_down_is_unavailable():
             await locks.aclose()
     finally:
         replica.stop()
+
+
+# -- issue 8 item 11: a burst queues for a pooled connection instead of failing ----
+
+
+async def test_a_burst_beyond_the_pool_queues_instead_of_failing(redis_url):
+    locks = LockManager.from_url(redis_url, namespace=NS, max_connections=2, pool_timeout=10.0)
+    try:
+        # 50 callers, 2 connections: redis-py's default pool would raise "Too many connections".
+        answers = await asyncio.gather(*(locks.redis.blpop([f"nothing:{i}"], timeout=0.05) for i in range(50)))
+        assert answers == [None] * 50
+    finally:
+        await locks.aclose()
+
+
+async def test_a_pool_wait_past_pool_timeout_is_redis_unavailable_to_the_lock(redis_url, redis_client):
+    locks = LockManager.from_url(redis_url, namespace=NS, max_connections=1, pool_timeout=0.1)
+    try:
+        busy = asyncio.create_task(locks.redis.blpop(["nothing"], timeout=2))
+
+        async def blocked():
+            return any(c.get("cmd") == "blpop" for c in await redis_client.client_list())
+        await until(blocked, "the only pooled connection to be taken")
+        with pytest.raises(RedisUnavailable):
+            await locks.held_locks()  # SCAN goes through the pool
+        busy.cancel()
+        await asyncio.gather(busy, return_exceptions=True)
+    finally:
+        await locks.aclose()

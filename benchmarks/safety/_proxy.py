@@ -1,8 +1,11 @@
-"""A loopback TCP proxy in front of Redis, one per worker process, that can stall or cut its traffic.
+"""A loopback TCP proxy in front of Redis that can stall or cut its traffic (the checker's and the tests').
 
-Stalling holds the bytes in both directions (the client and Redis see silence,
-as behind a congested link); cutting aborts every connection and refuses new
-ones until `forward()`.
+`stall()` holds the bytes in both directions (client and Redis see silence, as
+behind a congested link), `stall_replies()` forwards requests but holds Redis'
+replies (the command runs, the caller never hears of it), `stall_subscribers()`
+holds what Redis sends to connections that subscribed, `stall_commands()`
+holds the replies of every other connection open now, `cut()` aborts every
+connection and refuses new ones, `forward()` returns to normal.
 """
 
 from __future__ import annotations
@@ -11,40 +14,68 @@ import asyncio
 import contextlib
 
 
-class Proxy:
+class TcpProxy:
+    """Loopback proxy to host:port; see the module docstring for what each method holds back."""
+
     def __init__(self, host: str, port: int) -> None:
         self.target = (host, port)
-        self._open = asyncio.Event()
-        self._open.set()
-        self._cut = False
-        self._writers: set[asyncio.StreamWriter] = set()
+        self._requests = asyncio.Event()
+        self._replies = asyncio.Event()
+        self._subscribers: list[asyncio.Event] = []  # per-connection reply gates of subscribers
+        self._gates: list[asyncio.Event] = []  # every connection's reply gate
+        self.forward()
+        self._pairs: set[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = set()
         self._tasks: set[asyncio.Task] = set()
         self._server: asyncio.Server | None = None
         self.port = 0
+        self.accepted = 0  # connections so far: a client reconnecting to retry shows here
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    async def start(self) -> "Proxy":
+    async def start(self) -> "TcpProxy":
         self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
         self.port = self._server.sockets[0].getsockname()[1]
         return self
 
     def stall(self) -> None:
-        self._open.clear()
+        self._requests.clear()
+        self._replies.clear()
 
-    def cut(self) -> None:
-        self._cut = True
-        for writer in list(self._writers):
-            writer.transport.abort()
-        self._writers.clear()
+    def stall_replies(self) -> None:
+        self._replies.clear()
+
+    @property
+    def subscriptions(self) -> int:
+        """Connections that sent SUBSCRIBE so far (a subscriber reconnecting shows here)."""
+        return len(self._subscribers)
+
+    def stall_subscribers(self) -> None:
+        for gate in self._subscribers:
+            gate.clear()
+
+    def stall_commands(self) -> None:
+        for gate in self._gates:
+            if gate not in self._subscribers:
+                gate.clear()
 
     def forward(self) -> None:
         self._cut = False
-        self._open.set()
+        self._requests.set()
+        self._replies.set()
+        for gate in self._gates:
+            gate.set()
+
+    def cut(self) -> None:
+        self._cut = True
+        for pair in list(self._pairs):
+            for writer in pair:
+                writer.transport.abort()
+        self._pairs.clear()
 
     async def _accept(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        self.accepted += 1
         if self._cut:
             client_w.transport.abort()
             return
@@ -53,8 +84,13 @@ class Proxy:
         except OSError:
             client_w.transport.abort()
             return
-        self._writers.update((client_w, up_w))
-        pipes = [asyncio.create_task(self._pipe(client_r, up_w)), asyncio.create_task(self._pipe(up_r, client_w))]
+        pair = (client_w, up_w)
+        self._pairs.add(pair)
+        gate = asyncio.Event()
+        gate.set()
+        self._gates.append(gate)
+        pipes = [asyncio.create_task(self._pipe(client_r, up_w, self._requests, subscriber_gate=gate)),
+                 asyncio.create_task(self._pipe(up_r, client_w, self._replies, gate))]
         self._tasks.update(pipes)
         try:
             await asyncio.wait(pipes, return_when=asyncio.FIRST_COMPLETED)
@@ -63,14 +99,18 @@ class Proxy:
                 task.cancel()
             await asyncio.gather(*pipes, return_exceptions=True)
             self._tasks.difference_update(pipes)
-            for writer in (client_w, up_w):
-                self._writers.discard(writer)
+            self._pairs.discard(pair)
+            for writer in pair:
                 writer.transport.abort()
 
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *gates: asyncio.Event,
+                    subscriber_gate: asyncio.Event | None = None) -> None:
         with contextlib.suppress(OSError):
             while data := await reader.read(65536):
-                await self._open.wait()
+                if subscriber_gate is not None and b"SUBSCRIBE" in data.upper():
+                    self._subscribers.append(subscriber_gate)
+                for gate in gates:
+                    await gate.wait()  # stalled: hold the bytes, the peer sees silence
                 writer.write(data)
                 await writer.drain()
 
@@ -82,3 +122,6 @@ class Proxy:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+Proxy = TcpProxy

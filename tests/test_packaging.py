@@ -29,7 +29,7 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 OPTIONAL_MODULES = ("opentelemetry.sdk", "opentelemetry.exporter", "opentelemetry.instrumentation",
                     "prometheus_client", "uvicorn", "httpx", "yaml", "fastapi", "grpc", "google.protobuf")
 # Type checkers and the wheel builder run on the newest releases only; nothing else goes unpinned.
-UNPINNED_TOOLS = {"mypy", "pyright", "hatchling"}
+UNPINNED_TOOLS = {"mypy", "pyright", "types-pyyaml", "hatchling"}
 
 
 def _name(requirement: str) -> str:

@@ -14,16 +14,19 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import TextIO
+from types import FrameType
+from typing import TYPE_CHECKING, Sequence, TextIO
 
 from ._redis_server import RedisServer, RedisServerNotFound, redact_url
 
 from ..demo._app import STOCK_LOCK
 from ._demo_load import (DoubleSubmitResult, JobResult, SeckillResult, cache_missing_sniffio, clients, double_submit,
                          job_runs, percentiles, seckill)
-from ._scrape import Scrape, scrape
+from ._scrape import Histogram, Scrape, scrape
 from ._replicas import ReplicaFailed, Replicas
 
+if TYPE_CHECKING:
+    import httpx
 
 
 @dataclass
@@ -74,6 +77,7 @@ def run_demo(options: DemoOptions, out: TextIO = sys.stdout) -> int:
                 print(f"otel-lock demo: {exc}", file=sys.stderr)
                 return 1
             redis_url = server.url
+            assert server.process is not None  # start() returned: it is running
             _say(out, f"redis     : started redis-server on {redis_url} (pid {server.process.pid})")
         else:
             problem = _unreachable(redis_url)
@@ -146,7 +150,7 @@ async def _bursts(options: DemoOptions, urls: list[str], out: TextIO) -> int:
     return 0 if oversold == 0 and dup.duplicates == 0 and jobs.doubled == 0 else 1
 
 
-async def _warm_up(pool, urls: list[str]) -> None:
+async def _warm_up(pool: list[httpx.AsyncClient], urls: list[str]) -> None:
     for client in pool:
         for url in urls:
             await client.get(f"{url}/healthz")
@@ -218,12 +222,12 @@ def _summary(out: TextIO, ways: list[Way], dup: DoubleSubmitResult, jobs: JobRes
     _say(out, "\n".join(lines))
 
 
-def _quantiles(label: str, hist) -> str:
+def _quantiles(label: str, hist: Histogram) -> str:
     values = [hist.quantile(q) for q in (0.5, 0.95, 0.99)]
     return f"{label:<14}" + _fmt(values) + f"   ({hist.count:.0f} samples)"
 
 
-def _fmt(values) -> str:
+def _fmt(values: Sequence[float | None]) -> str:
     return "  ".join(f"p{q} {'n/a' if v is None else f'{v * 1000:.1f} ms'}" for q, v in zip((50, 95, 99), values))
 
 
@@ -255,7 +259,7 @@ class _InterruptFlag:
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGINT, self._on_sigint)
 
-    def _on_sigint(self, signum, frame) -> None:
+    def _on_sigint(self, signum: int, frame: FrameType | None) -> None:
         self.seen = True
         raise KeyboardInterrupt
 

@@ -82,8 +82,8 @@ class SeckillResult:
     items: int
     sold: int = 0
     out_of_stock: int = 0
-    retries: Counter = field(default_factory=Counter)  # retried answers by problem type
-    failed: Counter = field(default_factory=Counter)  # anything else, by status or error
+    retries: Counter[str] = field(default_factory=Counter)  # retried answers by problem type
+    failed: Counter[str] = field(default_factory=Counter)  # anything else, by status or error
     latencies: list[float] = field(default_factory=list)  # seconds per answered request
     remaining: list[int] = field(default_factory=list)  # stock left as each sale saw it
     stock_left: int | None = None
@@ -147,10 +147,10 @@ async def seckill(pool: "httpx.AsyncClient | Sequence[httpx.AsyncClient]", urls:
 @dataclass
 class DoubleSubmitResult:
     requests: int
-    created: Counter = field(default_factory=Counter)  # status -> count of first-run answers
+    created: Counter[int] = field(default_factory=Counter)  # status -> count of first-run answers
     replayed: int = 0
     in_flight: int = 0  # 409 while the first one ran
-    other: Counter = field(default_factory=Counter)
+    other: Counter[str] = field(default_factory=Counter)
     retry_replayed: bool = False
     orders_created: int = 0  # what the handler really did, read back from the shop
 
@@ -199,8 +199,8 @@ async def double_submit(pool: "httpx.AsyncClient | Sequence[httpx.AsyncClient]",
 @dataclass
 class JobResult:
     expected: int  # ticks watched
-    runs_per_tick: Counter = field(default_factory=Counter)  # tick -> how many replicas ran it
-    by_replica: Counter = field(default_factory=Counter)
+    runs_per_tick: Counter[int] = field(default_factory=Counter)  # tick -> how many replicas ran it
+    by_replica: Counter[str] = field(default_factory=Counter)
 
     @property
     def doubled(self) -> int:
@@ -220,7 +220,7 @@ async def job_runs(client: httpx.AsyncClient, url: str, first_tick: int, ticks: 
         await asyncio.sleep(interval)  # the next tick cannot come sooner
 
 
-def percentiles(values: list[float], qs=(0.5, 0.95, 0.99)) -> list[float | None]:
+def percentiles(values: list[float], qs: Sequence[float] = (0.5, 0.95, 0.99)) -> list[float | None]:
     """Nearest-rank percentiles of client-side samples."""
     if not values:
         return [None for _ in qs]

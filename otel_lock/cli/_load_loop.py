@@ -19,6 +19,7 @@ import itertools
 import random
 import signal
 import uuid
+from typing import Any
 
 import httpx
 
@@ -96,7 +97,7 @@ class LoadLoop:
             headers["Idempotency-Key"] = "not an sf-string"
         await self._call(client, "POST", "/api/orders", json=body, headers=headers)
 
-    async def _call(self, client: httpx.AsyncClient, method: str, path: str, **kwargs) -> httpx.Response | None:
+    async def _call(self, client: httpx.AsyncClient, method: str, path: str, **kwargs: Any) -> httpx.Response | None:
         try:
             response = await client.request(method, next(self._next_target) + path, **kwargs)
         except httpx.TransportError:

@@ -25,11 +25,16 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from ._files import DataFilesMissing, check_prometheus_files, dashboards_dir, prometheus_dir
 from ._redis_server import RedisServer, free_port, stop_process
+
+if TYPE_CHECKING:
+    from ._replicas import Replicas
 
 DEPLOY = prometheus_dir()
 REPLICA_JOB = "otel-lock-replicas"
@@ -45,13 +50,13 @@ class StackError(RuntimeError):
 
 
 def render_prometheus_config(targets: list[str], rule_files: list[str], *, scrape_interval: str = "5s",
-                             evaluation_interval: str = "15s") -> dict:
+                             evaluation_interval: str = "15s") -> dict[str, Any]:
     """deploy/prometheus/prometheus.yml with local targets and rules, minus the collector jobs.
 
     Without a collector the replicas' own otel_lock_* and http_* series are the
     only copy, so the replica job keeps them (no drop relabelling).
     """
-    config = _yaml().safe_load((DEPLOY / "prometheus.yml").read_text())
+    config: dict[str, Any] = _yaml().safe_load((DEPLOY / "prometheus.yml").read_text())
     config["global"]["scrape_interval"] = scrape_interval
     config["global"]["evaluation_interval"] = evaluation_interval
     config["rule_files"] = rule_files
@@ -79,7 +84,7 @@ def render_rules(text: str, *, runbook_base: str | None = None, grafana_url: str
     return text
 
 
-def _yaml():
+def _yaml() -> ModuleType:
     try:
         import yaml
     except ImportError:
@@ -94,20 +99,21 @@ class Prometheus:
     def __init__(self, targets: list[str], *, port: int | None = None, scrape_interval: str = "5s",
                  evaluation_interval: str = "15s", runbook_base: str | None = None,
                  grafana_url: str | None = None) -> None:
-        self.binary = shutil.which("prometheus")
-        if self.binary is None:
+        binary = shutil.which("prometheus")
+        if binary is None:
             raise StackError("prometheus is not on PATH: install it (Debian: apt-get install prometheus; "
                              "do not start its service) or download it from prometheus.io")
         try:
             check_prometheus_files()
         except DataFilesMissing as exc:
             raise StackError(str(exc)) from None
+        self.binary: str = binary
         self.port = port or free_port()
         self.targets = targets
         self.scrape_interval = scrape_interval
         self.evaluation_interval = evaluation_interval
         self.links = {"runbook_base": runbook_base, "grafana_url": grafana_url}
-        self.process: subprocess.Popen | None = None
+        self.process: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
@@ -136,10 +142,12 @@ class Prometheus:
 
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
+        process = self.process
+        assert process is not None  # start() has just started it
         with httpx.Client(timeout=1.0) as client:
             while True:
-                if self.process.poll() is not None:
-                    raise StackError(f"prometheus exited with code {self.process.returncode}:\n"
+                if process.poll() is not None:
+                    raise StackError(f"prometheus exited with code {process.returncode}:\n"
                                      f"{self.log_path.read_text(errors='replace')[-2000:]}")
                 try:
                     if client.get(self.url + "/-/ready").status_code == 200:
@@ -183,7 +191,7 @@ class LocalStack:
         self.links = {"runbook_base": runbook_base, "grafana_url": grafana_url}
         self.replica_env = {**REPLICA_ENV, **(replica_env or {})}
         self.redis: RedisServer | None = None
-        self.replicas = None
+        self.replicas: Replicas | None = None
         self.prometheus: Prometheus | None = None
 
     def start(self) -> "LocalStack":
@@ -255,14 +263,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"otel-lock stack: {exc}", file=sys.stderr)
         return 1
     try:
+        replicas, prometheus = stack.replicas, stack.prometheus
+        assert replicas is not None and prometheus is not None  # start() returned: both run
         print(f"redis       {stack.redis_url}")
-        for url in stack.replicas.urls:
+        for url in replicas.urls:
             print(f"replica     {url}   (/metrics, /healthz, /api/stock/1001)")
-        print(f"prometheus  {stack.prometheus.url}   (alerts: {stack.prometheus.url}/alerts)")
+        print(f"prometheus  {prometheus.url}   (alerts: {prometheus.url}/alerts)")
         print("grafana     not started: add a Prometheus datasource with uid `prometheus` pointing at the URL "
               f"above and import the dashboards in {dashboards_dir()}")
         print("Ctrl-C stops everything.", flush=True)
-        asyncio.run(_run_until_signal(stack.replicas.urls if args.load else None))
+        asyncio.run(_run_until_signal(replicas.urls if args.load else None))
     finally:
         stack.stop()
     return 0

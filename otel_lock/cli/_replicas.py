@@ -30,7 +30,7 @@ class ReplicaFailed(RuntimeError):
 class Replica:
     name: str
     port: int
-    process: subprocess.Popen
+    process: subprocess.Popen[bytes]
     log_path: Path
 
     @property

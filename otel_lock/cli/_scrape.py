@@ -43,7 +43,7 @@ class Histogram:
 @dataclass
 class Scrape:
     histograms: dict[tuple[str, str], Histogram] = field(default_factory=lambda: defaultdict(Histogram))
-    counters: dict[tuple[str, tuple], float] = field(default_factory=lambda: defaultdict(float))
+    counters: dict[tuple[str, tuple[tuple[str, str], ...]], float] = field(default_factory=lambda: defaultdict(float))
 
     def histogram(self, metric: str, lock_name: str | None = None) -> Histogram:
         """One metric's buckets summed over replicas (and over lock names unless one is given)."""

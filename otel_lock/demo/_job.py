@@ -22,7 +22,7 @@ from redis.exceptions import RedisError
 from ..lock._errors import RedisUnavailable
 
 if TYPE_CHECKING:
-    from .. import LockManager
+    from .. import HeldLock, LockManager
 
 log = logging.getLogger("otel_lock.demo.job")
 KEEP_TICKS = 2  # ticks a won tick's lock is kept after its own
@@ -38,7 +38,7 @@ async def run_job(
     `locks=None` (locks disabled) runs on every replica, which is the bug
     this job exists to show.
     """
-    kept: deque = deque()  # (tick, held), oldest first
+    kept: deque[tuple[int, HeldLock]] = deque()  # (tick, held), oldest first
     last = None
     while True:
         tick = int(time.time() // interval)
@@ -67,13 +67,13 @@ async def run_job(
         await asyncio.sleep(max(0.0, (tick + 1) * interval - time.time()))
 
 
-async def release_old(kept: deque, now_tick: int) -> None:
+async def release_old(kept: deque[tuple[int, HeldLock]], now_tick: int) -> None:
     """Release the holds of ticks at least KEEP_TICKS old, by tick age (not by later wins)."""
     while kept and kept[0][0] <= now_tick - KEEP_TICKS:
         await _release(kept.popleft()[1])
 
 
-async def _release(held) -> None:
+async def _release(held: HeldLock) -> None:
     try:
         await held.release()
     except Exception:

@@ -10,10 +10,24 @@ from __future__ import annotations
 import time
 import weakref
 from collections import Counter
-from typing import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Protocol
+
+if TYPE_CHECKING:
+    from opentelemetry.metrics import MeterProvider
 
 # Every manager's counts, whatever its meter provider; readers filter.
 ALL_COUNTS: "weakref.WeakSet[LockCounts]" = weakref.WeakSet()
+
+
+class Hold(Protocol):
+    """What `hold_started` / `hold_ended` read of a hold (the core's `Lease`)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def acquired_at(self) -> float: ...
+    @property
+    def lease_seconds(self) -> float: ...
 
 
 class LockCounts:
@@ -26,11 +40,11 @@ class LockCounts:
     `connections(used, pending)` or `watch_connections(fn)`: the Redis gauges.
     """
 
-    def __init__(self, meter_provider=None) -> None:
+    def __init__(self, meter_provider: MeterProvider | None = None) -> None:
         self.meter_provider = meter_provider
-        self.active: Counter = Counter()
-        self.pending: Counter = Counter()
-        self._holds: dict[str, dict[int, object]] = {}
+        self.active: Counter[str] = Counter()
+        self.pending: Counter[str] = Counter()
+        self._holds: dict[str, dict[int, Hold]] = {}
         self._connections: tuple[int, int] | None = None
         self._connection_source: Callable[[], tuple[int, int]] | None = None
         self.pool_name = "otel-lock"
@@ -38,10 +52,10 @@ class LockCounts:
 
     # -- holds ---------------------------------------------------------------
 
-    def hold_started(self, hold) -> None:
+    def hold_started(self, hold: Hold) -> None:
         self._holds.setdefault(hold.name, {})[id(hold)] = hold
 
-    def hold_ended(self, hold) -> None:
+    def hold_ended(self, hold: Hold) -> None:
         holds = self._holds.get(hold.name)
         if holds is not None and holds.pop(id(hold), None) is not None and not holds:
             del self._holds[hold.name]
@@ -82,13 +96,13 @@ class LockCounts:
         return self._connections
 
 
-def _acquired_at(hold) -> float:
+def _acquired_at(hold: Hold) -> float:
     return hold.acquired_at
 
 
 def totals(counts: Iterable[LockCounts], which: str) -> dict[str, int]:
     """Sum `active` or `pending` over managers, by lock name (zeros kept: a series going to 0 is news)."""
-    total: Counter = Counter()
+    total: Counter[str] = Counter()
     for one in counts:
         total.update(dict(getattr(one, which)))  # a copy: the loop thread keeps counting
     return dict(total)

@@ -25,25 +25,32 @@ exporters see the final ones.
 
 from __future__ import annotations
 
-from opentelemetry import trace
+from typing import TYPE_CHECKING, Any, Mapping
+
+from opentelemetry import metrics, trace
 
 from ._redact import redaction_mode
+
+if TYPE_CHECKING:
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 _METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH"})
 
 
-def instrument(app, excluded_urls: str, tracer_provider, meter_provider):
+def instrument(app: ASGIApp, excluded_urls: str, tracer_provider: trace.TracerProvider | None,
+               meter_provider: metrics.MeterProvider | None) -> ASGIApp:
     from opentelemetry.instrumentation.asgi import OpenTelemetryMiddleware
 
     # No span per ASGI receive/send message: they double the middleware's
     # cost (measured in docs/benchmarks.md) and say nothing about locks.
-    return OpenTelemetryMiddleware(
+    middleware: ASGIApp = OpenTelemetryMiddleware(
         _RouteSpan(app), excluded_urls=excluded_urls, exclude_spans=["receive", "send"],
         tracer_provider=tracer_provider, meter_provider=meter_provider,
     )
+    return middleware
 
 
-def route_template(scope) -> str | None:
+def route_template(scope: Mapping[str, Any]) -> str | None:
     """The matched route's template with the mount prefix, as Starlette and the contrib metrics see it."""
     path_format = getattr(scope.get("route"), "path_format", None)
     if not isinstance(path_format, str):
@@ -54,17 +61,17 @@ def route_template(scope) -> str | None:
 class _RouteSpan:
     """Renames the current server span by route when the response starts (or the app fails)."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         span = trace.get_current_span()
         if scope["type"] != "http" or not span.is_recording():
             await self.app(scope, receive, send)
             return
         named = False
 
-        async def send_named(message) -> None:
+        async def send_named(message: Message) -> None:
             nonlocal named
             if not named and message["type"] == "http.response.start":
                 named = True
@@ -78,7 +85,7 @@ class _RouteSpan:
                 _name(span, scope)
 
 
-def _name(span, scope) -> None:
+def _name(span: trace.Span, scope: Scope) -> None:
     method = str(scope.get("method", "")).upper()
     method = method if method in _METHODS else "HTTP"
     route = route_template(scope)
@@ -90,7 +97,7 @@ def _name(span, scope) -> None:
         span.set_attribute("http.url", _url_without_path(scope) + (route or ""))
 
 
-def _url_without_path(scope) -> str:
+def _url_without_path(scope: Scope) -> str:
     scheme = scope.get("scheme", "http")
     server = scope.get("server")
     if not server:

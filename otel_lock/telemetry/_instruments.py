@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 import weakref
 from contextlib import contextmanager
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Protocol
 
 from opentelemetry import context as otel_context
 from opentelemetry import metrics, trace
@@ -30,6 +30,15 @@ from ._counts import ALL_COUNTS, LockCounts
 from ._names import HOLD_BUCKETS, OBSERVED, RECORDED, WAIT_BUCKETS
 from ._redact import redact
 
+if TYPE_CHECKING:
+    import weakref as _weakref
+
+    from opentelemetry.context import Context
+    from opentelemetry.util.types import Attributes, AttributeValue
+    from prometheus_client import CollectorRegistry
+
+    from ._prom import FastMetrics
+
 __all__ = ["HOLD_BUCKETS", "LockCounts", "Telemetry", "WAIT_BUCKETS", "current_traceparent", "get_telemetry",
            "redact", "route_default_metrics", "routed", "suppressed"]
 
@@ -37,19 +46,32 @@ SCOPE = "otel_lock"
 _propagator = TraceContextTextMapPropagator()
 
 
+class HistogramSink(Protocol):
+    """Where a duration goes: an OTel `Histogram`, a fast-path instrument, or both."""
+
+    def record(self, amount: float, attributes: Attributes = None, context: Context | None = None) -> None: ...
+
+
+class CounterSink(Protocol):
+    """Where a count goes: an OTel `Counter`, a fast-path instrument, or both."""
+
+    def add(self, amount: float, attributes: Attributes = None, context: Context | None = None) -> None: ...
+
+
 class _Tee:
     """Record into several sinks (fast path and an OTLP-only SDK provider)."""
 
     __slots__ = ("_sinks",)
 
-    def __init__(self, sinks) -> None:
-        self._sinks = tuple(sinks)
+    def __init__(self, sinks: Iterable[Any]) -> None:
+        # Any: one attribute's sinks are all histograms or all counters (see `_names`).
+        self._sinks: tuple[Any, ...] = tuple(sinks)
 
-    def record(self, amount, attributes=None, context=None) -> None:
+    def record(self, amount: float, attributes: Attributes = None, context: Context | None = None) -> None:
         for sink in self._sinks:
             sink.record(amount, attributes, context)
 
-    def add(self, amount, attributes=None, context=None) -> None:
+    def add(self, amount: float, attributes: Attributes = None, context: Context | None = None) -> None:
         for sink in self._sinks:
             sink.add(amount, attributes, context)
 
@@ -57,12 +79,13 @@ class _Tee:
 class _Route:
     """Where the global-provider Telemetry records: fast path, an SDK provider, or both."""
 
-    def __init__(self, fast=None, meter_provider=None, global_provider=None) -> None:
+    def __init__(self, fast: FastMetrics | None = None, meter_provider: metrics.MeterProvider | None = None,
+                 global_provider: metrics.MeterProvider | None = None) -> None:
         self.fast = fast
         self.global_provider = global_provider
         self.sdk = _sdk_instruments(meter_provider, None, is_route=True) if meter_provider is not None else None
 
-    def instrument(self, attr: str):
+    def instrument(self, attr: str) -> Any:
         sinks = [s[attr] if isinstance(s, dict) else s.instruments[attr] for s in (self.sdk, self.fast) if s]
         return sinks[0] if len(sinks) == 1 else _Tee(sinks)
 
@@ -70,7 +93,7 @@ class _Route:
 _route: _Route | None = None
 
 
-def routed(meter_provider) -> bool:
+def routed(meter_provider: metrics.MeterProvider | None) -> bool:
     """Does a manager made with this `meter_provider` record through the route of `setup()`?
 
     The global provider, named (`meter_provider=installed.meter_provider`) or
@@ -84,7 +107,20 @@ def routed(meter_provider) -> bool:
 class Telemetry:
     """The instruments of one (tracer provider, meter provider) pair."""
 
-    def __init__(self, tracer_provider=None, meter_provider=None) -> None:
+    tracer: trace.Tracer
+    # Every manager's counts (`_counts.ALL_COUNTS`), read when a reader collects.
+    gauges: _weakref.WeakSet[LockCounts]
+    # Recorded instruments, one per `_names.RECORDED` entry; set (and re-set by
+    # `route_default_metrics`) in `_bind`.
+    wait_duration: HistogramSink
+    hold_duration: HistogramSink
+    redis_duration: HistogramSink
+    errors: CounterSink
+    renewals: CounterSink
+    idempotency_requests: CounterSink
+
+    def __init__(self, tracer_provider: trace.TracerProvider | None = None,
+                 meter_provider: metrics.MeterProvider | None = None) -> None:
         self.tracer = trace.get_tracer(SCOPE, __version__, tracer_provider=tracer_provider)
         self._meter_provider = meter_provider
         # Held and waiting counts are read from the managers when a reader
@@ -117,7 +153,7 @@ class Telemetry:
         ) as span:
             yield span
 
-    def start_hold_span(self, name: str, attributes: dict) -> trace.Span:
+    def start_hold_span(self, name: str, attributes: Mapping[str, AttributeValue]) -> trace.Span:
         """`lock hold {name}`: from acquired to released, a child of the current span, not made current.
 
         Its own span, so hold time reaches the trace even when the framework
@@ -143,7 +179,7 @@ class Telemetry:
         span.end()
 
     @staticmethod
-    def redact(attributes: dict) -> dict:
+    def redact(attributes: Mapping[str, AttributeValue]) -> Mapping[str, AttributeValue]:
         """Span attributes with `lock.key` / `lock.owner` hashed or dropped, per `configure_redaction`."""
         return redact(attributes)
 
@@ -163,26 +199,28 @@ class Telemetry:
             span.set_status(Status(StatusCode.ERROR, description))
 
 
-def _sdk_instruments(meter_provider, owner: Telemetry | None, is_route: bool = False) -> dict:
+def _sdk_instruments(meter_provider: metrics.MeterProvider | None, owner: Telemetry | None,
+                     is_route: bool = False) -> dict[str, Any]:
     """The OTel instruments of `_names` on one meter (observed ones read `ALL_COUNTS` at collection)."""
     meter = metrics.get_meter(SCOPE, __version__, meter_provider=meter_provider)
-    made: dict = {}
+    made: dict[str, Any] = {}
     for spec in RECORDED:
         if spec.kind == "histogram":
             made[spec.attr] = meter.create_histogram(spec.name, unit=spec.unit, description=spec.description,
                                                      explicit_bucket_boundaries_advisory=spec.buckets)
         else:
             made[spec.attr] = meter.create_counter(spec.name, unit=spec.unit, description=spec.description)
-    mine = (lambda c: routed(c.meter_provider)) if is_route else _same_provider(owner)
-    for which, spec in OBSERVED.items():
-        create = (meter.create_observable_gauge if spec.kind == "gauge"
+    mine: Callable[[LockCounts], bool] = (
+        (lambda c: routed(c.meter_provider)) if is_route else _same_provider(owner))
+    for which, gauge in OBSERVED.items():
+        create = (meter.create_observable_gauge if gauge.kind == "gauge"
                   else meter.create_observable_up_down_counter)
-        made[which] = create(spec.name, callbacks=[_observe(which, mine)], unit=spec.unit,
-                             description=spec.description)
+        made[which] = create(gauge.name, callbacks=[_observe(which, mine)], unit=gauge.unit,
+                             description=gauge.description)
     return made
 
 
-def _same_provider(owner: Telemetry | None):
+def _same_provider(owner: Telemetry | None) -> Callable[[LockCounts], bool]:
     ref = weakref.ref(owner) if owner is not None else None
 
     def mine(counts: LockCounts) -> bool:
@@ -197,7 +235,7 @@ def _same_provider(owner: Telemetry | None):
     return mine
 
 
-def _observe(which: str, mine):
+def _observe(which: str, mine: Callable[[LockCounts], bool]) -> Callable[[CallbackOptions], Iterable[Observation]]:
     def observe(options: CallbackOptions) -> Iterable[Observation]:
         counts = [c for c in list(ALL_COUNTS) if mine(c)]
         if which in ("active", "pending"):
@@ -213,11 +251,12 @@ def _observe(which: str, mine):
     return observe
 
 
-def _resolve(meter_provider):
+def _resolve(meter_provider: metrics.MeterProvider | None) -> metrics.MeterProvider:
     return meter_provider if meter_provider is not None else metrics.get_meter_provider()
 
 
-def route_default_metrics(registry=None, meter_provider=None, global_provider=None) -> None:
+def route_default_metrics(registry: CollectorRegistry | None = None, meter_provider: metrics.MeterProvider | None = None,
+                          global_provider: metrics.MeterProvider | None = None) -> None:
     """Send the global-provider Telemetry's metrics to prometheus-client `registry` and/or `meter_provider`.
 
     Called by `setup()`, which names the global provider it installed
@@ -259,7 +298,8 @@ _cache: dict[tuple[object, object], Telemetry] = {}
 _cache_lock = threading.RLock()
 
 
-def get_telemetry(tracer_provider=None, meter_provider=None) -> Telemetry:
+def get_telemetry(tracer_provider: trace.TracerProvider | None = None,
+                  meter_provider: metrics.MeterProvider | None = None) -> Telemetry:
     """Instruments are created once per provider pair, never per manager or middleware."""
     key = (tracer_provider, meter_provider)
     with _cache_lock:

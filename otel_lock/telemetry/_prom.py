@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 from bisect import bisect_left
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -27,13 +27,22 @@ from prometheus_client.utils import floatToGoString
 from . import _counts
 from ._names import OBSERVED, RECORDED, Spec, prom_label, prom_value
 
+if TYPE_CHECKING:
+    from opentelemetry.context import Context
+    from opentelemetry.util.types import Attributes, AttributeValue
+    from prometheus_client.metrics_core import Metric
+
+# The attribute items a record was called with, and the label set they map to.
+_AttributeKey = tuple[tuple[str, "AttributeValue"], ...]
+_LabelKey = tuple[tuple[str, str], ...]
+
 
 class _Child:
     """One label set's value: a counter total, or a histogram's per-bucket counts and sum."""
 
     __slots__ = ("labels", "counts", "total", "lock")
 
-    def __init__(self, labels: dict, buckets: int) -> None:
+    def __init__(self, labels: dict[str, str], buckets: int) -> None:
         self.labels = labels
         self.counts = [0] * (buckets + 1)  # the last one is +Inf
         self.total = 0.0
@@ -50,12 +59,12 @@ class FastInstrument:
     def __init__(self, spec: Spec) -> None:
         self.spec = spec
         self._bounds = tuple(spec.buckets)
-        self._children: dict = {}
-        self._by_labels: dict = {}
+        self._children: dict[_AttributeKey, _Child] = {}
+        self._by_labels: dict[_LabelKey, _Child] = {}
         self._histogram = spec.kind == "histogram"
         self._binding = threading.Lock()  # two threads binding one new label set must share a child
 
-    def record(self, amount: float, attributes=None, context=None) -> None:
+    def record(self, amount: float, attributes: Attributes = None, context: Context | None = None) -> None:
         # The core builds its attribute dicts in a fixed order per call site, so
         # the items tuple is a stable, cheap cache key.
         key = tuple(attributes.items()) if attributes else ()
@@ -73,7 +82,7 @@ class FastInstrument:
 
     add = record
 
-    def _bind(self, key: tuple, attributes) -> _Child:
+    def _bind(self, key: _AttributeKey, attributes: Mapping[str, AttributeValue]) -> _Child:
         # Like the SDK's reader: one label per attribute given, none for one absent.
         labels = {prom_label(k): prom_value(v) for k, v in attributes.items() if v is not None}
         canonical = tuple(sorted(labels.items()))
@@ -84,28 +93,29 @@ class FastInstrument:
             self._children[key] = child
         return child
 
-    def family(self):
+    def family(self) -> Metric:
         """The Prometheus family: label names are those used by any child ("" where one has none)."""
         spec = self.spec
         children = list(self._by_labels.values())
         names = sorted({name for child in children for name in child.labels})
-        if self._histogram:
-            family = HistogramMetricFamily(spec.prom, spec.description, labels=names)
-        else:
-            family = CounterMetricFamily(spec.prom, spec.description, labels=names)
+        if not self._histogram:
+            counter = CounterMetricFamily(spec.prom, spec.description, labels=names)
+            for child in children:
+                with child.lock:
+                    total = child.total
+                counter.add_metric([child.labels.get(name, "") for name in names], total)
+            return counter
+        histogram = HistogramMetricFamily(spec.prom, spec.description, labels=names)
         for child in children:
             values = [child.labels.get(name, "") for name in names]
             with child.lock:
                 counts, total = list(child.counts), child.total
-            if self._histogram:
-                cumulative, buckets = 0, []
-                for bound, count in zip(self._bounds + (float("inf"),), counts):
-                    cumulative += count
-                    buckets.append((floatToGoString(bound), cumulative))
-                family.add_metric(values, buckets, total)
-            else:
-                family.add_metric(values, total)
-        return family
+            cumulative, buckets = 0, []
+            for bound, count in zip(self._bounds + (float("inf"),), counts):
+                cumulative += count
+                buckets.append((floatToGoString(bound), cumulative))
+            histogram.add_metric(values, buckets, total)
+        return histogram
 
 
 class FastMetrics(Collector):
@@ -117,10 +127,10 @@ class FastMetrics(Collector):
         registry.register(self)
         registry.register(GaugeCollector())
 
-    def collect(self):
+    def collect(self) -> Iterable[Metric]:
         return [instrument.family() for instrument in self.instruments.values()]
 
-    def describe(self):
+    def describe(self) -> Iterable[Metric]:
         return self.collect()
 
 

@@ -20,6 +20,10 @@ import hmac
 import logging
 import os
 from functools import lru_cache
+from typing import TYPE_CHECKING, Mapping
+
+if TYPE_CHECKING:
+    from opentelemetry.util.types import AttributeValue
 
 ENV = "OTEL_LOCK_REDACT"
 SECRET_ENV = "OTEL_LOCK_HASH_SECRET"
@@ -67,7 +71,7 @@ def _hash(value: str) -> str:
     return _PREFIX + digest[:_DIGITS]
 
 
-def redact(attributes: dict) -> dict:
+def redact(attributes: Mapping[str, AttributeValue]) -> Mapping[str, AttributeValue]:
     """A copy without raw keys and owners (the same dict when redaction is off or nothing matches)."""
     if _mode == "off" or not any(name in attributes for name in REDACTED):
         return attributes

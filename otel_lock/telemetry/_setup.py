@@ -33,7 +33,7 @@ import socket
 import threading
 import uuid
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, cast
 
 from opentelemetry import metrics, trace
 from prometheus_client import REGISTRY, CollectorRegistry
@@ -42,6 +42,15 @@ from prometheus_client.exposition import choose_encoder
 from .. import __version__
 from ._instruments import route_default_metrics
 from ._redact import MODES, configure_redaction
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.metrics import MeterProvider as SdkMeterProvider
+    from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider as SdkTracerProvider
+    from starlette.requests import Request
+    from starlette.responses import Response
+    from starlette.types import ASGIApp
 
 __all__ = ["TelemetrySetup", "setup", "metrics_endpoint", "default_instance_id"]
 
@@ -59,17 +68,22 @@ _OTLP_ENDPOINT_VARS = (
 
 @dataclass(frozen=True)
 class TelemetrySetup:
-    """What `setup()` installed (or found): providers, the /metrics registry, the resource."""
+    """What `setup()` installed (or found): providers, the /metrics registry, the resource.
 
-    tracer_provider: Any
-    meter_provider: Any
+    The providers are typed as the API's: with `installed=False` they are the
+    app's own. When `installed` is true they are the SDK's (`shutdown()` etc.).
+    """
+
+    tracer_provider: trace.TracerProvider
+    meter_provider: metrics.MeterProvider
     registry: CollectorRegistry | None
-    resource: Any = None
+    resource: Resource | None = None
     installed: bool = True
     otlp: bool = False
-    lock_meter_provider: Any = None   # OTLP-only provider of the lock's metrics when /metrics is on too
+    # OTLP-only provider of the lock's metrics when /metrics is on too
+    lock_meter_provider: SdkMeterProvider | None = None
 
-    def instrument_app(self, app, excluded_urls: str = DEFAULT_EXCLUDED_URLS):
+    def instrument_app(self, app: ASGIApp, excluded_urls: str = DEFAULT_EXCLUDED_URLS) -> ASGIApp:
         """Wrap an ASGI app with HTTP server spans and duration per route, using these providers.
 
         Wrap the *outermost* app, e.g. ``app = telemetry.instrument_app(app)`` after
@@ -162,7 +176,7 @@ def current() -> TelemetrySetup | None:
     return _current
 
 
-async def metrics_endpoint(request):
+async def metrics_endpoint(request: Request) -> Response:
     """Starlette endpoint: Prometheus exposition (text or OpenMetrics, as the scraper asks).
 
     Serves the registry `setup()` created; without `setup()`, prometheus-client's
@@ -186,20 +200,20 @@ def _existing_sdk() -> str | None:
     return None
 
 
-def _is_api_default(provider) -> bool:
+def _is_api_default(provider: object) -> bool:
     # The API's proxy and no-op providers mean "nobody configured anything yet".
     return type(provider).__name__ in {
         "ProxyTracerProvider", "NoOpTracerProvider", "_ProxyMeterProvider", "NoOpMeterProvider"}
 
 
-def _install(service_name, service_instance_id, prometheus, otlp, otlp_metrics,
-             resource_attributes) -> TelemetrySetup:
+def _install(service_name: str, service_instance_id: str | None, prometheus: bool, otlp: bool,
+             otlp_metrics: bool, resource_attributes: Mapping[str, Any] | None) -> TelemetrySetup:
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.trace import TracerProvider
 
     resource = _resource(service_name, service_instance_id, resource_attributes)
-    readers = []
-    registry = None
+    readers: list[MetricReader] = []
+    registry: CollectorRegistry | None = None
     if prometheus:
         from opentelemetry.exporter.prometheus import PrometheusMetricReader
 
@@ -212,7 +226,7 @@ def _install(service_name, service_instance_id, prometheus, otlp, otlp_metrics,
         readers.append(_otlp_reader())
     # Without an exporter spans would be built and dropped: keep the API's no-op
     # tracer (incoming traceparent headers still propagate) and pay nothing.
-    tracer_provider = None
+    tracer_provider: SdkTracerProvider | None = None
     if otlp:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -234,7 +248,7 @@ def _install(service_name, service_instance_id, prometheus, otlp, otlp_metrics,
         installed=True, otlp=bool(otlp), lock_meter_provider=lock_provider)
 
 
-def _otlp_reader():
+def _otlp_reader() -> PeriodicExportingMetricReader:
     from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
     from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 
@@ -242,7 +256,8 @@ def _otlp_reader():
     return PeriodicExportingMetricReader(OTLPMetricExporter())
 
 
-def _resource(service_name, service_instance_id, resource_attributes):
+def _resource(service_name: str, service_instance_id: str | None,
+              resource_attributes: Mapping[str, Any] | None) -> Resource:
     from opentelemetry.sdk.resources import Resource
 
     attributes: dict[str, Any] = {"service.version": __version__}
@@ -269,11 +284,11 @@ def _reset_for_tests() -> None:
 
     with _lock:
         if _current is not None and _current.installed:
-            _current.meter_provider.shutdown()
+            cast("SdkMeterProvider", _current.meter_provider).shutdown()
             if _current.lock_meter_provider is not None:
                 _current.lock_meter_provider.shutdown()
             if _current.otlp:
-                _current.tracer_provider.shutdown()
+                cast("SdkTracerProvider", _current.tracer_provider).shutdown()
             # Kept alive: otel_lock.telemetry._instruments caches instruments by id(provider), and a
             # freed provider's id could be reused by the next test's provider.
             _retired.append(_current)

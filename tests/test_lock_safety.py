@@ -244,6 +244,39 @@ async def test_7_4_a_fixed_lease_counts_from_the_send_not_from_the_late_reply(re
         await proxy.aclose()
 
 
+async def test_7_4_a_reply_read_after_its_lease_ran_out_does_not_enter(redis_server, redis_client, redis_url):
+    """The safety checker's token regression: a blocked waiter entered on a grant that had expired."""
+    proxy = await TcpProxy("127.0.0.1", redis_server.port).start()
+    locks = LockManager.from_url(proxy.url, namespace=NS, socket_timeout=10.0)
+    rival = LockManager.from_url(redis_url, namespace=NS)
+    try:
+        warm = await locks.try_lock("warm")  # connected, scripts loaded
+        assert warm is not None and await warm.release()
+        proxy.stall_replies()
+        acquiring = asyncio.create_task(locks.acquire("k", lease=0.5, wait=DEADLINE))
+
+        async def taken():
+            return await redis_client.exists(LOCK)
+
+        async def expired():
+            return not await redis_client.exists(LOCK)
+        await until(taken, "the acquire to run in Redis")
+        await until(expired, "its 0.5 s lease to run out, the reply still unread")
+        mine = await rival.try_lock("k")
+        assert mine is not None
+        proxy.forward()
+        done, _ = await asyncio.wait([acquiring], timeout=1.0)
+        assert not done, "entered on a reply read after its lease had run out, beside the new holder"
+        assert await mine.release()
+        late = await acquiring
+        assert late.token > mine.token
+        await late.release()
+    finally:
+        await locks.aclose()
+        await rival.aclose()
+        await proxy.aclose()
+
+
 # -- 7.5: dead waiters are skipped at once --------------------------------------
 
 

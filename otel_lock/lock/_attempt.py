@@ -168,9 +168,13 @@ class Attempt:
         """
         if self._queued_at is None:
             return None
+        left = self._queued_at + self._validity() - self.loop.time()
+        return Reply([1, grant.token, 1], self._queued_at) if left >= self.lease_ms / 2000 else None
+
+    def _validity(self) -> float:
+        """The lease minus the drift margin, as the holder's Lease counts it."""
         lease = self.lease_ms / 1000
-        left = self._queued_at + lease - (lease * 0.01 + 0.002) - self.loop.time()
-        return Reply([1, grant.token, 1], self._queued_at) if left >= lease / 2 else None
+        return lease - (lease * 0.01 + 0.002)
 
     async def _ask(self, *, queue: bool) -> Reply | None:
         sent_at = self.loop.time()
@@ -179,7 +183,16 @@ class Attempt:
         answer = await self._acquire_call(self._args(queue))
         self.attempts += 1
         if answer[0] == 1:
-            return Reply(answer, sent_at)
+            if self.loop.time() < sent_at + self._validity():
+                return Reply(answer, sent_at)
+            # Read after the lease it granted ran out (a blocked loop, a stopped
+            # process): the lock may be someone else's by now. Let go of it, if
+            # it is still ours, and wait on; entering would overlap untold.
+            await self.manager._call(_scripts.release, self.keys,
+                                     [self.owner, self.manager.fence_ttl_ms, "1" if self.private else "0"],
+                                     "release", self.name)
+            self._pttl = -1
+            return None
         self._pttl = int(answer[1])
         self.holder_ctx = _text(answer[2]) or self.holder_ctx
         return None

@@ -50,6 +50,13 @@ def guard(endpoint: F) -> F:
 def _wrap(fn: F) -> F:
     guarded = _guarded(fn)
     functools.update_wrapper(guarded, fn)
+    try:
+        # Annotations resolved in the handler's own module: a framework that evaluates
+        # string annotations (`from __future__ import annotations`) in the *wrapper's*
+        # globals, as FastAPI < 0.116 does, would otherwise not find the handler's types.
+        setattr(guarded, "__signature__", inspect.signature(fn, eval_str=True))
+    except (NameError, TypeError, SyntaxError):
+        pass  # a forward reference not defined yet: the framework resolves it via __wrapped__
     setattr(guarded, GUARD_ATTR, True)
     return cast(F, guarded)  # update_wrapper: the same signature and kind of callable as fn
 

@@ -172,6 +172,9 @@ class RouteHandle:
         context = effective_context(scope, route) if self.plan.contexts else None
         template = self.prefix + context.path if context is not None else self.plan.template
         typed = self.mw.typed_fields(context if context is not None else route)
+        # Starlette >= 1.7 sets it itself; older ones do not, and HTTP instrumentations
+        # read the route template from it (also for the middleware's own answers).
+        scope.setdefault("route", _RouteTemplate(template))
         await Flow(self.mw, annotated, template, typed, self.original, scope, receive, send).run()
 
 

@@ -11,15 +11,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from contextvars import ContextVar
 from dataclasses import dataclass
-from types import TracebackType
-from typing import Awaitable, Callable, Protocol
+from types import MappingProxyType, TracebackType
+from typing import Awaitable, Callable, Mapping, Protocol
 
 from opentelemetry import trace
 
 from ._errors import LockLost, RedisUnavailable
 
 log = logging.getLogger("otel_lock")
+
+# What the current context holds, by (manager id, key): re-entry looks here first.
+HELD: ContextVar[Mapping[tuple[str, str], Lease]] = ContextVar("otel_lock_held", default=MappingProxyType({}))
 
 NEVER = math.inf
 

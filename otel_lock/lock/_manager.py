@@ -14,13 +14,11 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import math
 import time
 import uuid
-from contextvars import ContextVar
 from functools import partial
 from types import MappingProxyType, TracebackType
-from typing import Any, Coroutine, Mapping
+from typing import Any, Coroutine
 from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
@@ -35,42 +33,17 @@ from . import _scripts
 from ._attempt import Attempt
 from ._connection import Connection
 from ._errors import LockError, LockLost, LockTimeout, RedisUnavailable, is_unavailable
-from ._held import NEVER, HeldLock, Lease, LockContext, LockInfo
+from ._ending import Ending, _error_type
+from ._options import (MAX_KEY_LENGTH, MIN_LEASE, _MANAGER_OPTIONS, _check_seconds, _glob_escape, _text,
+                       default_name)
+from ._held import HELD, NEVER, HeldLock, Lease, LockContext, LockInfo
 from ._waiting import Waiting
 from ._watchdog import Watchdog
 from ..telemetry._instruments import LockCounts, Telemetry, current_traceparent, get_telemetry, suppressed
 
 log = logging.getLogger("otel_lock")
 
-MAX_KEY_LENGTH = 512
-MIN_LEASE = 0.1
-_HELD: ContextVar[Mapping[tuple[str, str], Lease]] = ContextVar("otel_lock_held", default=MappingProxyType({}))
-_MANAGER_OPTIONS = (
-    "namespace", "lease", "wait", "cancel_on_lost", "fence_ttl", "poll_cap",
-    "renew_interval", "tracer_provider", "meter_provider",
-)
-
-
-def _text(value: bytes | str | None) -> str:
-    return value.decode() if isinstance(value, bytes) else (value or "")
-
-
-def default_name(key: str) -> str:
-    """`lock.name` when none is given: the key up to its first ':', so ids stay off metrics."""
-    return key.split(":", 1)[0]
-
-
-def _check_seconds(what: str, value: float, *, allow_zero: bool, allow_inf: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{what} must be a number of seconds, not {value!r}")
-    if math.isnan(value) or value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"{what} must be {'>= 0' if allow_zero else '> 0'} seconds, not {value!r}")
-    if math.isinf(value) and not allow_inf:
-        raise ValueError(f"{what} must be finite, not {value!r}")
-    return float(value)
-
-
-class LockManager:
+class LockManager(Ending):
     """Hands out locks from one Redis; one subscriber and one watchdog per manager."""
 
     def __init__(self, redis: aioredis.Redis, *, namespace: str = "otel-lock", lease: float = 30.0,
@@ -165,7 +138,7 @@ class LockManager:
         if owner is not None and (not isinstance(owner, str) or not owner):
             raise ValueError(f"owner must be a non-empty string, not {owner!r}")
         if owner is None:
-            held = _HELD.get().get((self.id, key))
+            held = HELD.get().get((self.id, key))
             if held is not None and not held.ended:
                 if held.task is asyncio.current_task():
                     return await self._reenter(held, child=False)
@@ -310,7 +283,7 @@ class LockManager:
         self._counts.hold_started(lease_obj)
         self._counts.active[name] += 1
         self._watchdog.add(lease_obj)
-        _HELD.set(MappingProxyType({**_HELD.get(), (self.id, key): lease_obj}))
+        HELD.set(MappingProxyType({**HELD.get(), (self.id, key): lease_obj}))
         return HeldLock(lease_obj, reply.depth, outer=True)
 
     async def _reenter(self, lease: Lease, *, child: bool) -> HeldLock:
@@ -359,14 +332,6 @@ class LockManager:
             self._background_task(self._call(_scripts.release, keys, [lease.owner, self.fence_ttl_ms, "0"],
                                              "release", lease.name))
 
-    @staticmethod
-    def _unhold(lease: Lease, child: bool) -> None:
-        lease.depth -= 1
-        if child:
-            lease.child_holds -= 1
-            if lease.child_holds == 0:
-                lease.children_done.set()
-
     def _pass_on(self, waiter_id: str, redis_key: str) -> None:
         """A hand-over to a waiter this manager no longer has: pass it on now, not after its lease."""
         keys = _lock_keys(redis_key)
@@ -382,113 +347,6 @@ class LockManager:
         self._background.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.warning("otel-lock: background clean-up (undo, release or pass-on) failed: %s", task.exception())
-
-    # -- releasing and losing ------------------------------------------------
-
-    def _forget(self, held: HeldLock) -> None:
-        """Drop the key from this context's held map when its outer hold ends."""
-        lease = held._lease
-        if not held._outer:
-            return
-        current = _HELD.get()
-        ident = (self.id, lease.lock_key)
-        if current.get(ident) is lease:
-            _HELD.set(MappingProxyType({k: v for k, v in current.items() if k != ident}))
-
-    async def _release(self, held: HeldLock) -> bool:
-        lease = held._lease
-        if held._child:
-            self._unhold(lease, child=True)
-        elif held._outer and lease.child_holds > 0:
-            lease.closing = True  # no new child may enter; those inside finish first
-            await lease.children_done.wait()
-        if lease.ended:
-            return False
-        if not held._child:
-            lease.depth -= 1
-        final = lease.depth <= 0
-        if final:
-            lease.closing = True
-            self._watchdog.discard(lease)  # never renew what is being released
-        keys = self._keys(lease.lock_key)
-        release_all = "1" if final and not lease.explicit_owner else "0"
-        try:
-            res = await self._call(_scripts.release, keys, [lease.owner, self.fence_ttl_ms, release_all],
-                                   "release", lease.name)
-        except LockError as error:
-            if final:
-                self._end(lease, "error")
-                if isinstance(error, RedisUnavailable) and not lease.explicit_owner:
-                    # Let the next caller in as soon as Redis is back, not after the lease.
-                    self._background_task(self._release_when_back(keys, lease))
-            raise
-        if res == -1:
-            outcome = "lost" if lease.renew else "expired"
-            if not lease.lost.is_set():
-                self._lose(lease, "the lock was no longer ours at release", count=False)
-            self._end(lease, outcome)
-            return False
-        if final:
-            self._end(lease, "released")
-        return True
-
-    async def _release_when_back(self, keys: tuple[str, ...], lease: Lease) -> None:
-        loop = asyncio.get_running_loop()
-        give_up = loop.time() + lease.lease_seconds
-        while loop.time() < give_up:
-            await asyncio.sleep(0.25)
-            try:
-                await self._call(_scripts.release, keys, [lease.owner, self.fence_ttl_ms, "1"], "release", lease.name)
-                return
-            except RedisUnavailable:
-                continue
-
-    def _end(self, lease: Lease, outcome: str) -> None:
-        if lease.ended:
-            return
-        lease.ended = True
-        self._watchdog.discard(lease)
-        loop = asyncio.get_running_loop()
-        self.telemetry.hold_duration.record(loop.time() - lease.acquired_at,
-                                            {"lock.name": lease.name, "lock.release.outcome": outcome})
-        self._uncount(lease)
-        self._counts.hold_ended(lease)  # a lost hold stays in the age gauge until its holder lets go
-        self.telemetry.end_hold_span(lease.span, outcome)
-
-    def _uncount(self, lease: Lease) -> None:
-        """`otel_lock.active` counts what is held: a lost or expired lease leaves it at once."""
-        if lease.counted:
-            lease.counted = False
-            self._counts.active[lease.name] -= 1
-
-    def _lose(self, lease: Lease, reason: str, count: bool = True) -> None:
-        """The lease is gone: tell the holder, and cancel it if it asked for that."""
-        if lease.lost_reason:
-            return
-        lease.lost_reason = reason
-        lease.lost.set()
-        self._watchdog.discard(lease)
-        self._uncount(lease)  # no longer held, whatever the holder still believes
-        if count and lease.renew:
-            self.telemetry.renewals.add(1, {"lock.name": lease.name, "lock.renewal.outcome": "lost"})
-        if lease.span.is_recording():
-            lease.span.add_event("lock lost", {"lock.name": lease.name, "lock.token": lease.token,
-                                               "lock.lost.reason": reason})
-        log.warning("otel-lock: lease of %s lost: %s", lease.key, reason)
-        for callback in lease.on_lost:
-            callback()
-        task = lease.task
-        if lease.cancel_on_lost and task is not None and not task.done() and not lease.ended:
-            lease.cancelled_by_us = True
-            task.cancel(f"otel-lock: lease of {lease.key} lost")
-
-    def _count_renewal(self, lease: Lease, outcome: str, error: BaseException | None = None) -> None:
-        self.telemetry.renewals.add(1, {"lock.name": lease.name, "lock.renewal.outcome": outcome})
-        if error is not None:
-            self.telemetry.errors.add(1, {"lock.name": lease.name, "lock.operation": "renew",
-                                          "error.type": _error_type(error)})
-            if lease.span.is_recording():
-                lease.span.add_event("lock renewal failed", {"lock.name": lease.name, "error.type": _error_type(error)})
 
     # -- Redis -----------------------------------------------------------------
 
@@ -529,11 +387,3 @@ class _Busy(LockTimeout):
 
 def _lock_keys(redis_key: str) -> tuple[str, str, str, str]:
     return redis_key, redis_key + ":fence", redis_key + ":q", redis_key + ":w"
-
-
-def _error_type(error: BaseException) -> str:
-    return "redis_unavailable" if is_unavailable(error) else "redis_error"
-
-
-def _glob_escape(text: str) -> str:
-    return "".join("\\" + c if c in "*?[]\\" else c for c in text)

@@ -368,7 +368,7 @@ class RedLockManager:
         if ours >= self.quorum and not lost:
             self._end(hold, "released")
             return True
-        if len(answers) - len(failed) < self.quorum:
+        if len(answers) - len(failed) < self.quorum and not lost:
             self._end(hold, "error")
             raise RedisUnavailable(f"release of {keys[0]} reached only {len(answers) - len(failed)} of "
                                    f"{len(answers)} masters; the rest expire after the lease", key=keys[0])

@@ -115,7 +115,7 @@ class Masters:
             self.telemetry.errors.add(1, {"lock.name": name, "lock.operation": operation, "error.type": error_type})
             what = f"master {index} ({operation} {keys[0]})"
             if error_type == "redis_unavailable":
-                return RedisUnavailable(f"Redis {what} is unavailable: {exc!r}", key=keys[0])
+                return RedisUnavailable(f"Redis {what} is unavailable: {type(exc).__name__}: {exc}", key=keys[0])
             return LockError(f"Redis {what} refused: {exc}", key=keys[0])
         self.telemetry.redis_duration.record(time.perf_counter() - began,
                                              {"lock.name": name, "lock.operation": operation})

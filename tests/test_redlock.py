@@ -323,3 +323,48 @@ def _points(reader: InMemoryMetricReader, name: str) -> list[dict]:
 
 def test_lock_error_is_the_base():
     assert issubclass(LockTimeout, LockError) and issubclass(RedisUnavailable, LockError)
+
+
+async def test_a_cancelled_waiter_leaves_nothing_on_any_master(masters):
+    async with RedLockManager.from_urls(urls(masters), lease=2.0) as locks:
+        held = await locks.acquire("k")
+        waiter = asyncio.create_task(locks.acquire("k", wait=BOUND))
+        await asyncio.sleep(0.05)  # let it run a few rounds
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        assert await held.release() is True
+        assert all(lock_keys(s) == [] for s in masters)
+
+
+async def test_masters_paused_past_the_wait_hold_nothing_past_the_lease(masters):
+    """SIGSTOP two masters: the caller fails within its bound; what they apply late is gone by the lease."""
+    lease = 1.0
+    async with RedLockManager.from_urls(urls(masters), lease=lease) as locks:
+        for server in masters[1:]:
+            os.kill(server.process.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises((LockTimeout, RedisUnavailable)):
+                await asyncio.wait_for(locks.acquire("k", wait=0.2), BOUND)
+            assert lock_keys(masters[0]) == []
+        finally:
+            for server in masters[1:]:
+                os.kill(server.process.pid, signal.SIGCONT)
+        deadline = time.monotonic() + lease + BOUND
+        while any(lock_keys(s) for s in masters) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert all(lock_keys(s) == [] for s in masters)
+        async with locks.lock("k", wait=1.0) as held:
+            assert held.token > 0
+
+
+async def test_a_holder_paused_past_its_lease_is_told_at_once_and_the_next_token_is_larger(masters):
+    async with RedLockManager.from_urls(urls(masters), lease=0.5) as first, \
+            RedLockManager.from_urls(urls(masters), lease=0.5) as second:
+        held = await first.acquire("k")
+        time.sleep(0.7)  # the fault: the holder's whole loop is blocked past its lease
+        assert held.lost.is_set()  # told at its first look, before any renewal ran
+        newer = await second.acquire("k", wait=1.0)
+        assert newer.token > held.token
+        assert await held.release() is False
+        assert await newer.release() is True

@@ -57,7 +57,7 @@ class RedLockManager:
 
     def __init__(self, clients: Sequence[aioredis.Redis], *, namespace: str = "otel-lock", lease: float = 30.0,
                  wait: float = 5.0, cancel_on_lost: bool = False, fence_ttl: float = 3600.0,
-                 poll_cap: float = 0.1, renew_interval: float | None = None, master_timeout: float | None = None,
+                 poll_cap: float = 0.05, renew_interval: float | None = None, master_timeout: float | None = None,
                  tracer_provider: trace.TracerProvider | None = None,
                  meter_provider: MeterProvider | None = None) -> None:
         if isinstance(clients, (str, bytes)) or not isinstance(clients, Sequence):
@@ -95,6 +95,8 @@ class RedLockManager:
         self._ids = itertools.count(1)
         self._background: set[asyncio.Future[Any]] = set()
         self._owns_clients = False
+        # key -> loop time until which a new caller of this manager lets the pollers go first
+        self._yield_until: dict[str, float] = {}
 
     @classmethod
     def from_urls(cls, urls: Sequence[str], **options: Any) -> "RedLockManager":
@@ -187,6 +189,7 @@ class RedLockManager:
         found, sent_at = _Round(), start
         with self.telemetry.acquire_span(name) as span:
             try:
+                await self._let_others_first(key, deadline)
                 while True:
                     rounds += 1
                     sent_at = loop.time()
@@ -244,6 +247,21 @@ class RedLockManager:
         self._background_task(self._keep(hold))
         _HELD.set(MappingProxyType({**_HELD.get(), (self.id, key): hold}))
         return HeldLock(hold, 1, outer=True)
+
+    async def _let_others_first(self, key: str, deadline: float) -> None:
+        """This manager just released `key` while others polled for it: give them one poll's head start.
+
+        Without it, the releasing process takes the lock straight back (no queue
+        holds its place for the waiters), and the waiters starve.
+        """
+        until = self._yield_until.get(key)
+        if until is None:
+            return
+        now = asyncio.get_running_loop().time()
+        if until <= now:
+            del self._yield_until[key]
+            return
+        await asyncio.sleep(random.uniform(0.5, 1.0) * (min(until, deadline) - now))
 
     async def _round(self, keys: tuple[str, str], owner: str, lease: float, name: str) -> _Round:
         """One acquire round on all masters; on failure every master is released before it returns."""
@@ -364,7 +382,11 @@ class RedLockManager:
         failed = [i for i, a in enumerate(answers) if isinstance(a, LockError)]
         if failed:
             self._background_task(self._release_later(keys, hold, failed))
-        ours = sum(1 for a in answers if a == 1)
+        ours = sum(1 for a in answers if a in (1, 2))
+        if any(a == 2 for a in answers):
+            self._yield_until[hold.lock_key] = asyncio.get_running_loop().time() + self.poll_cap
+            if len(self._yield_until) > 10_000:
+                self._yield_until.clear()  # a bound, not a cache
         if ours >= self.quorum and not lost:
             self._end(hold, "released")
             return True

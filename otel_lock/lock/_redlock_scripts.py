@@ -34,14 +34,18 @@ from ._scripts import Script
 from ..telemetry._instruments import Telemetry, suppressed
 
 # KEYS: lock, fence. ARGV: owner, lease_ms, fence_ttl_ms.
-# Returns {1, token} when granted (or already this owner's: a resent attempt), {0, pttl_ms} when busy.
+# Returns {1, token} when granted (or already this owner's: a resent attempt), {0, pttl_ms} when busy;
+# a busy reply marks the lock `wanted`, so that its release can tell the holder that others wait.
 ACQUIRE = r"""
 local holder = redis.call('HGET', KEYS[1], 'owner')
 if holder == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   return {1, tonumber(redis.call('HGET', KEYS[1], 'token'))}
 end
-if holder then return {0, redis.call('PTTL', KEYS[1])} end
+if holder then
+  redis.call('HSET', KEYS[1], 'wanted', 1)
+  return {0, redis.call('PTTL', KEYS[1])}
+end
 local t = redis.call('TIME')
 local token = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local last = tonumber(redis.call('GET', KEYS[2]) or '0')
@@ -73,10 +77,13 @@ redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return 1
 """
 
-# KEYS: lock. ARGV: owner. Returns 1 when it was this owner's (deleted), else 0.
+# KEYS: lock. ARGV: owner. Returns 0 when it was not this owner's, else 1 (deleted) or 2 (deleted, and
+# someone had found it busy meanwhile).
 RELEASE = r"""
 if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
+local wanted = redis.call('HGET', KEYS[1], 'wanted')
 redis.call('DEL', KEYS[1])
+if wanted then return 2 end
 return 1
 """
 

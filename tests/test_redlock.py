@@ -10,13 +10,16 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import redis
+from fastapi import FastAPI, Request
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 import otel_lock
-from otel_lock import HeldLock, LockError, LockLost, LockTimeout, RedisUnavailable, RedLockManager
+from otel_lock import (HeldLock, LockError, LockLost, LockMiddleware, LockTimeout, RedisUnavailable, RedLockManager,
+                       idempotent, locked)
 from otel_lock.cli._redis_server import RedisServer
 
 HERE = Path(__file__).resolve().parent
@@ -368,3 +371,37 @@ async def test_a_holder_paused_past_its_lease_is_told_at_once_and_the_next_token
         assert newer.token > held.token
         assert await held.release() is False
         assert await newer.release() is True
+
+
+async def test_the_middleware_takes_a_redlock_manager(masters):
+    """@locked routes run under the quorum lock; @idempotent records live on the first master (503 without it)."""
+    async with RedLockManager.from_urls(urls(masters), lease=2.0) as locks:
+        app = FastAPI()
+        app.add_middleware(LockMiddleware, manager=locks)
+        inside, orders = asyncio.Event(), []
+
+        @app.post("/stock/{pid}")
+        @locked("stock:{path.pid}", wait=0)
+        async def deduct(pid: int, request: Request):
+            inside.set()
+            await asyncio.sleep(0.2)  # the handler's work, while a second request arrives
+            return {"token": request.state.lock.token}
+
+        @app.post("/orders")
+        @idempotent(shared_scope=True)
+        async def order(request: Request):
+            orders.append(1)
+            return {"order": len(orders)}
+
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+            first = asyncio.create_task(client.post("/stock/1"))
+            await asyncio.wait_for(inside.wait(), BOUND)
+            busy = await client.post("/stock/1")
+            assert busy.status_code == 409 and busy.headers["content-type"] == "application/problem+json"
+            assert (await first).status_code == 200
+            replies = [await client.post("/orders", headers={"Idempotency-Key": "k1"}, json={}) for _ in range(2)]
+            assert [r.json() for r in replies] == [{"order": 1}, {"order": 1}] and orders == [1]
+            kill(masters[0])
+            down = await client.post("/orders", headers={"Idempotency-Key": "k2"}, json={})
+            assert down.status_code == 503 and "retry-after" in down.headers
+            assert (await client.post("/stock/1")).status_code == 200  # the lock still has its quorum

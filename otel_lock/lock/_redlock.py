@@ -88,6 +88,9 @@ class RedLockManager:
                              f"({self.lease} s): a round takes up to two of them and must leave validity")
         self.telemetry: Telemetry = get_telemetry(tracer_provider, meter_provider)
         self.masters = scripts.Masters(clients, self.master_timeout, self.telemetry)
+        # The Idempotency-Key records of LockMiddleware need one store: the first master
+        # (docs/lock.md, "RedLock quorum"). The locks themselves never use it alone.
+        self.redis: aioredis.Redis = clients[0]
         self.quorum = self.masters.quorum
         self._counts = LockCounts(meter_provider)
         self.telemetry.gauges.add(self._counts)

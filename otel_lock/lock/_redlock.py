@@ -100,6 +100,9 @@ class RedLockManager:
         self._owns_clients = False
         # key -> loop time until which a new caller of this manager lets the pollers go first
         self._yield_until: dict[str, float] = {}
+        # hold -> its renewal in flight; a release waits for it, so that a renewal's
+        # take-if-free cannot land after the release and re-create the key
+        self._renewing: dict[Lease, asyncio.Future[list[Any]]] = {}
 
     @classmethod
     def from_urls(cls, urls: Sequence[str], **options: Any) -> "RedLockManager":
@@ -343,10 +346,14 @@ class RedLockManager:
             renew = asyncio.ensure_future(self.masters.call(
                 scripts.confirm, keys, [hold.owner, hold.renew_ms, self.fence_ttl_ms, str(hold.token), "1"],
                 "renew", hold.name))
-            done, _ = await asyncio.wait({renew}, timeout=max(0.0, hold.expires_at - loop.time()))
-            if not done:  # the expiry comes first: tell the holder now, not after the round
-                hold.check_validity()
-                await renew
+            self._renewing[hold] = renew
+            try:
+                done, _ = await asyncio.wait({renew}, timeout=max(0.0, hold.expires_at - loop.time()))
+                if not done:  # the expiry comes first: tell the holder now, not after the round
+                    hold.check_validity()
+                    await renew
+            finally:
+                self._renewing.pop(hold, None)
             answers = renew.result()
             ours = sum(1 for a in answers if a == 1)
             others = sum(1 for a in answers if a == 0)
@@ -380,6 +387,9 @@ class RedLockManager:
             return not hold.lost.is_set()
         lost = hold.lost.is_set()
         hold.ended = True  # stops the renewals
+        renewing = self._renewing.get(hold)
+        if renewing is not None:
+            await asyncio.wait({renewing})  # bounded by master_timeout
         keys = self._keys(hold.lock_key)
         answers = await self.masters.call(scripts.release, keys, [hold.owner], "release", hold.name)
         failed = [i for i, a in enumerate(answers) if isinstance(a, LockError)]

@@ -28,6 +28,7 @@ from opentelemetry import trace
 from opentelemetry.metrics import MeterProvider
 
 from . import _redlock_scripts as scripts
+from ._redlock_cleanup import Cleanup
 from ._errors import LockError, LockLost, LockTimeout, RedisUnavailable
 from ._held import NEVER, HeldLock, Lease, LockContext
 from ._manager import MIN_LEASE, LockManager, _check_seconds, default_name
@@ -48,6 +49,7 @@ class _Round:
     def __init__(self) -> None:
         self.token = 0
         self.answered = 0          # masters that answered (granted or busy)
+        self.silent: list[int] = []  # masters that did not answer the ACQUIRE (down, slow, refused)
         self.ttl = 0.0             # smallest TTL seen on a busy master, seconds
         self.error: LockError | None = None
 
@@ -92,6 +94,7 @@ class RedLockManager:
         # (docs/lock.md, "RedLock quorum"). The locks themselves never use it alone.
         self.redis: aioredis.Redis = clients[0]
         self.quorum = self.masters.quorum
+        self._cleanup = Cleanup(self.masters)
         self._counts = LockCounts(meter_provider)
         self.telemetry.gauges.add(self._counts)
         self.id = uuid.uuid4().hex[:12]
@@ -167,6 +170,7 @@ class RedLockManager:
         """Stop renewals and clean-ups; locks still held expire after their lease."""
         for task in list(self._background):
             task.cancel()
+        self._cleanup.aclose()
         if self._owns_clients:
             for client in self.masters.clients:
                 await client.aclose()
@@ -286,7 +290,13 @@ class RedLockManager:
         if granted and sent_at + lease - drift - loop.time() > 0:
             return found
         found.token = 0
-        cleanup = asyncio.ensure_future(self._release_all(keys, owner, name, lease))
+        # the masters that answered are released before the caller hears of the failure; the silent
+        # ones (whose grant may still land) are asked in the background, so a dead master costs one
+        # master_timeout per round, not two
+        for index in found.silent:
+            self._cleanup.add(index, keys[0], owner, name, lease)
+        answered = [i for i in range(len(self.masters.clients)) if i not in found.silent]
+        cleanup = asyncio.ensure_future(self._release_all(keys, owner, name, lease, answered))
         self._background.add(cleanup)
         cleanup.add_done_callback(self._background_done)
         await asyncio.shield(cleanup)  # a cancelled caller still releases everywhere
@@ -300,6 +310,7 @@ class RedLockManager:
         for i, answer in enumerate(answers):
             if isinstance(answer, LockError):
                 found.error = answer
+                found.silent.append(i)
                 continue
             found.answered += 1
             if answer[0] == 1:
@@ -393,8 +404,8 @@ class RedLockManager:
         keys = self._keys(hold.lock_key)
         answers = await self.masters.call(scripts.release, keys, [hold.owner], "release", hold.name)
         failed = [i for i, a in enumerate(answers) if isinstance(a, LockError)]
-        if failed:
-            self._background_task(self._release_later(keys, hold, failed))
+        for index in failed:
+            self._cleanup.add(index, keys[0], hold.owner, hold.name, hold.lease_seconds)
         ours = sum(1 for a in answers if a in (1, 2))
         if any(a == 2 for a in answers):
             self._yield_until[hold.lock_key] = asyncio.get_running_loop().time() + self.poll_cap
@@ -412,24 +423,15 @@ class RedLockManager:
         self._end(hold, "lost" if hold.renew else "expired")
         return False
 
-    async def _release_all(self, keys: tuple[str, str], owner: str, name: str, lease: float) -> None:
-        answers = await self.masters.call(scripts.release, keys, [owner], "release", name)
-        failed = [i for i, a in enumerate(answers) if isinstance(a, LockError)]
-        if failed:
-            self._background_task(self._release_retry(keys, owner, name, lease, failed))
-
-    async def _release_later(self, keys: tuple[str, str], hold: Lease, failed: list[int]) -> None:
-        await self._release_retry(keys, hold.owner, hold.name, hold.lease_seconds, failed)
-
-    async def _release_retry(self, keys: tuple[str, str], owner: str, name: str, lease: float,
-                             failed: list[int]) -> None:
-        """Masters that did not answer a release are asked again until the lease would have run out anyway."""
-        loop = asyncio.get_running_loop()
-        give_up = loop.time() + lease
-        while failed and loop.time() < give_up:
-            await asyncio.sleep(min(0.1, self.poll_cap))
-            answers = await self.masters.call(scripts.release, keys, [owner], "release", name, only=failed)
-            failed = [i for i, a in zip(failed, answers) if isinstance(a, LockError)]
+    async def _release_all(self, keys: tuple[str, str], owner: str, name: str, lease: float,
+                           only: list[int] | None = None) -> None:
+        which = list(range(len(self.masters.clients))) if only is None else only
+        if not which:
+            return
+        answers = await self.masters.call(scripts.release, keys, [owner], "release", name, only=which)
+        for index, answer in zip(which, answers):
+            if isinstance(answer, LockError):
+                self._cleanup.add(index, keys[0], owner, name, lease)
 
     def _end(self, hold: Lease, outcome: str) -> None:
         hold.ended = True

@@ -29,6 +29,7 @@ from opentelemetry.metrics import MeterProvider
 
 from . import _redlock_scripts as scripts
 from ._redlock_cleanup import Cleanup
+from ._redlock_rounds import Round, grant, keep
 from ._errors import LockError, LockLost, LockTimeout, RedisUnavailable
 from ._held import NEVER, HeldLock, Lease, LockContext
 from ._manager import MIN_LEASE, LockManager, _check_seconds, default_name
@@ -43,17 +44,6 @@ _OPTIONS = ("namespace", "lease", "wait", "cancel_on_lost", "fence_ttl", "poll_c
 MIN_MASTERS = 3
 
 
-class _Round:
-    """What one acquire round found: the token if granted, else why not."""
-
-    def __init__(self) -> None:
-        self.token = 0
-        self.answered = 0          # masters that answered (granted or busy)
-        self.silent: list[int] = []  # masters that did not answer the ACQUIRE (down, slow, refused)
-        self.ttl = 0.0             # smallest TTL seen on a busy master, seconds
-        self.error: LockError | None = None
-
-
 class RedLockManager:
     """Hands out locks held by a majority of N independent Redis masters."""
 
@@ -62,7 +52,8 @@ class RedLockManager:
                  poll_cap: float = 0.05, renew_interval: float | None = None, master_timeout: float | None = None,
                  tracer_provider: trace.TracerProvider | None = None,
                  meter_provider: MeterProvider | None = None) -> None:
-        if isinstance(clients, (str, bytes)) or not isinstance(clients, Sequence):
+        given: object = clients
+        if isinstance(given, (str, bytes)) or not isinstance(given, Sequence):
             raise ValueError(f"clients must be a list of redis.asyncio clients, not {clients!r}")
         if len(clients) < MIN_MASTERS:
             raise ValueError(f"RedLock needs at least {MIN_MASTERS} independent masters, got {len(clients)}: "
@@ -110,7 +101,8 @@ class RedLockManager:
     @classmethod
     def from_urls(cls, urls: Sequence[str], **options: Any) -> "RedLockManager":
         """A manager with one client per URL; redis-py options (socket_timeout, ...) apply to every one."""
-        if isinstance(urls, (str, bytes)) or not isinstance(urls, Sequence):
+        given: object = urls
+        if isinstance(given, (str, bytes)) or not isinstance(given, Sequence):
             raise ValueError(f"urls must be a list of Redis URLs, not {urls!r}")
         if len(urls) < MIN_MASTERS:
             raise ValueError(f"RedLock needs at least {MIN_MASTERS} independent masters, got {len(urls)} URLs: "
@@ -196,7 +188,7 @@ class RedLockManager:
         keys = self._keys(key)
         owner = f"{self.id}:{next(self._ids)}"
         outcome, error_type, contended, rounds = "error", None, False, 0
-        found, sent_at = _Round(), start
+        found, sent_at = Round(), start
         with self.telemetry.acquire_span(name) as span:
             try:
                 await self._let_others_first(key, deadline)
@@ -254,7 +246,7 @@ class RedLockManager:
             "lock.lease": lease}))
         self._counts.hold_started(hold)
         self._counts.active[name] += 1
-        self._background_task(self._keep(hold))
+        self._background_task(keep(self, hold))
         _HELD.set(MappingProxyType({**_HELD.get(), (self.id, key): hold}))
         return HeldLock(hold, 1, outer=True)
 
@@ -273,13 +265,13 @@ class RedLockManager:
             return
         await asyncio.sleep(random.uniform(0.5, 1.0) * (min(until, deadline) - now))
 
-    async def _round(self, keys: tuple[str, str], owner: str, lease: float, name: str) -> _Round:
+    async def _round(self, keys: tuple[str, str], owner: str, lease: float, name: str) -> Round:
         """One acquire round on all masters; on failure every master is released before it returns."""
         loop = asyncio.get_running_loop()
-        found = _Round()
+        found = Round()
         sent_at = loop.time()
         lease_ms = int(lease * 1000)
-        work = asyncio.ensure_future(self._grant(keys, owner, lease_ms, name, found))
+        work = asyncio.ensure_future(grant(self, keys, owner, lease_ms, name, found))
         try:
             granted = await asyncio.shield(work)
         except asyncio.CancelledError:
@@ -302,34 +294,6 @@ class RedLockManager:
         await asyncio.shield(cleanup)  # a cancelled caller still releases everywhere
         return found
 
-    async def _grant(self, keys: tuple[str, str], owner: str, lease_ms: int, name: str, found: _Round) -> bool:
-        """ACQUIRE everywhere, then CONFIRM the maximum token on the masters that granted."""
-        answers = await self.masters.call(scripts.acquire, keys, [owner, lease_ms, self.fence_ttl_ms],
-                                          "acquire", name)
-        granted, ttls = [], []
-        for i, answer in enumerate(answers):
-            if isinstance(answer, LockError):
-                found.error = answer
-                found.silent.append(i)
-                continue
-            found.answered += 1
-            if answer[0] == 1:
-                granted.append((i, int(answer[1])))
-            else:
-                ttls.append(max(int(answer[1]), 0) / 1000)
-        if ttls:  # the next poll comes no later than the first holder's key runs out
-            found.ttl = min(ttls)
-        if len(granted) < self.quorum:
-            return False
-        token = max(t for _, t in granted)
-        confirmed = await self.masters.call(scripts.confirm, keys, [owner, lease_ms, self.fence_ttl_ms,
-                                                                    str(token), "0"],
-                                            "acquire", name, only=[i for i, _ in granted])
-        if sum(1 for c in confirmed if c == 1) < self.quorum:
-            return False
-        found.token = token
-        return True
-
     def _reenter(self, hold: Lease) -> HeldLock:
         """A nested hold of the task that acquired: counted locally, after a check of the local validity."""
         if hold.lost.is_set():
@@ -340,47 +304,6 @@ class RedLockManager:
         return HeldLock(hold, hold.depth)
 
     # -- keeping, releasing, losing ------------------------------------------
-
-    async def _keep(self, hold: Lease) -> None:
-        """Renew a `lease=None` hold every `renew_every`; tell the holder once no quorum confirmed it in time."""
-        loop = asyncio.get_running_loop()
-        keys = self._keys(hold.lock_key)
-        while not hold.ended and not hold.lost_reason:
-            wake = min(hold.renew_at, hold.expires_at)
-            await asyncio.sleep(max(0.0, wake - loop.time()))
-            if hold.ended or hold.lost_reason:
-                return
-            hold.check_validity()
-            if hold.lost_reason or not hold.renew:
-                continue
-            sent_at = loop.time()
-            renew = asyncio.ensure_future(self.masters.call(
-                scripts.confirm, keys, [hold.owner, hold.renew_ms, self.fence_ttl_ms, str(hold.token), "1"],
-                "renew", hold.name))
-            self._renewing[hold] = renew
-            try:
-                done, _ = await asyncio.wait({renew}, timeout=max(0.0, hold.expires_at - loop.time()))
-                if not done:  # the expiry comes first: tell the holder now, not after the round
-                    hold.check_validity()
-                    await renew
-            finally:
-                self._renewing.pop(hold, None)
-            answers = renew.result()
-            ours = sum(1 for a in answers if a == 1)
-            others = sum(1 for a in answers if a == 0)
-            if hold.ended:
-                return
-            if ours >= self.quorum and not hold.lost_reason:
-                hold.confirmed(sent_at)
-                self.telemetry.renewals.add(1, {"lock.name": hold.name, "lock.renewal.outcome": "ok"})
-            elif others > len(answers) - self.quorum:
-                self._lose(hold, f"{others} of {len(answers)} masters no longer hold it for this owner")
-            else:
-                self.telemetry.renewals.add(1, {"lock.name": hold.name, "lock.renewal.outcome": "error"})
-                hold.renew_at = loop.time() + min(hold.renew_every, max(0.05, (hold.expires_at - loop.time()) / 3))
-        if hold.lost_reason and not hold.ended:
-            # stop blocking the others: the hold is no longer ours anyway
-            await self._release_all(keys, hold.owner, hold.name, hold.lease_seconds)
 
     def _forget(self, held: HeldLock) -> None:
         hold = held._lease

@@ -2,7 +2,7 @@
 
 __version__ = "0.1.0"
 
-from .lock import HeldLock, LockError, LockInfo, LockLost, LockManager, LockTimeout, RedisUnavailable
+from .lock import HeldLock, LockError, LockInfo, LockLost, LockManager, LockTimeout, RedisUnavailable, RedLockManager
 from .asgi import LockMiddleware, idempotent, locked
 
 __all__ = [
@@ -13,6 +13,7 @@ __all__ = [
     "LockManager",
     "LockMiddleware",
     "LockTimeout",
+    "RedLockManager",
     "RedisUnavailable",
     "__version__",
     "idempotent",

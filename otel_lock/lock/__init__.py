@@ -6,5 +6,7 @@ It imports no Starlette; telemetry is reached through `otel_lock.telemetry._inst
 from ._errors import LockError, LockLost, LockTimeout, RedisUnavailable
 from ._held import HeldLock, LockInfo
 from ._manager import LockManager
+from ._redlock import RedLockManager
 
-__all__ = ["HeldLock", "LockError", "LockInfo", "LockLost", "LockManager", "LockTimeout", "RedisUnavailable"]
+__all__ = ["HeldLock", "LockError", "LockInfo", "LockLost", "LockManager", "LockTimeout", "RedLockManager",
+           "RedisUnavailable"]

@@ -1,0 +1,129 @@
+"""The per-master Lua scripts of the RedLock quorum, and the parallel calls to the masters.
+
+Each master keeps the core's layout for one lock, so `otel-lock locks`
+pointed at any master shows it:
+
+    S:{N}        hash    owner, depth (always 1), token (the hold's final token)
+    S:{N}:fence  string  the largest token this master has seen for N;
+                         expires `fence_ttl` after last use
+
+A grant takes two round trips to the masters, both sent in parallel:
+
+1. ACQUIRE on every master: owner-checked, mints a token from that master's
+   `TIME` (or its last token + 1), as the core's `mint` does.
+2. CONFIRM on the masters that granted: the hold's token is the maximum of
+   their tokens, and each of them raises its fence to that maximum. A later
+   grant needs a majority too, so it meets at least one master that had
+   already raised its fence, and its own token is larger.
+
+RENEW is CONFIRM with `take`: a master that restarted empty is taken again
+(and its fence raised), so renewals repair the quorum instead of slowly
+losing it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Sequence
+
+from redis.exceptions import RedisError
+
+from ._errors import LockError, RedisUnavailable, is_unavailable
+from ._scripts import Script
+from ..telemetry._instruments import Telemetry, suppressed
+
+# KEYS: lock, fence. ARGV: owner, lease_ms, fence_ttl_ms.
+# Returns {1, token} when granted (or already this owner's: a resent attempt), {0, pttl_ms} when busy;
+# a busy reply marks the lock `wanted`, so that its release can tell the holder that others wait.
+ACQUIRE = r"""
+local holder = redis.call('HGET', KEYS[1], 'owner')
+if holder == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return {1, tonumber(redis.call('HGET', KEYS[1], 'token'))}
+end
+if holder then
+  redis.call('HSET', KEYS[1], 'wanted', 1)
+  return {0, redis.call('PTTL', KEYS[1])}
+end
+local t = redis.call('TIME')
+local token = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local last = tonumber(redis.call('GET', KEYS[2]) or '0')
+if last >= token then token = last + 1 end
+local text = string.format('%.0f', token)
+redis.call('SET', KEYS[2], text, 'PX', ARGV[3])
+redis.call('DEL', KEYS[1])
+redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'depth', 1, 'token', text)
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return {1, token}
+"""
+
+# KEYS: lock, fence. ARGV: owner, lease_ms, fence_ttl_ms, final token, take ('1': take the lock if free).
+# Returns 1 when the lock is this owner's (its lease reset, its fence at least the final token), else 0.
+CONFIRM = r"""
+local holder = redis.call('HGET', KEYS[1], 'owner')
+if holder ~= ARGV[1] then
+  if holder or ARGV[5] ~= '1' then return 0 end
+  redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'depth', 1)
+end
+redis.call('HSET', KEYS[1], 'token', ARGV[4])
+local last = tonumber(redis.call('GET', KEYS[2]) or '0')
+if last < tonumber(ARGV[4]) then
+  redis.call('SET', KEYS[2], ARGV[4], 'PX', ARGV[3])
+else
+  redis.call('PEXPIRE', KEYS[2], ARGV[3])
+end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
+
+# KEYS: lock. ARGV: owner. Returns 0 when it was not this owner's, else 1 (deleted) or 2 (deleted, and
+# someone had found it busy meanwhile).
+RELEASE = r"""
+if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
+local wanted = redis.call('HGET', KEYS[1], 'wanted')
+redis.call('DEL', KEYS[1])
+if wanted then return 2 end
+return 1
+"""
+
+acquire = Script(ACQUIRE)
+confirm = Script(CONFIRM)
+release = Script(RELEASE)
+
+
+class Masters:
+    """N independent redis.asyncio clients, each call bounded by `timeout` seconds."""
+
+    def __init__(self, clients: Sequence[Any], timeout: float, telemetry: Telemetry) -> None:
+        self.clients = list(clients)
+        self.quorum = len(self.clients) // 2 + 1
+        self.timeout = timeout
+        self.telemetry = telemetry
+
+    async def call(self, script: Script, keys: Sequence[str], args: Sequence[object], operation: str, name: str,
+                   only: Sequence[int] | None = None) -> list[Any]:
+        """One call per master (or per master in `only`), all at once; a failure is returned, not raised."""
+        which = range(len(self.clients)) if only is None else only
+        answers = await asyncio.gather(*(self._one(i, script, keys, args, operation, name) for i in which))
+        return list(answers)
+
+    async def _one(self, index: int, script: Script, keys: Sequence[str], args: Sequence[object], operation: str,
+                   name: str) -> Any:
+        began = time.perf_counter()
+        try:
+            async with asyncio.timeout(self.timeout):
+                with suppressed():
+                    answer = await script(self.clients[index], keys, args)
+        except (RedisError, OSError) as exc:  # asyncio's TimeoutError is an OSError
+            error_type = "redis_unavailable" if is_unavailable(exc) else "redis_error"
+            self.telemetry.redis_duration.record(time.perf_counter() - began, {
+                "lock.name": name, "lock.operation": operation, "error.type": error_type})
+            self.telemetry.errors.add(1, {"lock.name": name, "lock.operation": operation, "error.type": error_type})
+            what = f"master {index} ({operation} {keys[0]})"
+            if error_type == "redis_unavailable":
+                return RedisUnavailable(f"Redis {what} is unavailable: {type(exc).__name__}: {exc}", key=keys[0])
+            return LockError(f"Redis {what} refused: {exc}", key=keys[0])
+        self.telemetry.redis_duration.record(time.perf_counter() - began,
+                                             {"lock.name": name, "lock.operation": operation})
+        return answer

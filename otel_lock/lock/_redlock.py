@@ -32,7 +32,8 @@ from ._redlock_cleanup import Cleanup
 from ._redlock_rounds import Round, grant, keep
 from ._errors import LockError, LockLost, LockTimeout, RedisUnavailable
 from ._held import NEVER, HeldLock, Lease, LockContext
-from ._manager import MIN_LEASE, LockManager, _check_seconds, default_name
+from ._manager import LockManager
+from ._options import MIN_LEASE, _check_seconds, default_name
 from ..telemetry._instruments import LockCounts, Telemetry, get_telemetry
 
 log = logging.getLogger("otel_lock")
@@ -62,33 +63,33 @@ class RedLockManager:
             raise ValueError("the same client is given twice: each master must be a different Redis")
         if not isinstance(namespace, str) or not namespace or "{" in namespace or "}" in namespace:
             raise ValueError(f"namespace must be a non-empty string without '{{' or '}}', not {namespace!r}")
-        self.namespace = namespace
-        self.lease = _check_seconds("lease", lease, allow_zero=False)
+        self.namespace: str = namespace
+        self.lease: float = _check_seconds("lease", lease, allow_zero=False)
         if self.lease < MIN_LEASE:
             raise ValueError(f"lease must be at least {MIN_LEASE} s, not {lease!r}")
-        self.renew_interval = self.lease / 3 if renew_interval is None else _check_seconds(
+        self.renew_interval: float = self.lease / 3 if renew_interval is None else _check_seconds(
             "renew_interval", renew_interval, allow_zero=False)
         if self.renew_interval >= self.lease:
             raise ValueError(f"lease ({lease} s) must be longer than the renewal interval ({self.renew_interval} s)")
-        self.wait = _check_seconds("wait", wait, allow_zero=True, allow_inf=True)
-        self.cancel_on_lost = bool(cancel_on_lost)
-        self.fence_ttl_ms = int(_check_seconds("fence_ttl", fence_ttl, allow_zero=False) * 1000)
-        self.poll_cap = _check_seconds("poll_cap", poll_cap, allow_zero=False)
-        self.master_timeout = min(0.25, self.lease / 10) if master_timeout is None else _check_seconds(
+        self.wait: float = _check_seconds("wait", wait, allow_zero=True, allow_inf=True)
+        self.cancel_on_lost: bool = bool(cancel_on_lost)
+        self.fence_ttl_ms: int = int(_check_seconds("fence_ttl", fence_ttl, allow_zero=False) * 1000)
+        self.poll_cap: float = _check_seconds("poll_cap", poll_cap, allow_zero=False)
+        self.master_timeout: float = min(0.25, self.lease / 10) if master_timeout is None else _check_seconds(
             "master_timeout", master_timeout, allow_zero=False)
         if self.master_timeout * 4 > self.lease:
             raise ValueError(f"master_timeout ({master_timeout} s) must be at most a quarter of the lease "
                              f"({self.lease} s): a round takes up to two of them and must leave validity")
         self.telemetry: Telemetry = get_telemetry(tracer_provider, meter_provider)
-        self.masters = scripts.Masters(clients, self.master_timeout, self.telemetry)
+        self.masters: scripts.Masters = scripts.Masters(clients, self.master_timeout, self.telemetry)
         # The Idempotency-Key records of LockMiddleware need one store: the first master
         # (docs/lock.md, "RedLock quorum"). The locks themselves never use it alone.
         self.redis: aioredis.Redis = clients[0]
-        self.quorum = self.masters.quorum
+        self.quorum: int = self.masters.quorum
         self._cleanup = Cleanup(self.masters)
         self._counts = LockCounts(meter_provider)
         self.telemetry.gauges.add(self._counts)
-        self.id = uuid.uuid4().hex[:12]
+        self.id: str = uuid.uuid4().hex[:12]
         self._ids = itertools.count(1)
         self._background: set[asyncio.Future[Any]] = set()
         self._owns_clients = False

@@ -96,10 +96,10 @@ class Masters:
     """N independent redis.asyncio clients, each call bounded by `timeout` seconds."""
 
     def __init__(self, clients: Sequence[Any], timeout: float, telemetry: Telemetry) -> None:
-        self.clients = list(clients)
-        self.quorum = len(self.clients) // 2 + 1
-        self.timeout = timeout
-        self.telemetry = telemetry
+        self.clients: list[Any] = list(clients)
+        self.quorum: int = len(self.clients) // 2 + 1
+        self.timeout: float = timeout
+        self.telemetry: Telemetry = telemetry
 
     async def call(self, script: Script, keys: Sequence[str], args: Sequence[object], operation: str, name: str,
                    only: Sequence[int] | None = None) -> list[Any]:

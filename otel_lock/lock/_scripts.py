@@ -204,8 +204,8 @@ class Script:
     """A script called by SHA, loaded again when Redis has forgotten it (restart, SCRIPT FLUSH)."""
 
     def __init__(self, source: str) -> None:
-        self.source = source
-        self.sha = hashlib.sha1(source.encode()).hexdigest()
+        self.source: str = source
+        self.sha: str = hashlib.sha1(source.encode()).hexdigest()
 
     async def __call__(self, client: ScriptClient, keys: Sequence[str], args: Sequence[object]) -> Any:
         try:

@@ -34,6 +34,8 @@ class Caller(Protocol):
 
     fence_ttl_ms: int
     poll_cap: float
+    wait_replicas: int
+    _acquire_script: _scripts.Script
     _waiting: Waiting
     _counts: LockCounts
 
@@ -166,8 +168,8 @@ class Attempt:
         left by it (a long wait, a late read), the grant is confirmed with one
         ACQUIRE instead, which times the lease from its own send.
         """
-        if self._queued_at is None:
-            return None
+        if self._queued_at is None or self.manager.wait_replicas:
+            return None  # with wait_replicas, a hand-over is confirmed by an ACQUIRE that WAITs
         lease = self.lease_ms / 1000
         left = self._queued_at + lease - (lease * 0.01 + 0.002) - self.loop.time()
         return Reply([1, grant.token, 1], self._queued_at) if left >= lease / 2 else None
@@ -189,7 +191,7 @@ class Attempt:
     async def _acquire_call(self, args: list[Any]) -> Any:
         """ACQUIRE, safe to cancel: a reply that arrives after its caller left is undone."""
         manager = self.manager
-        call = asyncio.ensure_future(manager._call(_scripts.acquire, self.keys, args, "acquire", self.name))
+        call = asyncio.ensure_future(manager._call(manager._acquire_script, self.keys, args, "acquire", self.name))
         try:
             return await asyncio.shield(call)
         except asyncio.CancelledError:

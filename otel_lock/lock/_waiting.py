@@ -222,7 +222,7 @@ class Waiting:
                     self._poll_all()
                     await asyncio.sleep(RECONNECT_DELAY)
                     with contextlib.suppress(Exception):
-                        await pubsub.reset()
+                        await pubsub.aclose()  # reset() is deprecated (and, under -W error, never ran)
                     pubsub = self._redis.pubsub()
                     continue
                 if message is None:

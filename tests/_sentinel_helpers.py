@@ -72,6 +72,7 @@ class SentinelSet:
                                                 str(self.proxy.port)))
         self.replica.start()
         await until(lambda: self._link_up(self.replica.port), "the replica to sync")
+        await until(lambda: self._online_replicas(self.master.port), "the master to count its replica")
         binary = shutil.which("redis-server")
         for port in self.sentinel_ports:
             conf = Path(self._dir) / f"sentinel-{port}.conf"
@@ -93,6 +94,13 @@ class SentinelSet:
         async with aioredis.Redis(port=port) as client:
             info = await client.info("replication")
         return info.get("master_link_status") == "up"
+
+    async def _online_replicas(self, port: int) -> bool:
+        """The master has marked its replica online (only then does WAIT count it)."""
+        async with aioredis.Redis(port=port) as client:
+            info = await client.info("replication")
+        replica = info.get("slave0")
+        return isinstance(replica, dict) and replica.get("state") == "online"
 
     async def _sentinel_ready(self, port: int) -> bool:
         async with aioredis.Redis(port=port) as client:
@@ -137,6 +145,7 @@ class SentinelSet:
                                   extra_args=(*_NO_SYNC_DELAY, "--replicaof", "127.0.0.1", str(self.replica.port)))
         self.master.start()
         await until(lambda: self._link_up(self.master.port), "the old master to sync as a replica")
+        await until(lambda: self._online_replicas(self.replica.port), "the new master to count its replica")
 
     async def __aexit__(self, *exc: object) -> None:
         for process in self.sentinels:

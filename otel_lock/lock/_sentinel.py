@@ -14,6 +14,7 @@ require their own go in `sentinel_password=` / `sentinel_username=` options.
 
 from __future__ import annotations
 
+import asyncio
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -80,15 +81,21 @@ class _BlockingSentinelPool(SentinelConnectionPool, aioredis.BlockingConnectionP
 
 
 class SentinelMaster(aioredis.Redis):
-    """The master's client; closing it also closes its connections to the Sentinels."""
+    """The master's client; closing it also closes its clients of the Sentinels.
+
+    It closes the clients it was created with, not `Sentinel.sentinels`:
+    redis-py reorders that list from concurrent master look-ups (swapping
+    the one that answered to the front), and two interleaved swaps can drop a
+    client from it, whose sockets would then never be closed.
+    """
 
     sentinel: Sentinel | None = None
+    _sentinel_clients: tuple[aioredis.Redis, ...] = ()
 
     async def aclose(self, close_connection_pool: bool | None = None) -> None:
         await super().aclose(close_connection_pool)
-        if self.sentinel is not None:
-            sentinel, self.sentinel = self.sentinel, None
-            await sentinel.aclose()
+        clients, self._sentinel_clients, self.sentinel = self._sentinel_clients, (), None
+        await asyncio.gather(*(client.aclose() for client in clients), return_exceptions=True)
 
 
 def master_client(url: str, pool_timeout: float, options: dict[str, Any]) -> SentinelMaster:
@@ -106,7 +113,7 @@ def master_client(url: str, pool_timeout: float, options: dict[str, Any]) -> Sen
     client = sentinel.master_for(target.service_name, redis_class=SentinelMaster,
                                  connection_pool_class=_BlockingSentinelPool, db=target.db,
                                  timeout=pool_timeout, **options)
-    client.sentinel = sentinel
+    client.sentinel, client._sentinel_clients = sentinel, tuple(sentinel.sentinels)
     return client
 
 

@@ -1,6 +1,6 @@
 """LockManager behind Redis Sentinel, and `wait_replicas` (WAIT after acquire and renewal).
 
-Real processes on loopback (tests/_sentinel_helpers.py): one master, one
+Real processes on loopback (benchmarks/_sentinel_set.py, shared with benchmarks/bench_sentinel.py): one master, one
 replica (replicating through a proxy that can stall it) and three sentinels,
 each started and stopped by pid. The `failover` tests SIGKILL the master
 under load and check what docs/lock.md and docs/safety.md promise:
@@ -22,7 +22,7 @@ import pytest
 import redis.asyncio as aioredis
 from redis.asyncio.sentinel import Sentinel
 
-from _sentinel_helpers import SERVICE, SentinelSet, until
+from benchmarks._sentinel_set import SentinelSet, until
 from otel_lock import LockManager, LockTimeout, RedisUnavailable
 from otel_lock.lock._connection import Connection
 from otel_lock.lock._sentinel import parse_url

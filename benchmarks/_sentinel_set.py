@@ -20,7 +20,7 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 
-from _proc_helpers import TcpProxy
+from benchmarks.safety._proxy import TcpProxy
 from otel_lock.cli._redis_server import RedisServer, _ping, free_port, stop_process
 
 SERVICE = "otel-lock-test"
@@ -44,10 +44,11 @@ async def until(predicate, what: str, timeout: float = DEADLINE, every: float = 
 class SentinelSet:
     """`async with SentinelSet() as s:`; `s.url` is the redis+sentinel:// URL of the service."""
 
-    def __init__(self, sentinels: int = 3) -> None:
+    def __init__(self, sentinels: int = 3, proxy: bool = True) -> None:
         self.master = RedisServer(extra_args=_NO_SYNC_DELAY)
         self.replica: RedisServer | None = None
         self.proxy: TcpProxy | None = None
+        self._use_proxy = proxy  # False: the replica replicates directly (benchmarks: no Python hop)
         self.sentinel_ports = [free_port() for _ in range(sentinels)]
         self.sentinels: list[subprocess.Popen[bytes]] = []
         self._dir = tempfile.mkdtemp(prefix="otel-lock-sentinel-")
@@ -67,9 +68,11 @@ class SentinelSet:
 
     async def _start(self) -> None:
         self.master.start()
-        self.proxy = await TcpProxy("127.0.0.1", self.master.port).start()
-        self.replica = RedisServer(extra_args=(*_NO_SYNC_DELAY, "--replicaof", "127.0.0.1",
-                                                str(self.proxy.port)))
+        upstream = self.master.port
+        if self._use_proxy:
+            self.proxy = await TcpProxy("127.0.0.1", self.master.port).start()
+            upstream = self.proxy.port
+        self.replica = RedisServer(extra_args=(*_NO_SYNC_DELAY, "--replicaof", "127.0.0.1", str(upstream)))
         self.replica.start()
         await until(lambda: self._link_up(self.replica.port), "the replica to sync")
         await until(lambda: self._online_replicas(self.master.port), "the master to count its replica")

@@ -141,6 +141,12 @@ class SentinelSet:
         async with aioredis.Redis(port=port) as client:
             return (await client.info("replication"))["role"] == "master"
 
+    async def demote_master(self) -> int:
+        """`SENTINEL FAILOVER`: the master stays up and becomes a replica; the new master's port."""
+        async with aioredis.Redis(port=self.sentinel_ports[0]) as client:
+            await client.execute_command("SENTINEL", "FAILOVER", SERVICE)
+        return await self.failed_over()
+
     async def bring_back_old_master(self) -> None:
         """The killed node restarts empty as a replica of the new master (what an operator does)."""
         assert self.replica is not None

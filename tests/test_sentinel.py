@@ -163,15 +163,22 @@ async def test_too_few_replicas_releases_and_raises(pair):
             await locks.acquire("stock:1", wait=0)
         assert await client.exists("otel-lock:{stock:1}") == 0  # released again on the master
         with pytest.raises(RedisUnavailable, match="0 of 1 replica"):
-            await locks.acquire("stock:1", wait=0.3)  # a waiter retries until its deadline, then says why
+            await locks.acquire("stock:1", wait=0.3)  # with a wait too: the first ask already says why
         assert await client.exists("otel-lock:{stock:1}") == 0
         pair.proxy.forward()
+        await until(lambda: _caught_up(client, pair.replica.port), "the replica to catch up")
         held = await locks.acquire("stock:1", wait=5)
         assert await held.release()
     finally:
         pair.proxy.forward()
         await locks.aclose()
         await client.aclose()
+
+
+async def _caught_up(master, replica_port):
+    async with aioredis.Redis(port=replica_port) as replica:
+        info = await replica.info("replication")
+    return info["slave_repl_offset"] >= (await master.info("replication"))["master_repl_offset"]
 
 
 async def test_unacknowledged_renewals_end_in_a_reported_loss(pair):
@@ -241,6 +248,50 @@ async def test_a_lock_lost_in_failover_is_reported_and_fenced_and_wakeups_follow
         await new_master.aclose()
     finally:
         for manager in (a, b, c):
+            await manager.aclose()
+
+
+@pytest.mark.failover
+async def test_a_demoted_master_is_never_talked_to_again(sentinels):
+    """SENTINEL FAILOVER keeps the old master running, as a replica: the lock leaves it entirely."""
+    holder = LockManager.from_url(sentinels.url, lease=6.0)  # longer than the switch: not lost meanwhile
+    waiter = LockManager.from_url(sentinels.url, poll_cap=30.0)
+    old = aioredis.Redis(port=sentinels.master.port)
+    try:
+        kept = await holder.acquire("job:1")  # held across the switch, renewed every 2 s
+        warm = await holder.acquire("warm", lease=30.0)
+        first = asyncio.create_task(waiter.acquire("warm", wait=10))  # the waiter's subscriber is on the old master
+        await until(lambda: _queued(old, "warm"), "the waiter to queue")
+        assert await warm.release()
+        assert await (await first).release()
+
+        new_port = await sentinels.demote_master()
+        new = aioredis.Redis(port=new_port)
+        # The old master still answers as a master for seconds (until the Sentinels reconfigure it):
+        # nothing may go on writing there meanwhile.
+        # Renewals of the lock held across the switch reach the new master.
+        await until(_renewed(new, kept.key), "a renewal on the new master")
+        # The idle waiter's subscriber follows by itself (it asks the Sentinels each idle second).
+        channel = waiter._waiting.channel
+        await until(lambda: _subscribed(new, channel), "the subscriber to follow to the new master")
+        # Scripts and wake-ups work on the new master.
+        busy = await holder.acquire("stock:1", lease=30.0)
+        assert await new.exists(busy.key) == 1 and await old.exists(busy.key) == 0
+        woken = asyncio.create_task(waiter.acquire("stock:1", wait=10))
+        await until(lambda: _queued(new, "stock:1"), "the waiter to queue on the new master")
+        assert await busy.release()
+        assert await (await asyncio.wait_for(woken, 5)).release()
+        # Nothing of ours talks to the demoted master any more (only sentinels and this test do).
+        clients = await old.client_list()
+        ours = [c for c in clients if not c["name"].startswith("sentinel-") and c["cmd"] != "client|list"
+                and "M" not in c.get("flags", "")]  # M: its own link to the new master, once converted
+        assert ours == [], ours
+        assert not kept.lost.is_set()
+        assert await kept.release()
+        await new.aclose()
+    finally:
+        await old.aclose()
+        for manager in (holder, waiter):
             await manager.aclose()
 
 

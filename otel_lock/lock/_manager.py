@@ -38,7 +38,7 @@ from ._errors import LockError, LockLost, LockTimeout, RedisUnavailable, is_unav
 from ._held import NEVER, HeldLock, Lease, LockContext, LockInfo
 from ._replicas import Replicated
 from ._sentinel import SCHEME as SENTINEL_SCHEME
-from ._sentinel import master_client
+from ._sentinel import MasterWatch, master_client
 from ._waiting import Waiting
 from ._watchdog import Watchdog
 from ..telemetry._instruments import LockCounts, Telemetry, current_traceparent, get_telemetry, suppressed
@@ -111,8 +111,11 @@ class LockManager:
         # connection to the same server when the client allows; else redis-py.
         self._direct = Connection.for_client(redis)
         self._client: _scripts.ScriptClient = self._direct or redis
+        # Behind Sentinel: leave a demoted master as soon as the Sentinels name another.
+        self._master_watch = MasterWatch.for_client(redis)
         subscriber = partial(Connection.for_client, redis) if self._direct else None
-        self._waiting = Waiting(redis, f"{namespace}:wake:{self.id}", subscriber, self._pass_on)
+        self._waiting = Waiting(redis, f"{namespace}:wake:{self.id}", subscriber, self._pass_on,
+                                self._master_watch.check if self._master_watch is not None else None)
         self._watchdog = Watchdog(self)
         self._owns_client = False
         self._background: set[asyncio.Future[Any]] = set()
@@ -522,6 +525,8 @@ class LockManager:
                     name: str) -> Any:
         began = time.perf_counter()
         try:
+            if self._master_watch is not None:
+                await self._master_watch.check()
             if self._direct is not None:  # no Redis instrumentation sees the lean connection
                 answer = await script(self._direct, keys, args)
             else:

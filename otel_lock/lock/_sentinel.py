@@ -22,6 +22,7 @@ from urllib.parse import unquote, urlsplit
 
 import redis.asyncio as aioredis
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
+from redis.exceptions import RedisError
 
 SCHEME = "redis+sentinel"
 DEFAULT_PORT = 26379
@@ -89,13 +90,52 @@ class SentinelMaster(aioredis.Redis):
     client from it, whose sockets would then never be closed.
     """
 
-    sentinel: Sentinel | None = None
     _sentinel_clients: tuple[aioredis.Redis, ...] = ()
 
     async def aclose(self, close_connection_pool: bool | None = None) -> None:
         await super().aclose(close_connection_pool)
-        clients, self._sentinel_clients, self.sentinel = self._sentinel_clients, (), None
+        clients, self._sentinel_clients = self._sentinel_clients, ()
         await asyncio.gather(*(client.aclose() for client in clients), return_exceptions=True)
+
+
+REFRESH_EVERY = 0.5  # seconds between two "who is the master?" questions to the Sentinels
+
+
+class MasterWatch:
+    """Asks the Sentinels who the master is (at most every REFRESH_EVERY s) and leaves an old one at once.
+
+    redis-py asks the Sentinels only when it opens a connection. After a
+    `SENTINEL FAILOVER`, or a partition that healed, the old master keeps
+    running and keeps answering as a master until the Sentinels reconfigure
+    it (seconds later): pooled connections to it would go on taking and
+    renewing locks that the new master does not know. The manager calls
+    `check()` before its scripts and renewals; when the Sentinels name another
+    master, every connection of the pool is closed (in-flight calls fail with
+    RedisUnavailable, the failover is under way) and the next one goes to the
+    new master.
+    """
+
+    def __init__(self, pool: SentinelConnectionPool) -> None:
+        self.pool = pool
+        self._next = 0.0
+
+    @classmethod
+    def for_client(cls, client: Any) -> "MasterWatch | None":
+        pool = getattr(client, "connection_pool", None)
+        return cls(pool) if isinstance(pool, SentinelConnectionPool) and pool.is_master else None
+
+    async def check(self) -> None:
+        now = asyncio.get_running_loop().time()
+        if now < self._next:
+            return
+        self._next = now + REFRESH_EVERY
+        known = self.pool.master_address
+        try:
+            current = await self.pool.get_master_address()
+        except (RedisError, OSError):
+            return  # no Sentinel answered: the call itself will tell
+        if known is not None and current != known:
+            await self.pool.disconnect(inuse_connections=True)
 
 
 def master_client(url: str, pool_timeout: float, options: dict[str, Any]) -> SentinelMaster:
@@ -109,11 +149,11 @@ def master_client(url: str, pool_timeout: float, options: dict[str, Any]) -> Sen
         options["username"] = target.username
     if target.password is not None:
         options["password"] = target.password
-    sentinel = Sentinel(list(target.sentinels), sentinel_kwargs=sentinel_kwargs)
-    client = sentinel.master_for(target.service_name, redis_class=SentinelMaster,
+    sentinel = Sentinel(list(target.sentinels), sentinel_kwargs=sentinel_kwargs)  # type: ignore[no-untyped-call]
+    client: SentinelMaster = sentinel.master_for(target.service_name, redis_class=SentinelMaster,
                                  connection_pool_class=_BlockingSentinelPool, db=target.db,
                                  timeout=pool_timeout, **options)
-    client.sentinel, client._sentinel_clients = sentinel, tuple(sentinel.sentinels)
+    client._sentinel_clients = tuple(sentinel.sentinels)
     return client
 
 

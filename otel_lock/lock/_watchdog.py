@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     import redis.asyncio as aioredis
 
     from ._connection import Connection
+    from ._sentinel import MasterWatch
 
 log = logging.getLogger("otel_lock")
 
@@ -43,6 +44,7 @@ class Renewer(Protocol):
     _client: _scripts.ScriptClient
     wait_replicas: int
     wait_replicas_timeout: float
+    _master_watch: MasterWatch | None
 
     def _lose(self, lease: Lease, reason: str, count: bool = True) -> None: ...
 
@@ -93,6 +95,8 @@ class Watchdog:
         chunks = [leases[i:i + BATCH] for i in range(0, len(leases), BATCH)]
         began = time.perf_counter()
         try:
+            if manager._master_watch is not None:
+                await manager._master_watch.check()  # never renew on a demoted master
             with suppressed():
                 results = await self._send(chunks)
             self._record(leases, time.perf_counter() - began, None)

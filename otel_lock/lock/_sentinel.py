@@ -131,7 +131,7 @@ class MasterWatch:
         self._next = now + REFRESH_EVERY
         known = self.pool.master_address
         try:
-            current = await self.pool.get_master_address()
+            current = await self.pool.get_master_address()  # type: ignore[no-untyped-call]
         except (RedisError, OSError):
             return  # no Sentinel answered: the call itself will tell
         if known is not None and current != known:

@@ -98,6 +98,20 @@ async def test_a_sentinel_client_goes_through_redis_py():
     await from_url.aclose()
 
 
+@pytest.mark.parametrize("wait", [0, 1.0])
+async def test_no_sentinel_answering_is_redis_unavailable(wait):
+    """No Sentinel reachable: RedisUnavailable (HTTP 503), never a hang or a plain LockError."""
+    from otel_lock.cli._redis_server import free_port
+
+    locks = LockManager.from_url(f"redis+sentinel://127.0.0.1:{free_port()},127.0.0.1:{free_port()}/svc",
+                                 socket_timeout=0.5)
+    try:
+        with pytest.raises(RedisUnavailable, match="No master found|svc"):
+            await asyncio.wait_for(locks.acquire("stock:1", wait=wait), 5)  # a hang guard, not a timing
+    finally:
+        await locks.aclose()
+
+
 # -- WAIT on a master and its replica (no failover) ---------------------------------
 
 

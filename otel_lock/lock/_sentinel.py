@@ -15,13 +15,16 @@ require their own go in `sentinel_password=` / `sentinel_username=` options.
 from __future__ import annotations
 
 import asyncio
+import copy
 import re
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
+from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 SCHEME = "redis+sentinel"
@@ -142,6 +145,9 @@ def master_client(url: str, pool_timeout: float, options: dict[str, Any]) -> Sen
     """A client for the master of `url`; `options` are redis-py connection options (socket_timeout, ...)."""
     target = parse_url(url)
     sentinel_kwargs = {k: v for k, v in options.items() if k.startswith("socket_")}
+    # redis-py's default retries a refused Sentinel with seconds of backoff; a
+    # Sentinel that is down must cost one refused connect (or a socket timeout).
+    sentinel_kwargs["retry"] = copy.deepcopy(options["retry"]) if "retry" in options else Retry(NoBackoff(), 0)
     for key in ("sentinel_username", "sentinel_password"):
         if key in options:
             sentinel_kwargs[key.removeprefix("sentinel_")] = options.pop(key)

@@ -189,6 +189,26 @@ async def test_too_few_replicas_releases_and_raises(pair):
         await client.aclose()
 
 
+async def test_a_reentry_the_replicas_do_not_acknowledge_is_undone(pair):
+    client = aioredis.Redis(port=pair.master.port, socket_timeout=2.0)
+    locks = LockManager(client, wait_replicas=1, wait_replicas_timeout=0.1)
+    try:
+        async with locks.lock("stock:1") as held:
+            pair.proxy.stall()
+            with pytest.raises(RedisUnavailable, match="0 of 1 replica"):
+                async with locks.lock("stock:1"):
+                    pass
+            # the nested hold was taken back on the master; the outer one is still ours
+            assert int(await client.hget(held.key, "depth")) == 1
+            assert (await client.hget(held.key, "owner")).decode() == held.owner
+            pair.proxy.forward()
+        assert await client.exists(held.key) == 0  # released in full
+    finally:
+        pair.proxy.forward()
+        await locks.aclose()
+        await client.aclose()
+
+
 async def _caught_up(master, replica_port):
     async with aioredis.Redis(port=replica_port) as replica:
         info = await replica.info("replication")

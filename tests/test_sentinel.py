@@ -189,6 +189,24 @@ async def test_too_few_replicas_releases_and_raises(pair):
         await client.aclose()
 
 
+@pytest.mark.parametrize("direct", [True, False], ids=["lean", "redis-py"])
+async def test_a_replica_answering_readonly_is_redis_unavailable(pair, direct):
+    """What a demoted master answers to a write: RedisUnavailable (HTTP 503), never a plain LockError."""
+    client = aioredis.Redis(port=pair.replica.port, socket_timeout=2.0, **({} if direct else {"protocol": 3}))
+    locks = LockManager(client)
+    assert (locks._direct is not None) == direct
+    try:
+        for wait in (0, 0.2):
+            with pytest.raises(RedisUnavailable, match="(?i)read.?only"):
+                await locks.acquire("stock:1", wait=wait)
+        # Its background clean-up (retried while Redis is unavailable) stops with the manager:
+        # a hang guard, it took the whole lease (30 s) through redis-py before.
+        await asyncio.wait_for(locks.aclose(), 5)
+    finally:
+        await locks.aclose()
+        await client.aclose()
+
+
 async def test_a_reentry_the_replicas_do_not_acknowledge_is_undone(pair):
     client = aioredis.Redis(port=pair.master.port, socket_timeout=2.0)
     locks = LockManager(client, wait_replicas=1, wait_replicas_timeout=0.1)

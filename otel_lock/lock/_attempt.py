@@ -250,7 +250,7 @@ class Attempt:
                 await self._leave()
                 return
             except RedisUnavailable:
-                if self.loop.time() > give_up:
+                if self.loop.time() > give_up or _cancelling():
                     return
                 await asyncio.sleep(UNDO_RETRY)
 
@@ -259,6 +259,12 @@ class Attempt:
         cap = self.manager.poll_cap
         bound = cap if pttl_ms < 0 else min(pttl_ms / 1000, cap)
         return max(MIN_POLL, bound) * random.uniform(0.8, 1.1)
+
+
+def _cancelling() -> bool:
+    """The current task was asked to stop, even if a client library turned the CancelledError into an error."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def _text(value: bytes | str | None) -> str:

@@ -32,7 +32,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from . import _scripts
-from ._attempt import Attempt
+from ._attempt import Attempt, _cancelling
 from ._connection import Connection
 from ._errors import LockError, LockLost, LockTimeout, RedisUnavailable, is_unavailable
 from ._held import NEVER, HeldLock, Lease, LockContext, LockInfo
@@ -461,6 +461,8 @@ class LockManager:
                 await self._call(_scripts.release, keys, [lease.owner, self.fence_ttl_ms, "1"], "release", lease.name)
                 return
             except RedisUnavailable:
+                if _cancelling():  # aclose() stopped it, whatever redis-py made of the CancelledError
+                    return
                 continue
 
     def _end(self, lease: Lease, outcome: str) -> None:

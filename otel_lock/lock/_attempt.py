@@ -34,6 +34,8 @@ class Caller(Protocol):
 
     fence_ttl_ms: int
     poll_cap: float
+    wait_replicas: int
+    _acquire_script: _scripts.Script
     _waiting: Waiting
     _counts: LockCounts
 
@@ -166,8 +168,8 @@ class Attempt:
         left by it (a long wait, a late read), the grant is confirmed with one
         ACQUIRE instead, which times the lease from its own send.
         """
-        if self._queued_at is None:
-            return None
+        if self._queued_at is None or self.manager.wait_replicas:
+            return None  # with wait_replicas, a hand-over is confirmed by an ACQUIRE that WAITs
         left = self._queued_at + self._validity() - self.loop.time()
         return Reply([1, grant.token, 1], self._queued_at) if left >= self.lease_ms / 2000 else None
 
@@ -202,7 +204,7 @@ class Attempt:
     async def _acquire_call(self, args: list[Any]) -> Any:
         """ACQUIRE, safe to cancel: a reply that arrives after its caller left is undone."""
         manager = self.manager
-        call = asyncio.ensure_future(manager._call(_scripts.acquire, self.keys, args, "acquire", self.name))
+        call = asyncio.ensure_future(manager._call(manager._acquire_script, self.keys, args, "acquire", self.name))
         try:
             return await asyncio.shield(call)
         except asyncio.CancelledError:
@@ -261,7 +263,7 @@ class Attempt:
                 await self._leave()
                 return
             except RedisUnavailable:
-                if self.loop.time() > give_up:
+                if self.loop.time() > give_up or _cancelling():
                     return
                 await asyncio.sleep(UNDO_RETRY)
 
@@ -270,6 +272,12 @@ class Attempt:
         cap = self.manager.poll_cap
         bound = cap if pttl_ms < 0 else min(pttl_ms / 1000, cap)
         return max(MIN_POLL, bound) * random.uniform(0.8, 1.1)
+
+
+def _cancelling() -> bool:
+    """The current task was asked to stop, even if a client library turned the CancelledError into an error."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def _text(value: bytes | str | None) -> str:

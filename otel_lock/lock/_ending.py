@@ -12,6 +12,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Coroutine
 
 from . import _scripts
+from ._attempt import _cancelling
 from ._errors import LockError, RedisUnavailable, is_unavailable
 from ._held import HELD, HeldLock, Lease
 from ._watchdog import Watchdog
@@ -101,6 +102,8 @@ class Ending:
                 await self._call(_scripts.release, keys, [lease.owner, self.fence_ttl_ms, "1"], "release", lease.name)
                 return
             except RedisUnavailable:
+                if _cancelling():  # aclose() stopped it, whatever redis-py made of the CancelledError
+                    return
                 continue
 
     def _end(self, lease: Lease, outcome: str) -> None:

@@ -30,13 +30,16 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from . import _scripts
-from ._attempt import Attempt
+from ._attempt import Attempt, _cancelling
 from ._connection import Connection
 from ._errors import LockError, LockLost, LockTimeout, RedisUnavailable, is_unavailable
 from ._ending import Ending, _error_type
 from ._options import (MAX_KEY_LENGTH, MIN_LEASE, _MANAGER_OPTIONS, _check_seconds, _glob_escape, _text,
                        default_name)
 from ._held import HELD, NEVER, HeldLock, Lease, LockContext, LockInfo
+from ._replicas import Replicated
+from ._sentinel import SCHEME as SENTINEL_SCHEME
+from ._sentinel import MasterWatch, master_client
 from ._waiting import Waiting
 from ._watchdog import Watchdog
 from ..telemetry._instruments import LockCounts, Telemetry, current_traceparent, get_telemetry, suppressed
@@ -50,7 +53,8 @@ class LockManager(Ending):
                  wait: float = 5.0, cancel_on_lost: bool = False, fence_ttl: float = 3600.0,
                  poll_cap: float = 0.5, renew_interval: float | None = None,
                  tracer_provider: trace.TracerProvider | None = None,
-                 meter_provider: MeterProvider | None = None) -> None:
+                 meter_provider: MeterProvider | None = None, wait_replicas: int = 0,
+                 wait_replicas_timeout: float = 0.5) -> None:
         if not isinstance(namespace, str) or not namespace or "{" in namespace or "}" in namespace:
             raise ValueError(f"namespace must be a non-empty string without '{{' or '}}', not {namespace!r}")
         self.redis: aioredis.Redis = redis
@@ -66,6 +70,10 @@ class LockManager(Ending):
         self.cancel_on_lost: bool = bool(cancel_on_lost)
         self.fence_ttl_ms: int = int(_check_seconds("fence_ttl", fence_ttl, allow_zero=False) * 1000)
         self.poll_cap: float = _check_seconds("poll_cap", poll_cap, allow_zero=False)
+        self.wait_replicas, self.wait_replicas_timeout = _check_replicas(redis, wait_replicas, wait_replicas_timeout)
+        # With wait_replicas, ACQUIRE is followed by WAIT on its own connection (docs/lock.md, Sentinel).
+        self._acquire_script: _scripts.Script = _scripts.acquire if not self.wait_replicas else Replicated(
+            _scripts.acquire, self.wait_replicas, int(self.wait_replicas_timeout * 1000))
         self.telemetry: Telemetry = get_telemetry(tracer_provider, meter_provider)
         self._counts = LockCounts(meter_provider)
         self.telemetry.gauges.add(self._counts)
@@ -76,8 +84,11 @@ class LockManager(Ending):
         # connection to the same server when the client allows; else redis-py.
         self._direct = Connection.for_client(redis)
         self._client: _scripts.ScriptClient = self._direct or redis
+        # Behind Sentinel: leave a demoted master as soon as the Sentinels name another.
+        self._master_watch = MasterWatch.for_client(redis)
         subscriber = partial(Connection.for_client, redis) if self._direct else None
-        self._waiting = Waiting(redis, f"{namespace}:wake:{self.id}", subscriber, self._pass_on)
+        self._waiting = Waiting(redis, f"{namespace}:wake:{self.id}", subscriber, self._pass_on,
+                                self._master_watch.check if self._master_watch is not None else None)
         self._watchdog = Watchdog(self)
         self._owns_client = False
         self._background: set[asyncio.Future[Any]] = set()
@@ -91,8 +102,9 @@ class LockManager(Ending):
         queues instead of failing; past that the caller gets RedisUnavailable.
         """
         scheme = urlsplit(url).scheme if isinstance(url, str) else None
-        if scheme not in ("redis", "rediss", "unix"):
-            raise ValueError(f"unknown Redis URL scheme in {url!r}: use redis://, rediss:// or unix://")
+        if scheme not in ("redis", "rediss", "unix", SENTINEL_SCHEME):
+            raise ValueError(f"unknown Redis URL scheme in {url!r}: use redis://, rediss://, unix:// "
+                             f"or {SENTINEL_SCHEME}://")
         manager_options = {k: options.pop(k) for k in _MANAGER_OPTIONS if k in options}
         options.setdefault("socket_timeout", 2.0)
         options.setdefault("socket_connect_timeout", options["socket_timeout"])
@@ -102,8 +114,12 @@ class LockManager(Ending):
         # that died with a Redis restart); a timeout is not retried, so an outage
         # surfaces within the socket timeout.
         options.setdefault("retry", Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)))
-        pool = aioredis.BlockingConnectionPool.from_url(url, timeout=pool_timeout, **options)
-        manager = cls(aioredis.Redis.from_pool(pool), **manager_options)
+        if scheme == SENTINEL_SCHEME:
+            client: aioredis.Redis = master_client(url, pool_timeout, options)
+        else:
+            client = aioredis.Redis.from_pool(
+                aioredis.BlockingConnectionPool.from_url(url, timeout=pool_timeout, **options))
+        manager = cls(client, **manager_options)
         manager._owns_client = True
         return manager
 
@@ -195,8 +211,12 @@ class LockManager(Ending):
         """Stop the watchdog and subscriber; locks still held expire after their lease."""
         await self._watchdog.aclose()
         await self._waiting.aclose()
-        for task in list(self._background):
+        background = list(self._background)
+        for task in background:
             task.cancel()
+        # Let them end before the client closes: one cancelled mid-connect would
+        # otherwise hand a fresh socket back to an already closed pool.
+        await asyncio.gather(*background, return_exceptions=True)
         if self._direct is not None:
             await self._direct.aclose()
         if self._owns_client:
@@ -320,7 +340,7 @@ class LockManager(Ending):
     async def _reenter_call(self, lease: Lease) -> Any:
         keys = self._keys(lease.lock_key)
         args = [lease.owner, "-", lease.renew_ms, "1", "-1", "", self.fence_ttl_ms, ""]
-        call = asyncio.ensure_future(self._call(_scripts.acquire, keys, args, "acquire", lease.name))
+        call = asyncio.ensure_future(self._call(self._acquire_script, keys, args, "acquire", lease.name))
         try:
             return await asyncio.shield(call)
         except asyncio.CancelledError:
@@ -363,6 +383,8 @@ class LockManager(Ending):
                     name: str) -> Any:
         began = time.perf_counter()
         try:
+            if self._master_watch is not None:
+                await self._master_watch.check()
             if self._direct is not None:  # no Redis instrumentation sees the lean connection
                 answer = await script(self._direct, keys, args)
             else:
@@ -387,3 +409,18 @@ class _Busy(LockTimeout):
 
 def _lock_keys(redis_key: str) -> tuple[str, str, str, str]:
     return redis_key, redis_key + ":fence", redis_key + ":q", redis_key + ":w"
+
+
+def _check_replicas(redis: Any, replicas: int, timeout: float) -> tuple[int, float]:
+    """`WAIT replicas timeout` must end before the socket timeout, or the wait itself would look like an outage."""
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
+        raise ValueError(f"wait_replicas must be a whole number >= 0, not {replicas!r}")
+    timeout = _check_seconds("wait_replicas_timeout", timeout, allow_zero=False)
+    if timeout < 0.001:
+        raise ValueError(f"wait_replicas_timeout must be at least 0.001 s, not {timeout!r}")
+    pool = getattr(redis, "connection_pool", None)
+    socket_timeout = getattr(pool, "connection_kwargs", {}).get("socket_timeout")
+    if replicas and socket_timeout and timeout >= socket_timeout:
+        raise ValueError(f"wait_replicas_timeout ({timeout} s) must be shorter than the client's socket "
+                         f"timeout ({socket_timeout} s)")
+    return replicas, timeout

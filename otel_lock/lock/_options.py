@@ -8,7 +8,7 @@ MAX_KEY_LENGTH = 512
 MIN_LEASE = 0.1
 _MANAGER_OPTIONS = (
     "namespace", "lease", "wait", "cancel_on_lost", "fence_ttl", "poll_cap",
-    "renew_interval", "tracer_provider", "meter_provider",
+    "renew_interval", "tracer_provider", "meter_provider", "wait_replicas", "wait_replicas_timeout",
 )
 
 

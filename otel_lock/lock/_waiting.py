@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import logging
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, NamedTuple
 
 from redis.exceptions import RedisError
 
@@ -82,10 +82,12 @@ class Waiting:
     """The manager's subscriber and its registry of local waiters."""
 
     def __init__(self, redis: Any, channel: str, subscriber: Callable[..., Connection | None] | None = None,
-                 on_orphan: Callable[[str, str], None] | None = None) -> None:
+                 on_orphan: Callable[[str, str], None] | None = None,
+                 on_idle: Callable[[], Awaitable[None]] | None = None) -> None:
         self._redis = redis
         self._subscriber = subscriber  # makes a lean Connection, when the client allows one
         self._on_orphan = on_orphan
+        self._on_idle = on_idle  # redis-py subscriber: called each idle second (Sentinel: is the master still it?)
         self.channel = channel
         self._waiters: dict[str, Waiter] = {}
         self._by_key: dict[str, OrderedDict[str, Waiter]] = {}
@@ -222,10 +224,12 @@ class Waiting:
                     self._poll_all()
                     await asyncio.sleep(RECONNECT_DELAY)
                     with contextlib.suppress(Exception):
-                        await pubsub.reset()
+                        await pubsub.aclose()  # reset() is deprecated (and, under -W error, never ran)
                     pubsub = self._redis.pubsub()
                     continue
                 if message is None:
+                    if self._on_idle is not None:
+                        await self._on_idle()
                     continue
                 kind = message["type"]
                 if kind in ("subscribe", b"subscribe"):

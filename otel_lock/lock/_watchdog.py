@@ -21,11 +21,13 @@ from . import _scripts
 from ..telemetry._instruments import Telemetry, suppressed
 from ._errors import is_unavailable
 from ._held import NEVER, Lease
+from ._replicas import check_acks, with_wait
 
 if TYPE_CHECKING:
     import redis.asyncio as aioredis
 
     from ._connection import Connection
+    from ._sentinel import MasterWatch
 
 log = logging.getLogger("otel_lock")
 
@@ -40,6 +42,9 @@ class Renewer(Protocol):
     telemetry: Telemetry
     _direct: Connection | None
     _client: _scripts.ScriptClient
+    wait_replicas: int
+    wait_replicas_timeout: float
+    _master_watch: MasterWatch | None
 
     def _lose(self, lease: Lease, reason: str, count: bool = True) -> None: ...
 
@@ -90,6 +95,8 @@ class Watchdog:
         chunks = [leases[i:i + BATCH] for i in range(0, len(leases), BATCH)]
         began = time.perf_counter()
         try:
+            if manager._master_watch is not None:
+                await manager._master_watch.check()  # never renew on a demoted master
             with suppressed():
                 results = await self._send(chunks)
             self._record(leases, time.perf_counter() - began, None)
@@ -133,6 +140,16 @@ class Watchdog:
 
     async def _send_once(self, calls: list[tuple[Any, ...]]) -> list[Any]:
         manager = self._manager
+        if manager.wait_replicas:
+            # A renewal counts once the replicas have it (WAIT on the same connection).
+            timeout_ms = int(manager.wait_replicas_timeout * 1000)
+            *results, acked = await with_wait(manager._direct or manager.redis, calls, manager.wait_replicas,
+                                              timeout_ms)
+            errors = [r for r in results if isinstance(r, Exception)]
+            if errors:
+                raise errors[0]
+            check_acks(acked, manager.wait_replicas, timeout_ms)
+            return results
         if manager._direct is not None:
             results = await manager._direct.execute_many(calls)
             errors = [r for r in results if isinstance(r, Exception)]

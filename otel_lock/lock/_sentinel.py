@@ -1,0 +1,168 @@
+"""`redis+sentinel://` URLs: a redis-py client for the master a set of Sentinels names.
+
+The lean hiredis connection is never used for such a client (it would keep
+talking to one address); redis-py's Sentinel pool asks the Sentinels for the
+master on every new connection and drops a connection whose server answers
+READONLY (a demoted master), so scripts, renewals and the subscriber follow a
+failover.
+
+    redis+sentinel://[[username]:password@]host1[:26379][,host2[:26379]...]/service_name[/db]
+
+The password (and username) in the URL are the *master's*; Sentinels that
+require their own go in `sentinel_password=` / `sentinel_username=` options.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import re
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+SCHEME = "redis+sentinel"
+DEFAULT_PORT = 26379
+_HOST = re.compile(r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<name>[^\s:\[\]/@,]+))(?::(?P<port>[0-9]+))?$")
+_FORM = f"{SCHEME}://[[user]:password@]host1[:{DEFAULT_PORT}][,host2[:port]...]/service_name[/db]"
+
+
+@dataclass(frozen=True)
+class SentinelTarget:
+    """What a `redis+sentinel://` URL names."""
+
+    sentinels: tuple[tuple[str, int], ...]
+    service_name: str
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+
+
+def parse_url(url: str) -> SentinelTarget:
+    """Parse and validate; a ValueError says what is wrong and shows the expected form."""
+    def bad(problem: str) -> ValueError:
+        return ValueError(f"bad Sentinel URL {_redact(url)!r}: {problem}; expected {_FORM}")
+
+    parts = urlsplit(url)
+    if parts.scheme != SCHEME:
+        raise bad(f"the scheme must be {SCHEME}://")
+    if parts.query or parts.fragment:
+        raise bad("query strings and fragments are not accepted (pass options as keyword arguments)")
+    userinfo, at, hostlist = parts.netloc.rpartition("@")
+    username = password = None
+    if at:
+        user, colon, secret = userinfo.partition(":")
+        username = unquote(user) or None
+        password = unquote(secret) if colon else None
+        if password is None and username is not None:
+            raise bad("give the password as ':password@' (or 'user:password@')")
+    sentinels = []
+    for item in hostlist.split(","):
+        match = _HOST.match(item.strip())
+        if not match:
+            raise bad(f"{item!r} is not a host[:port]")
+        port = int(match["port"] or DEFAULT_PORT)
+        if not 0 < port < 65536:
+            raise bad(f"port {port} is out of range")
+        sentinels.append((match["v6"] or match["name"], port))
+    segments = parts.path.split("/")[1:] if parts.path else []
+    if not segments or not segments[0]:
+        raise bad("the service name (the master's name in the Sentinels' config) is missing")
+    if len(segments) > 2 or (len(segments) == 2 and not segments[1].isdigit()):
+        raise bad("after the service name only a database number may follow")
+    return SentinelTarget(tuple(sentinels), unquote(segments[0]), int(segments[1]) if len(segments) == 2 else 0,
+                          username, password)
+
+
+class _BlockingSentinelPool(SentinelConnectionPool, aioredis.BlockingConnectionPool):
+    """Sentinel-managed connections with from_url's blocking pool: a burst queues, bounded by `timeout`."""
+
+
+class SentinelMaster(aioredis.Redis):
+    """The master's client; closing it also closes its clients of the Sentinels.
+
+    It closes the clients it was created with, not `Sentinel.sentinels`:
+    redis-py reorders that list from concurrent master look-ups (swapping
+    the one that answered to the front), and two interleaved swaps can drop a
+    client from it, whose sockets would then never be closed.
+    """
+
+    _sentinel_clients: tuple[aioredis.Redis, ...] = ()
+
+    async def aclose(self, close_connection_pool: bool | None = None) -> None:
+        await super().aclose(close_connection_pool)
+        clients, self._sentinel_clients = self._sentinel_clients, ()
+        await asyncio.gather(*(client.aclose() for client in clients), return_exceptions=True)
+
+
+REFRESH_EVERY = 0.5  # seconds between two "who is the master?" questions to the Sentinels
+
+
+class MasterWatch:
+    """Asks the Sentinels who the master is (at most every REFRESH_EVERY s) and leaves an old one at once.
+
+    redis-py asks the Sentinels only when it opens a connection. After a
+    `SENTINEL FAILOVER`, or a partition that healed, the old master keeps
+    running and keeps answering as a master until the Sentinels reconfigure
+    it (seconds later): pooled connections to it would go on taking and
+    renewing locks that the new master does not know. The manager calls
+    `check()` before its scripts and renewals; when the Sentinels name another
+    master, every connection of the pool is closed (in-flight calls fail with
+    RedisUnavailable, the failover is under way) and the next one goes to the
+    new master.
+    """
+
+    def __init__(self, pool: SentinelConnectionPool) -> None:
+        self.pool = pool
+        self._next = 0.0
+
+    @classmethod
+    def for_client(cls, client: Any) -> "MasterWatch | None":
+        pool = getattr(client, "connection_pool", None)
+        return cls(pool) if isinstance(pool, SentinelConnectionPool) and pool.is_master else None
+
+    async def check(self) -> None:
+        now = asyncio.get_running_loop().time()
+        if now < self._next:
+            return
+        self._next = now + REFRESH_EVERY
+        known = self.pool.master_address
+        try:
+            current = await self.pool.get_master_address()  # type: ignore[no-untyped-call]
+        except (RedisError, OSError):
+            return  # no Sentinel answered: the call itself will tell
+        if known is not None and current != known:
+            await self.pool.disconnect(inuse_connections=True)
+
+
+def master_client(url: str, pool_timeout: float, options: dict[str, Any]) -> SentinelMaster:
+    """A client for the master of `url`; `options` are redis-py connection options (socket_timeout, ...)."""
+    target = parse_url(url)
+    sentinel_kwargs = {k: v for k, v in options.items() if k.startswith("socket_")}
+    # redis-py's default retries a refused Sentinel with seconds of backoff; a
+    # Sentinel that is down must cost one refused connect (or a socket timeout).
+    sentinel_kwargs["retry"] = copy.deepcopy(options["retry"]) if "retry" in options else Retry(NoBackoff(), 0)
+    for key in ("sentinel_username", "sentinel_password"):
+        if key in options:
+            sentinel_kwargs[key.removeprefix("sentinel_")] = options.pop(key)
+    if target.username:
+        options["username"] = target.username
+    if target.password is not None:
+        options["password"] = target.password
+    sentinel = Sentinel(list(target.sentinels), sentinel_kwargs=sentinel_kwargs)  # type: ignore[no-untyped-call]
+    client: SentinelMaster = sentinel.master_for(target.service_name, redis_class=SentinelMaster,
+                                 connection_pool_class=_BlockingSentinelPool, db=target.db,
+                                 timeout=pool_timeout, **options)
+    client._sentinel_clients = tuple(sentinel.sentinels)
+    return client
+
+
+def _redact(url: str) -> str:
+    head, sep, tail = url.rpartition("@")
+    return f"{head.split('://')[0]}://***@{tail}" if sep else url

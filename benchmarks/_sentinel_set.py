@@ -76,6 +76,7 @@ class SentinelSet:
         self.replica.start()
         await until(lambda: self._link_up(self.replica.port), "the replica to sync")
         await until(lambda: self._online_replicas(self.master.port), "the master to count its replica")
+        await until(lambda: self._acknowledges(self.master.port), "the replica to acknowledge a WAIT")
         binary = shutil.which("redis-server")
         for port in self.sentinel_ports:
             conf = Path(self._dir) / f"sentinel-{port}.conf"
@@ -104,6 +105,11 @@ class SentinelSet:
             info = await client.info("replication")
         replica = info.get("slave0")
         return isinstance(replica, dict) and replica.get("state") == "online"
+
+    async def _acknowledges(self, port: int) -> bool:
+        async with aioredis.Redis(port=port) as client:
+            await client.set("otel-lock-test:warm", 1)
+            return int(await client.execute_command("WAIT", 1, 200)) >= 1
 
     async def _sentinel_ready(self, port: int) -> bool:
         async with aioredis.Redis(port=port) as client:

@@ -126,7 +126,7 @@ async def pair():
 async def test_wait_replicas_acquire_is_on_the_replica_when_it_returns(pair, direct):
     client = aioredis.Redis(port=pair.master.port, socket_timeout=2.0,
                             **({} if direct else {"protocol": 3}))  # RESP3 goes through redis-py
-    locks = LockManager(client, wait_replicas=1, wait_replicas_timeout=0.3, lease=0.6)
+    locks = LockManager(client, wait_replicas=1, wait_replicas_timeout=1.5, lease=0.6)
     assert (locks._direct is not None) == direct
     replica = aioredis.Redis(port=pair.replica.port)
     try:
@@ -181,8 +181,10 @@ async def test_too_few_replicas_releases_and_raises(pair):
         assert await client.exists("otel-lock:{stock:1}") == 0
         pair.proxy.forward()
         await until(lambda: _caught_up(client, pair.replica.port), "the replica to catch up")
-        held = await locks.acquire("stock:1", wait=5)
+        patient = LockManager(client, wait_replicas=1, wait_replicas_timeout=1.5)
+        held = await patient.acquire("stock:1", wait=5)
         assert await held.release()
+        await patient.aclose()
     finally:
         pair.proxy.forward()
         await locks.aclose()
@@ -209,7 +211,7 @@ async def test_a_replica_answering_readonly_is_redis_unavailable(pair, direct):
 
 async def test_a_reentry_the_replicas_do_not_acknowledge_is_undone(pair):
     client = aioredis.Redis(port=pair.master.port, socket_timeout=2.0)
-    locks = LockManager(client, wait_replicas=1, wait_replicas_timeout=0.1)
+    locks = LockManager(client, wait_replicas=1, wait_replicas_timeout=0.5)
     try:
         async with locks.lock("stock:1") as held:
             pair.proxy.stall()
@@ -236,7 +238,7 @@ async def _caught_up(master, replica_port):
 async def test_unacknowledged_renewals_end_in_a_reported_loss(pair):
     """Renewals the replicas do not acknowledge do not extend what the holder believes."""
     client = aioredis.Redis(port=pair.master.port, socket_timeout=2.0)
-    locks = LockManager(client, wait_replicas=1, wait_replicas_timeout=0.05, lease=0.6)
+    locks = LockManager(client, wait_replicas=1, wait_replicas_timeout=0.5, lease=2.0)
     try:
         held = await locks.acquire("job:1")
         pair.proxy.stall()

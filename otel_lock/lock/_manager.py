@@ -37,7 +37,7 @@ from ._ending import Ending, _error_type
 from ._options import (MAX_KEY_LENGTH, MIN_LEASE, _MANAGER_OPTIONS, _check_seconds, _glob_escape, _text,
                        default_name)
 from ._held import HELD, NEVER, HeldLock, Lease, LockContext, LockInfo
-from ._replicas import Replicated
+from ._replicas import Replicated, check_replicas
 from ._sentinel import SCHEME as SENTINEL_SCHEME
 from ._sentinel import MasterWatch, master_client
 from ._waiting import Waiting
@@ -70,7 +70,7 @@ class LockManager(Ending):
         self.cancel_on_lost: bool = bool(cancel_on_lost)
         self.fence_ttl_ms: int = int(_check_seconds("fence_ttl", fence_ttl, allow_zero=False) * 1000)
         self.poll_cap: float = _check_seconds("poll_cap", poll_cap, allow_zero=False)
-        self.wait_replicas, self.wait_replicas_timeout = _check_replicas(redis, wait_replicas, wait_replicas_timeout)
+        self.wait_replicas, self.wait_replicas_timeout = check_replicas(redis, wait_replicas, wait_replicas_timeout)
         # With wait_replicas, ACQUIRE is followed by WAIT on its own connection (docs/lock.md, Sentinel).
         self._acquire_script: _scripts.Script = _scripts.acquire if not self.wait_replicas else Replicated(
             _scripts.acquire, self.wait_replicas, int(self.wait_replicas_timeout * 1000))
@@ -409,18 +409,3 @@ class _Busy(LockTimeout):
 
 def _lock_keys(redis_key: str) -> tuple[str, str, str, str]:
     return redis_key, redis_key + ":fence", redis_key + ":q", redis_key + ":w"
-
-
-def _check_replicas(redis: Any, replicas: int, timeout: float) -> tuple[int, float]:
-    """`WAIT replicas timeout` must end before the socket timeout, or the wait itself would look like an outage."""
-    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
-        raise ValueError(f"wait_replicas must be a whole number >= 0, not {replicas!r}")
-    timeout = _check_seconds("wait_replicas_timeout", timeout, allow_zero=False)
-    if timeout < 0.001:
-        raise ValueError(f"wait_replicas_timeout must be at least 0.001 s, not {timeout!r}")
-    pool = getattr(redis, "connection_pool", None)
-    socket_timeout = getattr(pool, "connection_kwargs", {}).get("socket_timeout")
-    if replicas and socket_timeout and timeout >= socket_timeout:
-        raise ValueError(f"wait_replicas_timeout ({timeout} s) must be shorter than the client's socket "
-                         f"timeout ({socket_timeout} s)")
-    return replicas, timeout

@@ -23,6 +23,7 @@ from redis.exceptions import NoScriptError, RedisError
 
 from . import _scripts
 from ._connection import Connection
+from ._options import _check_seconds
 
 
 class TooFewReplicas(RedisConnectionError):
@@ -81,3 +82,18 @@ class Replicated(_scripts.Script):
             await _scripts.release(client, keys, [args[0], args[6], release_all])
         except (RedisError, OSError):
             pass  # the caller's RedisUnavailable path releases it in the background
+
+
+def check_replicas(redis: Any, replicas: int, timeout: float) -> tuple[int, float]:
+    """`WAIT replicas timeout` must end before the socket timeout, or the wait itself would look like an outage."""
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
+        raise ValueError(f"wait_replicas must be a whole number >= 0, not {replicas!r}")
+    timeout = _check_seconds("wait_replicas_timeout", timeout, allow_zero=False)
+    if timeout < 0.001:
+        raise ValueError(f"wait_replicas_timeout must be at least 0.001 s, not {timeout!r}")
+    pool = getattr(redis, "connection_pool", None)
+    socket_timeout = getattr(pool, "connection_kwargs", {}).get("socket_timeout")
+    if replicas and socket_timeout and timeout >= socket_timeout:
+        raise ValueError(f"wait_replicas_timeout ({timeout} s) must be shorter than the client's socket "
+                         f"timeout ({socket_timeout} s)")
+    return replicas, timeout

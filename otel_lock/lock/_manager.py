@@ -70,7 +70,9 @@ class LockManager(Ending):
         self.cancel_on_lost: bool = bool(cancel_on_lost)
         self.fence_ttl_ms: int = int(_check_seconds("fence_ttl", fence_ttl, allow_zero=False) * 1000)
         self.poll_cap: float = _check_seconds("poll_cap", poll_cap, allow_zero=False)
-        self.wait_replicas, self.wait_replicas_timeout = check_replicas(redis, wait_replicas, wait_replicas_timeout)
+        replicas, replicas_timeout = check_replicas(redis, wait_replicas, wait_replicas_timeout)
+        self.wait_replicas: int = replicas
+        self.wait_replicas_timeout: float = replicas_timeout
         # With wait_replicas, ACQUIRE is followed by WAIT on its own connection (docs/lock.md, Sentinel).
         self._acquire_script: _scripts.Script = _scripts.acquire if not self.wait_replicas else Replicated(
             _scripts.acquire, self.wait_replicas, int(self.wait_replicas_timeout * 1000))

@@ -34,7 +34,7 @@ from ._attempt import Attempt, _cancelling
 from ._connection import Connection
 from ._errors import LockError, LockLost, LockTimeout, RedisUnavailable, is_unavailable
 from ._ending import Ending, _error_type
-from ._options import (MAX_KEY_LENGTH, MIN_LEASE, _MANAGER_OPTIONS, _check_seconds, _glob_escape, _text,
+from ._options import (MAX_KEY_LENGTH, _MANAGER_OPTIONS, CommonOptions, _check_seconds, _glob_escape, _text,
                        default_name)
 from ._held import HELD, NEVER, HeldLock, Lease, LockContext, LockInfo
 from ._replicas import Replicated, check_replicas
@@ -46,7 +46,7 @@ from ..telemetry._instruments import LockCounts, Telemetry, current_traceparent,
 
 log = logging.getLogger("otel_lock")
 
-class LockManager(Ending):
+class LockManager(Ending, CommonOptions):
     """Hands out locks from one Redis; one subscriber and one watchdog per manager."""
 
     def __init__(self, redis: aioredis.Redis, *, namespace: str = "otel-lock", lease: float = 30.0,
@@ -55,21 +55,8 @@ class LockManager(Ending):
                  tracer_provider: trace.TracerProvider | None = None,
                  meter_provider: MeterProvider | None = None, wait_replicas: int = 0,
                  wait_replicas_timeout: float = 0.5) -> None:
-        if not isinstance(namespace, str) or not namespace or "{" in namespace or "}" in namespace:
-            raise ValueError(f"namespace must be a non-empty string without '{{' or '}}', not {namespace!r}")
+        self._set_common_options(namespace, lease, renew_interval, wait, cancel_on_lost, fence_ttl, poll_cap)
         self.redis: aioredis.Redis = redis
-        self.namespace: str = namespace
-        self.lease: float = _check_seconds("lease", lease, allow_zero=False)
-        if self.lease < MIN_LEASE:
-            raise ValueError(f"lease must be at least {MIN_LEASE} s, not {lease!r}")
-        self.renew_interval: float = self.lease / 3 if renew_interval is None else _check_seconds(
-            "renew_interval", renew_interval, allow_zero=False)
-        if self.renew_interval >= self.lease:
-            raise ValueError(f"lease ({lease} s) must be longer than the renewal interval ({self.renew_interval} s)")
-        self.wait: float = _check_seconds("wait", wait, allow_zero=True, allow_inf=True)
-        self.cancel_on_lost: bool = bool(cancel_on_lost)
-        self.fence_ttl_ms: int = int(_check_seconds("fence_ttl", fence_ttl, allow_zero=False) * 1000)
-        self.poll_cap: float = _check_seconds("poll_cap", poll_cap, allow_zero=False)
         replicas, replicas_timeout = check_replicas(redis, wait_replicas, wait_replicas_timeout)
         self.wait_replicas: int = replicas
         self.wait_replicas_timeout: float = replicas_timeout

@@ -33,3 +33,32 @@ def _check_seconds(what: str, value: float, *, allow_zero: bool, allow_inf: bool
 
 def _glob_escape(text: str) -> str:
     return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
+class CommonOptions:
+    """What every manager (single Redis or RedLock) checks the same way."""
+
+    namespace: str
+    lease: float
+    renew_interval: float
+    wait: float
+    cancel_on_lost: bool
+    fence_ttl_ms: int
+    poll_cap: float
+
+    def _set_common_options(self, namespace: str, lease: float, renew_interval: float | None, wait: float,
+                            cancel_on_lost: bool, fence_ttl: float, poll_cap: float) -> None:
+        if not isinstance(namespace, str) or not namespace or "{" in namespace or "}" in namespace:
+            raise ValueError(f"namespace must be a non-empty string without '{{' or '}}', not {namespace!r}")
+        self.namespace = namespace
+        self.lease = _check_seconds("lease", lease, allow_zero=False)
+        if self.lease < MIN_LEASE:
+            raise ValueError(f"lease must be at least {MIN_LEASE} s, not {lease!r}")
+        self.renew_interval = self.lease / 3 if renew_interval is None else _check_seconds(
+            "renew_interval", renew_interval, allow_zero=False)
+        if self.renew_interval >= self.lease:
+            raise ValueError(f"lease ({lease} s) must be longer than the renewal interval ({self.renew_interval} s)")
+        self.wait = _check_seconds("wait", wait, allow_zero=True, allow_inf=True)
+        self.cancel_on_lost = bool(cancel_on_lost)
+        self.fence_ttl_ms = int(_check_seconds("fence_ttl", fence_ttl, allow_zero=False) * 1000)
+        self.poll_cap = _check_seconds("poll_cap", poll_cap, allow_zero=False)

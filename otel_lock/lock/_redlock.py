@@ -33,7 +33,7 @@ from ._redlock_rounds import Round, grant, keep
 from ._errors import LockError, LockLost, LockTimeout, RedisUnavailable
 from ._held import NEVER, HeldLock, Lease, LockContext
 from ._manager import LockManager
-from ._options import MIN_LEASE, _check_seconds, default_name
+from ._options import CommonOptions, _check_seconds, default_name
 from ..telemetry._instruments import LockCounts, Telemetry, get_telemetry
 
 log = logging.getLogger("otel_lock")
@@ -45,7 +45,7 @@ _OPTIONS = ("namespace", "lease", "wait", "cancel_on_lost", "fence_ttl", "poll_c
 MIN_MASTERS = 3
 
 
-class RedLockManager:
+class RedLockManager(CommonOptions):
     """Hands out locks held by a majority of N independent Redis masters."""
 
     def __init__(self, clients: Sequence[aioredis.Redis], *, namespace: str = "otel-lock", lease: float = 30.0,
@@ -61,20 +61,7 @@ class RedLockManager:
                              "with fewer, one failure stops all locking (use LockManager for one Redis)")
         if len({id(c) for c in clients}) != len(clients):
             raise ValueError("the same client is given twice: each master must be a different Redis")
-        if not isinstance(namespace, str) or not namespace or "{" in namespace or "}" in namespace:
-            raise ValueError(f"namespace must be a non-empty string without '{{' or '}}', not {namespace!r}")
-        self.namespace: str = namespace
-        self.lease: float = _check_seconds("lease", lease, allow_zero=False)
-        if self.lease < MIN_LEASE:
-            raise ValueError(f"lease must be at least {MIN_LEASE} s, not {lease!r}")
-        self.renew_interval: float = self.lease / 3 if renew_interval is None else _check_seconds(
-            "renew_interval", renew_interval, allow_zero=False)
-        if self.renew_interval >= self.lease:
-            raise ValueError(f"lease ({lease} s) must be longer than the renewal interval ({self.renew_interval} s)")
-        self.wait: float = _check_seconds("wait", wait, allow_zero=True, allow_inf=True)
-        self.cancel_on_lost: bool = bool(cancel_on_lost)
-        self.fence_ttl_ms: int = int(_check_seconds("fence_ttl", fence_ttl, allow_zero=False) * 1000)
-        self.poll_cap: float = _check_seconds("poll_cap", poll_cap, allow_zero=False)
+        self._set_common_options(namespace, lease, renew_interval, wait, cancel_on_lost, fence_ttl, poll_cap)
         self.master_timeout: float = min(0.25, self.lease / 10) if master_timeout is None else _check_seconds(
             "master_timeout", master_timeout, allow_zero=False)
         if self.master_timeout * 4 > self.lease:

@@ -31,6 +31,7 @@ from redis.exceptions import RedisError
 
 from . import _scripts
 from ._attempt import Attempt, _cancelling
+from ._background import Background
 from ._connection import Connection
 from ._errors import LockError, LockLost, LockTimeout, RedisUnavailable, is_unavailable
 from ._ending import Ending, _error_type
@@ -80,7 +81,7 @@ class LockManager(Ending, CommonOptions):
                                 self._master_watch.check if self._master_watch is not None else None)
         self._watchdog = Watchdog(self)
         self._owns_client = False
-        self._background: set[asyncio.Future[Any]] = set()
+        self._background = Background("clean-up (undo, release or pass-on)")
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> "LockManager":
@@ -200,12 +201,9 @@ class LockManager(Ending, CommonOptions):
         """Stop the watchdog and subscriber; locks still held expire after their lease."""
         await self._watchdog.aclose()
         await self._waiting.aclose()
-        background = list(self._background)
-        for task in background:
-            task.cancel()
-        # Let them end before the client closes: one cancelled mid-connect would
-        # otherwise hand a fresh socket back to an already closed pool.
-        await asyncio.gather(*background, return_exceptions=True)
+        # Before the client closes: a task cancelled mid-connect would otherwise
+        # hand a fresh socket back to an already closed pool.
+        await self._background.aclose()
         if self._direct is not None:
             await self._direct.aclose()
         if self._owns_client:
@@ -348,14 +346,7 @@ class LockManager(Ending, CommonOptions):
                                          default_name(redis_key.partition("{")[2])))
 
     def _background_task(self, coro: Coroutine[Any, Any, Any]) -> None:
-        task = asyncio.ensure_future(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background_done)
-
-    def _background_done(self, task: asyncio.Future[Any]) -> None:
-        self._background.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.warning("otel-lock: background clean-up (undo, release or pass-on) failed: %s", task.exception())
+        self._background.add(coro)
 
     # -- Redis -----------------------------------------------------------------
 

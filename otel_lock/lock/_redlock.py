@@ -31,6 +31,7 @@ from . import _redlock_scripts as scripts
 from ._redlock_cleanup import Cleanup
 from ._redlock_rounds import Round, grant, keep
 from ._errors import LockError, LockLost, LockTimeout, RedisUnavailable
+from ._background import Background
 from ._held import NEVER, HeldLock, Lease, LockContext
 from ._manager import LockManager
 from ._options import CommonOptions, _check_seconds, default_name
@@ -78,7 +79,7 @@ class RedLockManager(CommonOptions):
         self.telemetry.gauges.add(self._counts)
         self.id: str = uuid.uuid4().hex[:12]
         self._ids = itertools.count(1)
-        self._background: set[asyncio.Future[Any]] = set()
+        self._background = Background("RedLock task")
         self._owns_clients = False
         # key -> loop time until which a new caller of this manager lets the pollers go first
         self._yield_until: dict[str, float] = {}
@@ -148,8 +149,7 @@ class RedLockManager(CommonOptions):
 
     async def aclose(self) -> None:
         """Stop renewals and clean-ups; locks still held expire after their lease."""
-        for task in list(self._background):
-            task.cancel()
+        await self._background.aclose()
         self._cleanup.aclose()
         if self._owns_clients:
             for client in self.masters.clients:
@@ -276,9 +276,7 @@ class RedLockManager(CommonOptions):
         for index in found.silent:
             self._cleanup.add(index, keys[0], owner, name, lease)
         answered = [i for i in range(len(self.masters.clients)) if i not in found.silent]
-        cleanup = asyncio.ensure_future(self._release_all(keys, owner, name, lease, answered))
-        self._background.add(cleanup)
-        cleanup.add_done_callback(self._background_done)
+        cleanup = self._background.add(self._release_all(keys, owner, name, lease, answered))
         await asyncio.shield(cleanup)  # a cancelled caller still releases everywhere
         return found
 
@@ -375,14 +373,7 @@ class RedLockManager(CommonOptions):
             task.cancel(f"otel-lock: lease of {hold.key} lost")
 
     def _background_task(self, coro: Coroutine[Any, Any, Any]) -> None:
-        task = asyncio.ensure_future(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background_done)
-
-    def _background_done(self, task: asyncio.Future[Any]) -> None:
-        self._background.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.warning("otel-lock: RedLock background task failed: %s", task.exception())
+        self._background.add(coro)
 
 
 class _Busy(LockTimeout):

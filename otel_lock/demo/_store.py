@@ -14,6 +14,7 @@ import re
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 
 # KEYS[1] product hash (fields: stock, fence)
 # ARGV[1] new stock; ARGV[2] fencing token as decimal digits ('' = unfenced);
@@ -59,7 +60,7 @@ def valid_id(value: str) -> bool:
 
 
 class Store:
-    def __init__(self, redis: aioredis.Redis, namespace: str) -> None:
+    def __init__(self, redis: aioredis.Redis | RedisCluster, namespace: str) -> None:
         self.redis = redis
         self.prefix = f"{namespace}:demo"
         self._set = redis.register_script(FENCED_SET)

@@ -79,8 +79,10 @@ class Attempt:
             budget = "0"
         else:
             budget = str(max(1, int((self.deadline - self.loop.time()) * 1000)))
+        waiting = self.manager._waiting
         return [self.owner, self.waiter_id, self.lease_ms, "0" if self.private else "1", budget,
-                self.ctx, self.manager.fence_ttl_ms, self.manager._waiting.channel]
+                self.ctx, self.manager.fence_ttl_ms, waiting.channel_for(self.keys[0]),
+                "1" if waiting.sharded else "0"]
 
     async def try_once(self) -> Reply | None:
         """One ACQUIRE without queueing: the Reply, or None when the lock is busy."""
@@ -96,7 +98,7 @@ class Attempt:
     async def run(self) -> Reply:
         """Queue and wait (wait > 0); LockTimeout at the deadline."""
         waiting = self.manager._waiting
-        queued = waiting.ready
+        queued = waiting.ready_for(self.keys[0])
         if queued:
             self._waiter = waiting.add(self.waiter_id, self.keys[0])
         try:
@@ -105,12 +107,7 @@ class Attempt:
                 return reply
             self.contended = True
             if self._waiter is None:
-                try:
-                    await waiting.start()
-                except LockError:
-                    raise
-                except Exception as exc:
-                    raise RedisUnavailable(f"Redis is unavailable (subscribe): {exc}", key=self.keys[0]) from exc
+                await self._subscribe()
                 self._waiter = waiting.add(self.waiter_id, self.keys[0])
                 reply = await self._ask(queue=True)
                 if reply is not None:
@@ -127,6 +124,15 @@ class Attempt:
         finally:
             if self._waiter is not None:
                 waiting.remove(self._waiter)
+
+    async def _subscribe(self) -> None:
+        """Make sure a grant can reach this manager before a queued request names its channel."""
+        try:
+            await self.manager._waiting.start(self.keys[0])
+        except LockError:
+            raise
+        except Exception as exc:
+            raise RedisUnavailable(f"Redis is unavailable (subscribe): {exc}", key=self.keys[0]) from exc
 
     async def _wait(self, waiter: Waiter, pttl: int) -> Reply:
         waiting = self.manager._waiting
@@ -147,6 +153,8 @@ class Attempt:
             # Redis. A grant is consumed either way, so a stale one never makes
             # this loop spin.
             try:
+                if not waiting.ready_for(self.keys[0]):
+                    await self._subscribe()  # a cluster slot moved (failover, migration): follow it
                 reply = await self._ask(queue=True)
             except RedisUnavailable:
                 # Redis restarting or failing over: keep the place until the deadline.

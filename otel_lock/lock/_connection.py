@@ -48,8 +48,13 @@ _RESPONSE_ERRORS: dict[str, type[Exception]] = {
 
 
 def _is_push(reply: Any) -> bool:
-    """A published message, as opposed to the reply to a command sent while subscribed (PING)."""
-    return isinstance(reply, list) and bool(reply) and reply[0] in (b"message", b"pmessage", b"smessage")
+    """A published message, as opposed to the reply to a command sent while subscribed (PING).
+
+    An SUNSUBSCRIBE is one too: the lock never sends it, a cluster node does
+    when the slot of a shard channel moves away.
+    """
+    return isinstance(reply, list) and bool(reply) and reply[0] in (b"message", b"pmessage", b"smessage",
+                                                                     b"sunsubscribe")
 
 
 class _Protocol(asyncio.Protocol):

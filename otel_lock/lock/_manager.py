@@ -22,6 +22,7 @@ from typing import Any, Coroutine
 from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 from opentelemetry import trace
 from opentelemetry.metrics import MeterProvider
 from redis.asyncio.retry import Retry
@@ -32,6 +33,8 @@ from redis.exceptions import RedisError
 from . import _scripts
 from ._attempt import Attempt, _cancelling
 from ._background import Background
+from ._cluster import SCHEME as CLUSTER_SCHEME
+from ._cluster import cluster_client, is_cluster
 from ._connection import Connection
 from ._errors import LockError, LockLost, LockTimeout, RedisUnavailable, is_unavailable
 from ._ending import Ending, _error_type
@@ -41,6 +44,7 @@ from ._held import HELD, NEVER, HeldLock, Lease, LockContext, LockInfo
 from ._replicas import Replicated, check_replicas
 from ._sentinel import SCHEME as SENTINEL_SCHEME
 from ._sentinel import MasterWatch, master_client
+from ._sharded import ShardedWaiting
 from ._waiting import Waiting
 from ._watchdog import Watchdog
 from ..telemetry._instruments import LockCounts, Telemetry, current_traceparent, get_telemetry, suppressed
@@ -50,14 +54,18 @@ log = logging.getLogger("otel_lock")
 class LockManager(Ending, CommonOptions):
     """Hands out locks from one Redis; one subscriber and one watchdog per manager."""
 
-    def __init__(self, redis: aioredis.Redis, *, namespace: str = "otel-lock", lease: float = 30.0,
+    def __init__(self, redis: aioredis.Redis | RedisCluster, *, namespace: str = "otel-lock", lease: float = 30.0,
                  wait: float = 5.0, cancel_on_lost: bool = False, fence_ttl: float = 3600.0,
                  poll_cap: float = 0.5, renew_interval: float | None = None,
                  tracer_provider: trace.TracerProvider | None = None,
                  meter_provider: MeterProvider | None = None, wait_replicas: int = 0,
                  wait_replicas_timeout: float = 0.5) -> None:
         self._set_common_options(namespace, lease, renew_interval, wait, cancel_on_lost, fence_ttl, poll_cap)
-        self.redis: aioredis.Redis = redis
+        self.redis: aioredis.Redis | RedisCluster = redis
+        self._cluster = is_cluster(redis)
+        if self._cluster and wait_replicas:
+            raise ValueError("wait_replicas is not supported with Redis Cluster (it needs WAIT on the "
+                             "connection that ran the script; see docs/lock.md)")
         replicas, replicas_timeout = check_replicas(redis, wait_replicas, wait_replicas_timeout)
         self.wait_replicas: int = replicas
         self.wait_replicas_timeout: float = replicas_timeout
@@ -77,8 +85,10 @@ class LockManager(Ending, CommonOptions):
         # Behind Sentinel: leave a demoted master as soon as the Sentinels name another.
         self._master_watch = MasterWatch.for_client(redis)
         subscriber = partial(Connection.for_client, redis) if self._direct else None
-        self._waiting = Waiting(redis, f"{namespace}:wake:{self.id}", subscriber, self._pass_on,
-                                self._master_watch.check if self._master_watch is not None else None)
+        channel = f"{namespace}:wake:{self.id}"
+        self._waiting = ShardedWaiting(redis, channel, self._pass_on) if isinstance(redis, RedisCluster) else Waiting(
+            redis, channel, subscriber, self._pass_on,
+            self._master_watch.check if self._master_watch is not None else None)
         self._watchdog = Watchdog(self)
         self._owns_client = False
         self._background = Background("clean-up (undo, release or pass-on)")
@@ -92,14 +102,18 @@ class LockManager(Ending, CommonOptions):
         queues instead of failing; past that the caller gets RedisUnavailable.
         """
         scheme = urlsplit(url).scheme if isinstance(url, str) else None
-        if scheme not in ("redis", "rediss", "unix", SENTINEL_SCHEME):
-            raise ValueError(f"unknown Redis URL scheme in {url!r}: use redis://, rediss://, unix:// "
-                             f"or {SENTINEL_SCHEME}://")
+        if scheme not in ("redis", "rediss", "unix", SENTINEL_SCHEME, CLUSTER_SCHEME):
+            raise ValueError(f"unknown Redis URL scheme in {url!r}: use redis://, rediss://, unix://, "
+                             f"{SENTINEL_SCHEME}:// or {CLUSTER_SCHEME}://")
         manager_options = {k: options.pop(k) for k in _MANAGER_OPTIONS if k in options}
         options.setdefault("socket_timeout", 2.0)
         options.setdefault("socket_connect_timeout", options["socket_timeout"])
         options.setdefault("max_connections", 64)
         pool_timeout = _check_seconds("pool_timeout", options.pop("pool_timeout", 5.0), allow_zero=False)
+        if scheme == CLUSTER_SCHEME:
+            manager = cls(cluster_client(url, options), **manager_options)
+            manager._owns_client = True
+            return manager
         # One immediate retry of a refused/reset connection (a pooled connection
         # that died with a Redis restart); a timeout is not retried, so an outage
         # surfaces within the socket timeout.
@@ -352,7 +366,11 @@ class LockManager(Ending, CommonOptions):
 
     def _connection_figures(self) -> tuple[int, int]:
         """(connections in use, replies awaited): read by a metrics reader, on its own thread."""
-        used = len(getattr(self.redis.connection_pool, "_in_use_connections", ()))
+        redis = self.redis
+        if isinstance(redis, RedisCluster):  # each node keeps its own connections
+            return sum(len(getattr(n, "_connections", ())) - len(getattr(n, "_free", ()))
+                       for n in redis.get_nodes()), 0
+        used = len(getattr(redis.connection_pool, "_in_use_connections", ()))
         pending = 0
         if self._direct is not None and self._direct.connected:
             used += 1
@@ -365,6 +383,10 @@ class LockManager(Ending, CommonOptions):
         try:
             if self._master_watch is not None:
                 await self._master_watch.check()
+            if self._cluster:
+                # redis-py sends commands issued before it has read the slot map to
+                # one node (MOVED, and after a few of those it drops every connection)
+                await self.redis.initialize()
             if self._direct is not None:  # no Redis instrumentation sees the lean connection
                 answer = await script(self._direct, keys, args)
             else:

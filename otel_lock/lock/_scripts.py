@@ -8,7 +8,7 @@ hash tag `{N}` so that a script can touch them together on any topology:
     S:{N}:fence  string last fencing token; expires `fence_ttl` after last use
     S:{N}:q      zset   waiting callers in arrival order (score: Redis time, us)
     S:{N}:w      hash   waiter id -> JSON [deadline_us (0: none), lease_ms,
-                        owner, ctx, wake channel]
+                        owner, ctx, wake channel, sharded (1: SPUBLISH)]
 
 Fencing tokens are seeded from Redis `TIME` in microseconds and bumped past
 the last one, so they increase strictly per key even after the fence key has
@@ -61,8 +61,11 @@ local function hand_over(lock, fence, queue, waiters, fence_ttl_ms)
         -- every field is overwritten, so the previous holder's hash needs no DEL
         redis.call('HSET', lock, 'owner', w[3], 'depth', 1, 'token', token, 'ctx', w[4], 'waiter', head[1])
         redis.call('PEXPIRE', lock, w[2])
-        -- 0 receivers: the waiter's manager is gone; skip it now, not after its lease
-        if redis.call('PUBLISH', w[5], head[1] .. ' ' .. token .. ' ' .. lock) > 0 then
+        -- 0 receivers: the waiter's manager is gone; skip it now, not after its lease.
+        -- w[6] == 1: a Redis Cluster waiter, subscribed to a shard channel in this slot.
+        local publish = 'PUBLISH'
+        if w[6] == 1 then publish = 'SPUBLISH' end
+        if redis.call(publish, w[5], head[1] .. ' ' .. token .. ' ' .. lock) > 0 then
           return 1
         end
       end
@@ -76,7 +79,8 @@ end
 # ARGV: owner, waiter id ('-': re-entry of a hold the caller has),
 #       lease_ms, reenter ('1': same owner may nest),
 #       queue_ms (-1: do not queue; 0: queue without deadline; n: queue for n ms),
-#       ctx (traceparent), fence_ttl_ms, wake channel
+#       ctx (traceparent), fence_ttl_ms, wake channel, sharded ('1': the
+#       channel is a Redis Cluster shard channel in the lock's slot)
 # Returns {1, token, depth} when held, {0, pttl_ms, holder_ctx} when busy.
 ACQUIRE = _COMMON + r"""
 local lock, fence, queue, waiters = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
@@ -123,7 +127,8 @@ if ARGV[5] ~= '-1' then
     local budget = tonumber(ARGV[5])
     local deadline, keep_ms = 0, 3600000
     if budget > 0 then deadline, keep_ms = now + budget * 1000, budget + 60000 end
-    redis.call('HSET', waiters, waiter, cjson.encode({deadline, tonumber(lease), owner, ARGV[6], ARGV[8]}))
+    redis.call('HSET', waiters, waiter, cjson.encode({deadline, tonumber(lease), owner, ARGV[6], ARGV[8],
+                                                     tonumber(ARGV[9] or '0')}))
     if redis.call('PTTL', queue) < keep_ms then
       redis.call('PEXPIRE', queue, keep_ms)
       redis.call('PEXPIRE', waiters, keep_ms)

@@ -81,6 +81,8 @@ class Waiter:
 class Waiting:
     """The manager's subscriber and its registry of local waiters."""
 
+    sharded = False  # True: wake channels are per slot, published with SPUBLISH (Redis Cluster)
+
     def __init__(self, redis: Any, channel: str, subscriber: Callable[..., Connection | None] | None = None,
                  on_orphan: Callable[[str, str], None] | None = None,
                  on_idle: Callable[[], Awaitable[None]] | None = None) -> None:
@@ -98,7 +100,14 @@ class Waiting:
     def ready(self) -> bool:
         return self._subscribed is not None and self._subscribed.done() and not self._subscribed.exception()
 
-    async def start(self) -> None:
+    def channel_for(self, key: str) -> str:
+        """The channel a release of `key` publishes this manager's grants on."""
+        return self.channel
+
+    def ready_for(self, key: str) -> bool:
+        return self.ready
+
+    async def start(self, key: str | None = None) -> None:
         """Subscribe once; later calls return at once."""
         if self._task is None or self._task.done():
             self._subscribed = asyncio.get_running_loop().create_future()

@@ -3,7 +3,8 @@
 Every lease with `lease=None` is renewed every lease/3.
 All leases that are at least half-way to their renewal time go out together
 in one pipelined round trip, so 10,000 held locks cost a few round trips per
-tick, not 10,000 tasks. A lease is lost when Redis says the owner changed, or
+tick, not 10,000 tasks. On a Redis Cluster a script may touch one slot only,
+so the batch is one call per slot, sent to the nodes concurrently. A lease is lost when Redis says the owner changed, or
 when no renewal confirmed it before `expires_at` (monotonic clock, minus drift).
 """
 
@@ -19,12 +20,14 @@ from redis.exceptions import NoScriptError, RedisError
 
 from . import _scripts
 from ..telemetry._instruments import Telemetry, suppressed
+from ._cluster import slot_of
 from ._errors import is_unavailable
 from ._held import NEVER, Lease
 from ._replicas import check_acks, with_wait
 
 if TYPE_CHECKING:
     import redis.asyncio as aioredis
+    from redis.asyncio.cluster import RedisCluster
 
     from ._connection import Connection
     from ._sentinel import MasterWatch
@@ -38,13 +41,14 @@ RETRY_AFTER_ERROR = 0.5
 class Renewer(Protocol):
     """The manager, as its watchdog sees it (abstract, so this module imports no manager)."""
 
-    redis: aioredis.Redis
+    redis: aioredis.Redis | RedisCluster
     telemetry: Telemetry
     _direct: Connection | None
     _client: _scripts.ScriptClient
     wait_replicas: int
     wait_replicas_timeout: float
     _master_watch: MasterWatch | None
+    _cluster: bool
 
     def _lose(self, lease: Lease, reason: str, count: bool = True) -> None: ...
 
@@ -92,22 +96,28 @@ class Watchdog:
         manager = self._manager
         loop = asyncio.get_running_loop()
         sent_at = loop.time()
-        chunks = [leases[i:i + BATCH] for i in range(0, len(leases), BATCH)]
+        chunks = self._chunks(leases)
         began = time.perf_counter()
+        results: list[Any]
         try:
             if manager._master_watch is not None:
                 await manager._master_watch.check()  # never renew on a demoted master
             with suppressed():
                 results = await self._send(chunks)
-            self._record(leases, time.perf_counter() - began, None)
         except (RedisError, OSError) as exc:
-            self._record(leases, time.perf_counter() - began, exc)
-            for lease in leases:
-                # retry soon, and well before the lease runs out even with a short lease
-                lease.renew_at = min(lease.expires_at, sent_at + min(RETRY_AFTER_ERROR, lease.renew_every / 2))
-                manager._count_renewal(lease, "error", exc)
-            return
+            results = [exc] * len(chunks)
+        seconds = time.perf_counter() - began
         for chunk, answers in zip(chunks, results):
+            if isinstance(answers, BaseException):
+                if not isinstance(answers, (RedisError, OSError)):
+                    raise answers
+                self._record(chunk, seconds, answers)
+                for lease in chunk:
+                    # retry soon, and well before the lease runs out even with a short lease
+                    lease.renew_at = min(lease.expires_at, sent_at + min(RETRY_AFTER_ERROR, lease.renew_every / 2))
+                    manager._count_renewal(lease, "error", answers)
+                continue
+            self._record(chunk, seconds, None)
             for lease, ok in zip(chunk, answers):
                 if lease not in self._leases:
                     continue  # released while the renewal was in flight
@@ -116,6 +126,16 @@ class Watchdog:
                     continue
                 lease.confirmed(sent_at)
                 manager._count_renewal(lease, "ok")
+
+    def _chunks(self, leases: list[Lease]) -> list[list[Lease]]:
+        """Script calls of at most BATCH keys; on a Redis Cluster, one slot's keys per call."""
+        groups: list[list[Lease]] = [leases]
+        if self._manager._cluster:
+            by_slot: dict[int, list[Lease]] = {}
+            for lease in leases:
+                by_slot.setdefault(slot_of(lease.key), []).append(lease)
+            groups = list(by_slot.values())
+        return [group[i:i + BATCH] for group in groups for i in range(0, len(group), BATCH)]
 
     def _record(self, leases: list[Lease], seconds: float, error: BaseException | None) -> None:
         """One batched round trip: its time, once per lock name it renewed."""
@@ -127,6 +147,14 @@ class Watchdog:
 
     async def _send(self, chunks: Sequence[list[Lease]]) -> list[Any]:
         manager = self._manager
+        if manager._cluster:
+            await manager.redis.initialize()  # (see LockManager._call)
+            # One call per slot, each routed (and redirected) to its node by redis-py;
+            # a node that is down fails its own slots' renewals only.
+            return await asyncio.gather(*(
+                _scripts.renew(manager.redis, [l.key for l in chunk],
+                               [a for l in chunk for a in (l.owner, l.renew_ms)]) for chunk in chunks),
+                return_exceptions=True)
         calls: list[tuple[Any, ...]] = []
         for chunk in chunks:
             keys = [l.key for l in chunk]

@@ -161,6 +161,39 @@ async def until(predicate, what: str, timeout: float = DEADLINE, every: float = 
 NS = "otel-lock"
 
 
+async def run_holders(spec: dict, processes: int, bound: float = 60.0) -> list[dict]:
+    """Run `processes` copies of `_holder_child.py` with `spec`; every hold they report."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    procs = [await asyncio.create_subprocess_exec(sys.executable, str(HERE.parent / "_holder_child.py"),
+                                                  json.dumps(spec), stdout=asyncio.subprocess.PIPE, env=env)
+             for _ in range(processes)]
+    try:
+        outputs = await asyncio.wait_for(asyncio.gather(*(p.communicate() for p in procs)), bound)
+    finally:
+        for proc in procs:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+    holds = []
+    for out, _ in outputs:
+        lines = [json.loads(line) for line in out.decode().splitlines()]
+        assert lines and lines[-1] == {"done": True}, lines[-3:]
+        holds.extend(lines[:-1])
+    return holds
+
+
+def assert_one_holder_at_a_time(holds: list[dict]) -> None:
+    """Per key: no two hold intervals overlap, and a later holder has a higher fencing token."""
+    by_key: dict[str, list[dict]] = {}
+    for hold in holds:
+        by_key.setdefault(hold["key"], []).append(hold)
+    for key_holds in by_key.values():
+        key_holds.sort(key=lambda h: h["start"])
+        for before, after in zip(key_holds, key_holds[1:]):
+            assert before["end"] <= after["start"], (before, after)  # no two holders at once
+            assert before["token"] < after["token"], (before, after)  # and the later one is fenced above
+
+
 def keys(name: str) -> tuple[str, str, str]:
     """The lock's hash, queue and waiter keys in the default namespace."""
     lock = f"{NS}:{{{name}}}"

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -22,7 +19,8 @@ from otel_lock import (HeldLock, LockError, LockLost, LockMiddleware, LockTimeou
                        idempotent, locked)
 from otel_lock.cli._redis_server import RedisServer
 
-HERE = Path(__file__).resolve().parent
+from _proc_helpers import assert_one_holder_at_a_time, run_holders
+
 BOUND = 20.0  # turns a hang into a failure; not a timing
 
 
@@ -123,27 +121,9 @@ async def test_mutual_exclusion_across_tasks_and_tokens_increase(masters):
 
 
 async def test_mutual_exclusion_across_processes(masters):
-    spec = json.dumps({"urls": urls(masters), "key": "shared", "count": 8, "tasks": 2})
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")]))}
-    procs = [await asyncio.create_subprocess_exec(sys.executable, str(HERE / "_redlock_child.py"), spec,
-                                                  stdout=asyncio.subprocess.PIPE, env=env) for _ in range(3)]
-    try:
-        outputs = await asyncio.wait_for(asyncio.gather(*(p.communicate() for p in procs)), BOUND)
-    finally:
-        for proc in procs:
-            if proc.returncode is None:
-                proc.kill()
-                await proc.wait()
-    holds = []
-    for out, _ in outputs:
-        lines = [json.loads(line) for line in out.decode().splitlines()]
-        assert lines[-1] == {"done": True}
-        holds.extend(lines[:-1])
+    holds = await run_holders({"urls": urls(masters), "keys": ["shared"], "count": 8, "tasks": 2}, 3, BOUND)
     assert len(holds) == 3 * 2 * 8
-    holds.sort(key=lambda h: h["start"])
-    for before, after in zip(holds, holds[1:]):
-        assert before["end"] <= after["start"], (before, after)  # no two holders at once
-        assert before["token"] < after["token"]                # and the later one is fenced above
+    assert_one_holder_at_a_time(holds)
 
 
 # -- masters failing --------------------------------------------------------------

@@ -13,22 +13,41 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 
 import redis.asyncio as aioredis
 from redis.crc import key_slot
 
 from benchmarks._sentinel_set import until
-from otel_lock.cli._redis_server import RedisServer
+from otel_lock.cli._redis_server import RedisServer, free_port
 
 NODE_TIMEOUT_MS = 1000
+BUS_OFFSET = 10000  # a node also listens on port + 10000 (the cluster bus)
+
+
+def _bus_safe_port() -> int:
+    """A free port whose bus port (+10000) is a valid port and free too."""
+    while True:
+        port = free_port()
+        if port + BUS_OFFSET < 65536 and _free(port + BUS_OFFSET):
+            return port
+
+
+def _free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 class ClusterSet:
     """`async with ClusterSet() as c:`; `c.url` is the redis+cluster:// URL of the cluster."""
 
     def __init__(self, masters: int = 3, replicas: int = 0) -> None:
-        self.nodes = [RedisServer(extra_args=(
+        self.nodes = [RedisServer(port=_bus_safe_port(), extra_args=(
             "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
             "--cluster-node-timeout", str(NODE_TIMEOUT_MS), "--cluster-require-full-coverage", "no",
             "--cluster-allow-reads-when-down", "no", "--repl-diskless-sync-delay", "0"))

@@ -22,6 +22,8 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
 SCHEME = "redis+cluster"
@@ -75,15 +77,15 @@ def cluster_client(url: str, options: dict[str, Any]) -> RedisCluster:
     for name in _UNSUPPORTED:
         if options.get(name):
             raise ValueError(f"option {name}={options[name]!r} is not supported with Redis Cluster")
-    options.pop("retry", None)  # a cluster client retries MOVED/ASK and reconnects by itself
     options.pop("db", None)
     if username is not None:
         options.setdefault("username", username)
     if password is not None:
         options.setdefault("password", password)
-    # One retry of a failed command (after re-reading the slot map), so an outage
-    # surfaces within about two socket timeouts instead of four.
-    options.setdefault("cluster_error_retry_attempts", 1)
+    # One retry of a command that failed on a connection (after re-reading the slot
+    # map: a failover), so an outage surfaces within about two socket timeouts
+    # instead of four. MOVED, ASK and TRYAGAIN are followed apart from this.
+    options.setdefault("retry", Retry(NoBackoff(), 1))
     return RedisCluster(startup_nodes=[ClusterNode(host, port) for host, port in nodes], **options)
 
 

@@ -110,7 +110,7 @@ class LockManager(Ending, CommonOptions):
         options.setdefault("socket_connect_timeout", options["socket_timeout"])
         options.setdefault("max_connections", 64)
         pool_timeout = _check_seconds("pool_timeout", options.pop("pool_timeout", 5.0), allow_zero=False)
-        if scheme == CLUSTER_SCHEME:
+        if scheme == CLUSTER_SCHEME:  # its own retry: see _cluster.cluster_client
             manager = cls(cluster_client(url, options), **manager_options)
             manager._owns_client = True
             return manager

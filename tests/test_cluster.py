@@ -1,0 +1,238 @@
+"""The lock on a real Redis Cluster: three masters made with `redis-cli --cluster create`.
+
+Mutual exclusion on keys spread over every master, wake-ups through sharded
+pub/sub on the slot's own node, renewals grouped by slot, a slot migrated
+under load, and (marked `failover`) a master killed while a lock is held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+
+from benchmarks._cluster_set import ClusterSet
+from otel_lock import LockError, LockLost, LockManager, LockTimeout, RedisUnavailable
+from otel_lock.lock._cluster import parse_url, slot_of
+
+from _proc_helpers import assert_one_holder_at_a_time, run_holders, until
+
+BOUND = 30.0  # turns a hang into a failure; not a timing
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    # Started on a loop of its own: the set keeps no connection between calls.
+    c = asyncio.run(ClusterSet(masters=3).__aenter__())
+    try:
+        yield c
+    finally:
+        asyncio.run(c.__aexit__())
+
+
+@pytest.fixture
+async def flushed(cluster):
+    for port in cluster.ports:
+        async with aioredis.Redis(port=port) as node:
+            await node.flushall()
+    return cluster
+
+
+async def keys_on_every_master(cluster: ClusterSet, per_master: int = 2) -> list[str]:
+    """Lock keys whose slots belong to each of the masters, `per_master` each."""
+    chosen: dict[int, list[str]] = {}
+    i = 0
+    while len(chosen) < cluster.masters or any(len(v) < per_master for v in chosen.values()):
+        key = f"item:{i}"
+        i += 1
+        owner = await cluster.owner(key)
+        if len(chosen.setdefault(owner, [])) < per_master:
+            chosen[owner].append(key)
+    return [k for keys in chosen.values() for k in keys]
+
+
+async def command_calls(port: int, command: str) -> int:
+    async with aioredis.Redis(port=port) as node:
+        stats = await node.info("commandstats")
+    return int(stats.get(f"cmdstat_{command}", {}).get("calls", 0))
+
+
+# -- configuration -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("url, problem", [
+    ("redis+cluster://", "is not a host"),
+    ("redis+cluster://h:0", "out of range"),
+    ("redis+cluster://h:1/0", "no database"),
+    ("redis+cluster://h:1?ssl=1", "query strings"),
+    ("redis+cluster://user@h:1", "password"),
+])
+def test_bad_cluster_urls_say_what_is_wrong(url, problem):
+    with pytest.raises(ValueError, match=problem):
+        parse_url(url)
+
+
+def test_cluster_url_names_every_node_and_the_credentials():
+    assert parse_url("redis+cluster://me:s%40cret@a:7000,b,[::1]:7002/") == (
+        [("a", 7000), ("b", 6379), ("::1", 7002)], "me", "s@cret")
+
+
+async def test_options_the_cluster_cannot_honour_are_refused(cluster):
+    with pytest.raises(ValueError, match="wait_replicas is not supported"):
+        LockManager(RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", cluster.ports[0])]), wait_replicas=1)
+    with pytest.raises(ValueError, match="ssl"):
+        LockManager.from_url(cluster.url, ssl=True)
+    with pytest.raises(ValueError, match="unknown Redis URL scheme"):
+        LockManager.from_url("cluster://127.0.0.1:1")
+
+
+# -- mutual exclusion and keys ---------------------------------------------------------
+
+
+async def test_every_lock_lives_in_one_slot_and_locks_spread_over_every_master(flushed):
+    keys = await keys_on_every_master(flushed)
+    async with LockManager.from_url(flushed.url, lease=5.0) as locks:
+        held = [await locks.acquire(key) for key in keys]
+        listed = await locks.held_locks()
+        assert sorted(info.key for info in listed) == sorted(f"otel-lock:{{{k}}}" for k in keys)
+        for key in keys:  # the lock, its fence and (while waited for) queue keys share the slot
+            assert slot_of(f"otel-lock:{{{key}}}") == slot_of(f"otel-lock:{{{key}}}:fence") == slot_of(
+                f"otel-lock:{{{key}}}:q")
+        for hold in held:
+            await hold.release()
+    assert {await flushed.owner(k) for k in keys} == set(flushed.ports)
+
+
+async def test_one_holder_at_a_time_across_processes_on_keys_over_every_master(flushed):
+    keys = await keys_on_every_master(flushed)
+    holds = await run_holders({"url": flushed.url, "keys": keys, "count": 4, "tasks": 2}, 3, BOUND * 2)
+    assert len(holds) == 3 * 2 * 4 * len(keys)
+    assert_one_holder_at_a_time(holds)
+
+
+async def test_a_release_wakes_the_waiter_on_the_slots_own_node_only(flushed):
+    key = (await keys_on_every_master(flushed, 1))[0]
+    owner = await flushed.owner(key)
+    before = {port: (await command_calls(port, "publish"), await command_calls(port, "spublish"))
+              for port in flushed.ports}
+    # Polling could not reach the lock before the waiter's deadline: only a wake-up can.
+    async with LockManager.from_url(flushed.url, lease=60.0, poll_cap=60.0) as a, \
+            LockManager.from_url(flushed.url, lease=60.0, poll_cap=60.0) as b:
+        held = await a.acquire(key)
+        waiter = asyncio.create_task(b.acquire(key, wait=10.0))
+        await until(lambda: queued_on_owner(flushed, key), "the waiter to queue")
+        await held.release()
+        second = await asyncio.wait_for(waiter, BOUND)
+        assert second.token > held.token
+        await second.release()
+    after = {port: (await command_calls(port, "publish"), await command_calls(port, "spublish"))
+             for port in flushed.ports}
+    for port in flushed.ports:
+        assert after[port][0] == before[port][0]  # no broadcast PUBLISH anywhere
+        grew = after[port][1] > before[port][1]
+        assert grew == (port == owner), (port, owner, before, after)
+
+
+async def queued_on_owner(cluster: ClusterSet, key: str) -> bool:
+    async with aioredis.Redis(port=await cluster.owner(key)) as node:
+        return bool(await node.zcard(f"otel-lock:{{{key}}}:q"))
+
+
+async def test_renewals_keep_leases_on_every_slot(flushed):
+    keys = [f"renewed:{i}" for i in range(40)]
+    assert len({slot_of(k) for k in keys}) > 30
+    async with LockManager.from_url(flushed.url, lease=0.6) as locks:
+        held = [await locks.acquire(key) for key in keys]
+        await asyncio.sleep(2.0)  # the subject: about three leases pass, renewed every lease/3
+        assert not any(h.lost.is_set() for h in held)
+        async with RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", flushed.ports[0])]) as client:
+            for key in keys:
+                assert await client.pttl(f"otel-lock:{{{key}}}") > 0
+        for hold in held:
+            await hold.release()
+
+
+# -- resharding and failover -------------------------------------------------------------
+
+
+async def test_a_slot_migrated_under_load_never_gives_two_holders(flushed):
+    key = "moving"
+    slot = slot_of(key)
+    source = await flushed.owner(key)
+    target = next(p for p in flushed.ports if p != source)
+    inside, tokens, errors = 0, [], []
+    done = asyncio.Event()
+
+    async with LockManager.from_url(flushed.url, lease=2.0, wait=BOUND) as a, \
+            LockManager.from_url(flushed.url, lease=2.0, wait=BOUND) as b:
+        async def worker(locks: LockManager) -> None:
+            nonlocal inside
+            while not done.is_set() or len(tokens) < 40:
+                try:
+                    async with locks.lock(key) as held:
+                        inside += 1
+                        assert inside == 1, "two holders at once"
+                        tokens.append(held.token)
+                        await asyncio.sleep(0.002)
+                        inside -= 1
+                except (LockTimeout, RedisUnavailable, LockError, LockLost) as exc:
+                    errors.append(type(exc).__name__)  # reported, and the worker goes on
+                    inside = 0
+                if len(tokens) > 2000:
+                    return
+
+        workers = [asyncio.create_task(worker(m)) for m in (a, b, a, b)]
+        await until(lambda: _at_least(tokens, 20), "load before the migration")
+        await flushed.migrate_slot(slot, target)
+        mark = len(tokens)
+        await until(lambda: _at_least(tokens, mark + 20), "locks to be taken on the slot's new master")
+        done.set()
+        await asyncio.wait_for(asyncio.gather(*workers), BOUND)
+    assert await flushed.owner(key) == target
+    assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens)
+
+
+async def _at_least(items: list, n: int) -> bool:
+    return len(items) >= n
+
+
+@pytest.mark.failover
+async def test_a_killed_master_ends_in_told_holders_and_the_replica_takes_over():
+    async with ClusterSet(masters=3, replicas=1) as cluster:
+        key = "failing"
+        owner = await cluster.owner(key)
+        async with LockManager.from_url(cluster.url, lease=2.0, cancel_on_lost=False) as a, \
+                LockManager.from_url(cluster.url, lease=2.0, wait=BOUND) as b:
+            first = await a.acquire(key)
+            await until(lambda: _on_replica(cluster, owner, key), "the lock to reach the master's replica")
+            cluster.kill(owner)
+            await cluster.failed_over(owner)
+            second = await b.acquire(key)
+            # The first holder's renewals went to a dead node: by the time anybody
+            # else holds the lock, the first holder has been told.
+            assert first.lost.is_set()
+            assert second.token > first.token
+            await second.release()
+            assert await first.release() is False  # not ours any more, and nothing of B's touched
+            # Wake-ups follow the slot to its new master.
+            third = await a.acquire(key, wait=BOUND)
+            waiter = asyncio.create_task(b.acquire(key, wait=BOUND))
+            await until(lambda: queued_on_owner(cluster, key), "the waiter to queue on the new master")
+            await third.release()
+            fourth = await asyncio.wait_for(waiter, BOUND)
+            assert fourth.token > third.token
+            await fourth.release()
+
+
+async def _on_replica(cluster: ClusterSet, master: int, key: str) -> bool:
+    """The replica of `master` has the lock key (replication is asynchronous)."""
+    async with aioredis.Redis(port=master) as node:
+        replicas = (await node.execute_command("ROLE"))[2]
+    for _host, port, _offset in replicas:
+        async with aioredis.Redis(port=int(port)) as replica:
+            await replica.execute_command("READONLY")
+            if not await replica.exists(f"otel-lock:{{{key}}}"):
+                return False
+    return bool(replicas)

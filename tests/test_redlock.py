@@ -103,6 +103,44 @@ async def test_reentry_belongs_to_the_task(masters):
         assert lock_keys(masters[0], outer.key) == []
 
 
+async def test_sharing_with_children_is_explicit_and_the_release_waits_for_them(masters):
+    child_in, child_go, body_done, late_go = asyncio.Event(), asyncio.Event(), asyncio.Event(), asyncio.Event()
+    leases = []
+    async with RedLockManager.from_urls(urls(masters), lease=2.0) as locks:
+        async def child():
+            async with locks.lock("report:8", wait=0) as held:
+                child_in.set()
+                await child_go.wait()
+                return held.depth, held.token
+
+        async def late_child():
+            await late_go.wait()
+            async with locks.lock("report:8", wait=0):
+                pass
+
+        async def parent():
+            async with locks.lock("report:8", share_with_children=True) as outer:
+                leases.append(outer._lease)
+                task, late_task = asyncio.create_task(child()), asyncio.create_task(late_child())
+                await child_in.wait()
+                body_done.set()
+            return outer, await task, late_task
+
+        running = asyncio.create_task(parent())
+        await body_done.wait()
+        while not leases[0].closing:  # the outer release has begun and waits for the child
+            await asyncio.sleep(0)
+        assert not running.done(), "the parent's release did not wait for its child"
+        assert lock_keys(masters[0], "otel-lock:{report:8}") != []
+        late_go.set()
+        child_go.set()
+        outer, (depth, token), late_task = await running
+        assert (depth, token) == (2, outer.token)
+        with pytest.raises(LockError, match="being released"):
+            await late_task  # it came after the final release began: refused, never beside it
+        assert lock_keys(masters[0], outer.key) == []
+
+
 async def test_mutual_exclusion_across_tasks_and_tokens_increase(masters):
     inside, seen = 0, []
     async with RedLockManager.from_urls(urls(masters), lease=2.0, wait=BOUND) as locks:

@@ -33,7 +33,8 @@ from ._redlock_rounds import Round, grant, keep
 from ._errors import LockError, LockLost, LockTimeout, RedisUnavailable
 from ._background import Background
 from ._held import NEVER, HeldLock, Lease, LockContext
-from ._manager import LockManager
+from ._ending import Ending
+from ._manager import LockManager, _Busy
 from ._options import CommonOptions, _check_seconds, default_name
 from ..telemetry._instruments import LockCounts, Telemetry, get_telemetry
 
@@ -116,21 +117,23 @@ class RedLockManager(CommonOptions):
     # -- public API ----------------------------------------------------------
 
     def lock(self, key: str, *, wait: float | None = None, lease: float | None = None, name: str | None = None,
-             cancel_on_lost: bool | None = None) -> LockContext:
+             cancel_on_lost: bool | None = None, share_with_children: bool = False) -> LockContext:
         """`async with manager.lock("stock:1") as held:`; LockTimeout after `wait` seconds."""
         return LockContext(partial(self.acquire, key, wait=wait, lease=lease, name=name,
-                                   cancel_on_lost=cancel_on_lost))
+                                   cancel_on_lost=cancel_on_lost, share_with_children=share_with_children))
 
     async def try_lock(self, key: str, *, lease: float | None = None, name: str | None = None,
-                       cancel_on_lost: bool | None = None) -> HeldLock | None:
+                       cancel_on_lost: bool | None = None, share_with_children: bool = False) -> HeldLock | None:
         """Take the lock if a quorum grants it right now, else None (counted as `busy`)."""
         try:
-            return await self.acquire(key, wait=0, lease=lease, name=name, cancel_on_lost=cancel_on_lost)
+            return await self.acquire(key, wait=0, lease=lease, name=name, cancel_on_lost=cancel_on_lost,
+                                      share_with_children=share_with_children)
         except _Busy:
             return None
 
     async def acquire(self, key: str, *, wait: float | None = None, lease: float | None = None,
-                      name: str | None = None, cancel_on_lost: bool | None = None) -> HeldLock:
+                      name: str | None = None, cancel_on_lost: bool | None = None,
+                      share_with_children: bool = False) -> HeldLock:
         """Acquire and return the hold; release it with `await held.release()`."""
         LockManager._check_key(key)
         wait_s = self.wait if wait is None else _check_seconds("wait", wait, allow_zero=True, allow_inf=True)
@@ -141,11 +144,15 @@ class RedLockManager(CommonOptions):
         if name is not None and (not isinstance(name, str) or not name):
             raise ValueError(f"name must be a non-empty string, not {name!r}")
         held = _HELD.get().get((self.id, key))
-        if held is not None and not held.ended and held.task is asyncio.current_task():
-            return self._reenter(held)
+        if held is not None and not held.ended:
+            if held.task is asyncio.current_task():
+                return self._reenter(held, child=False)
+            if held.share_with_children:
+                return self._reenter(held, child=True)
+            # a task spawned by the holder: another caller, it waits its turn
         cancel = self.cancel_on_lost if cancel_on_lost is None else bool(cancel_on_lost)
         return await self._acquire(key, wait_s, lease_s, self.renew_interval if lease is None else NEVER,
-                                   name or default_name(key), cancel)
+                                   name or default_name(key), cancel, bool(share_with_children))
 
     async def aclose(self) -> None:
         """Stop renewals and clean-ups; locks still held expire after their lease."""
@@ -169,7 +176,7 @@ class RedLockManager(CommonOptions):
         return lock, lock + ":fence"
 
     async def _acquire(self, key: str, wait: float, lease: float, renew_every: float, name: str,
-                       cancel_on_lost: bool) -> HeldLock:
+                       cancel_on_lost: bool, share_with_children: bool) -> HeldLock:
         loop = asyncio.get_running_loop()
         start = loop.time()
         deadline = start + wait
@@ -228,7 +235,7 @@ class RedLockManager(CommonOptions):
                         "lock.name": name, "lock.key": keys[0], "lock.owner": owner, "lock.attempts": rounds,
                         "lock.contended": contended, "lock.outcome": outcome, "lock.token": found.token}))
         hold = Lease(self, key, keys[0], name, owner, found.token, lease, renew_every, cancel_on_lost,
-                     sent_at, now, explicit_owner=False, share_with_children=False)
+                     sent_at, now, explicit_owner=False, share_with_children=share_with_children)
         hold.span = self.telemetry.start_hold_span(name, self.telemetry.redact({
             "lock.name": name, "lock.key": keys[0], "lock.owner": owner, "lock.token": found.token,
             "lock.lease": lease}))
@@ -280,14 +287,20 @@ class RedLockManager(CommonOptions):
         await asyncio.shield(cleanup)  # a cancelled caller still releases everywhere
         return found
 
-    def _reenter(self, hold: Lease) -> HeldLock:
-        """A nested hold of the task that acquired: counted locally, after a check of the local validity."""
+    def _reenter(self, hold: Lease, *, child: bool) -> HeldLock:
+        """A nested hold (of the task that acquired, or a child it shares with): counted locally."""
         if hold.lost.is_set():
             raise LockLost(f"lease of {hold.key} was lost: {hold.lost_reason}", key=hold.key)
+        if hold.closing:
+            raise LockError(f"lock {hold.key} is being released: a spawned task cannot re-enter it now",
+                            key=hold.key)
         hold.depth += 1
+        if child:
+            hold.child_holds += 1
+            hold.children_done.clear()
         self.telemetry.wait_duration.record(0.0, {"lock.name": hold.name, "lock.outcome": "acquired",
                                                   "lock.contended": False})
-        return HeldLock(hold, hold.depth)
+        return HeldLock(hold, hold.depth, child=child)
 
     # -- keeping, releasing, losing ------------------------------------------
 
@@ -300,11 +313,18 @@ class RedLockManager(CommonOptions):
 
     async def _release(self, held: HeldLock) -> bool:
         hold = held._lease
+        if held._child:
+            Ending._unhold(hold, child=True)
+            return not hold.ended and not hold.lost.is_set()
+        if held._outer and hold.child_holds > 0:
+            hold.closing = True  # no new child may enter; those inside finish first
+            await hold.children_done.wait()
         if hold.ended:
             return False
         hold.depth -= 1
         if hold.depth > 0:
             return not hold.lost.is_set()
+        hold.closing = True
         lost = hold.lost.is_set()
         hold.ended = True  # stops the renewals
         renewing = self._renewing.get(hold)
@@ -374,7 +394,3 @@ class RedLockManager(CommonOptions):
 
     def _background_task(self, coro: Coroutine[Any, Any, Any]) -> None:
         self._background.add(coro)
-
-
-class _Busy(LockTimeout):
-    """A `wait=0` attempt found the lock held on a quorum (a LockTimeout to `acquire(wait=0)` callers)."""

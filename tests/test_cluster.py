@@ -16,6 +16,7 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from benchmarks._cluster_set import ClusterSet
 from otel_lock import LockError, LockLost, LockManager, LockTimeout, RedisUnavailable
 from otel_lock.lock._cluster import parse_url, slot_of
+from otel_lock.sync import SyncLockManager
 
 from _proc_helpers import assert_one_holder_at_a_time, run_holders, until
 
@@ -152,6 +153,17 @@ async def test_renewals_keep_leases_on_every_slot(flushed):
                 assert await client.pttl(f"otel-lock:{{{key}}}") > 0
         for hold in held:
             await hold.release()
+
+
+def test_the_blocking_facade_runs_on_a_cluster(flushed):
+    with SyncLockManager.from_url(flushed.url, lease=5.0) as locks:
+        with locks.lock("sync:1") as outer:
+            with locks.lock("sync:1") as inner:  # the same thread re-enters
+                assert inner.depth == 2 and inner.token == outer.token
+            assert locks.try_lock("sync:1") is not None  # (re-entry again, depth 2)
+        assert [info.key for info in locks.held_locks()] == ["otel-lock:{sync:1}"]
+        assert locks.force_release("sync:1") is True
+        assert locks.held_locks() == []
 
 
 # -- resharding and failover -------------------------------------------------------------

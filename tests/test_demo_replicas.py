@@ -1,8 +1,10 @@
-"""The demo shop on real replicas: separate uvicorn processes, one real Redis.
+"""The demo shop on real replicas: separate uvicorn processes, one real Redis deployment.
 
 Replica sets are started once per module (startup dominates the run time):
-three locked replicas with a short job interval, and two with the locks
-turned off, which must visibly oversell so we know these tests can fail.
+three locked replicas with a short job interval, on each deployment the shop
+must work on (one Redis, a Sentinel-managed master, a 3-master Redis
+Cluster), and two with the locks turned off on one Redis, which must visibly
+oversell so we know these tests can fail.
 """
 
 from __future__ import annotations
@@ -10,15 +12,24 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
+from dataclasses import dataclass
 
 import httpx
 import pytest
 
+from benchmarks._cluster_set import ClusterSet
+from benchmarks._sentinel_set import SentinelSet
 from otel_lock.cli._redis_server import RedisServer
 from otel_lock.cli._demo_load import cache_missing_sniffio, clients, double_submit, problem_type, seckill
 from otel_lock.cli._replicas import Replicas
 
 JOB_INTERVAL = 0.3
+
+
+@dataclass(frozen=True)
+class Deployment:
+    kind: str  # single, sentinel or cluster
+    url: str
 
 
 @pytest.fixture(scope="module")
@@ -27,9 +38,24 @@ def redis():
         yield server
 
 
+@pytest.fixture(scope="module", params=["single", "sentinel", "cluster"])
+def deployment(request, redis):
+    """One Redis; a master, its replica and three sentinels; three Cluster masters. Nothing is killed."""
+    if request.param == "single":
+        yield Deployment("single", redis.url)
+        return
+    # No replication proxy: it would live on the start-up event loop, which ends before the tests run.
+    servers = SentinelSet(proxy=False) if request.param == "sentinel" else ClusterSet(masters=3)
+    asyncio.run(servers.__aenter__())  # their start and stop are async, this module-wide fixture is not
+    try:
+        yield Deployment(request.param, servers.url)
+    finally:
+        asyncio.run(servers.__aexit__())
+
+
 @pytest.fixture(scope="module")
-def replicas(redis):
-    with Replicas(redis.url, count=3, namespace="shop", job_interval=JOB_INTERVAL) as started:
+def replicas(deployment):
+    with Replicas(deployment.url, count=3, namespace="shop", job_interval=JOB_INTERVAL) as started:
         yield started.urls
 
 
@@ -59,10 +85,15 @@ async def put_stock(client, url, product, stock):
     assert response.status_code == 200, response.text
 
 
-async def test_replicas_share_one_redis_and_namespace(replicas, client):
+async def test_replicas_share_one_redis_and_namespace(deployment, replicas, client):
     health = [(await client.get(url + "/healthz")).json() for url in replicas]
     assert {(h["namespace"], h["redis"]["run_id"]) for h in health} == {("shop", health[0]["redis"]["run_id"])}
     assert len({h["replica"] for h in health}) == 3
+    redis = health[0]["redis"]
+    # On a Cluster every primary is named (INFO alone reaches one random node, so replicas would disagree).
+    assert (redis["mode"], len(redis["run_ids"])) == {
+        "single": ("standalone", 1), "sentinel": ("sentinel", 1), "cluster": ("cluster", 3)}[deployment.kind]
+    assert redis["run_id"] == ",".join(redis["run_ids"]) and all(redis["run_ids"])
 
 
 async def test_seckill_on_two_replicas_sells_exactly_the_stock(replicas, pool, client):

@@ -18,6 +18,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
+from redis.exceptions import ClusterDownError, RedisClusterException
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.applications import Starlette
@@ -31,6 +32,7 @@ from ..asgi._keys import escape
 from ..telemetry import metrics_endpoint
 from ._job import run_job
 from ._problems import Problem, http_exception_handler, problem_handler, problem_response, unexpected_error_handler
+from ._redis_info import redis_identity
 from ._store import Store, valid_id
 
 MAX_BODY = 64 * 1024
@@ -256,13 +258,14 @@ async def list_jobs(request: Request) -> JSONResponse:
 
 
 async def healthz(request: Request) -> JSONResponse:
-    """Also answers 'do all replicas use the same Redis and namespace?': compare run_id."""
+    """Also answers 'do all replicas use the same Redis and namespace?': compare run_id.
+
+    On a Cluster `run_id` names every primary (`_redis_info`).
+    """
     shop = _shop(request)
-    info = await shop.locks.redis.info("server")
     return JSONResponse({
         "status": "ok", "replica": shop.settings.replica_name, "namespace": shop.settings.namespace,
-        "locks": shop.settings.locks_enabled,
-        "redis": {"run_id": info.get("run_id"), "version": info.get("redis_version")},
+        "locks": shop.settings.locks_enabled, "redis": await redis_identity(shop.locks.redis),
     })
 
 
@@ -320,6 +323,9 @@ def create_app(settings: DemoSettings | None = None, locks: LockManager | None =
             LockLost: lock_lost_handler,
             RedisConnectionError: redis_unavailable_handler,
             RedisTimeoutError: redis_unavailable_handler,
+            # A Cluster with slots down, or no node reachable at start-up.
+            ClusterDownError: redis_unavailable_handler,
+            RedisClusterException: redis_unavailable_handler,
             Exception: unexpected_error_handler,
         },
         lifespan=lifespan,

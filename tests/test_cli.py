@@ -43,6 +43,23 @@ def test_demo_end_to_end_starts_its_own_redis_and_passes():
     assert "buyers: 40/40 answered" in result.stderr and "buyers (script): 40/40 answered" in result.stderr
 
 
+@pytest.mark.parametrize("kind, how", [("cluster", "--redis-url"), ("sentinel", "REDIS_URL")])
+def test_demo_on_an_external_cluster_or_sentinel_passes(kind, how):
+    from _deployments import deployment_url
+
+    with deployment_url(kind) as url:
+        env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+        given = ["--redis-url", url] if how == "--redis-url" else []
+        if how == "REDIS_URL":
+            env["REDIS_URL"] = url
+        result = run_cli("demo", *given, "--buyers", "40", "--items", "20", "--double-submits", "6", env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"redis     : using redis+{kind}://127.0.0.1:" in result.stdout
+    assert re.search(r"^sold +20 of 20 items +20 of 20 items$", result.stdout, re.M)
+    assert "orders        1 created for 6 copies" in result.stdout
+    assert "verdict       OK" in result.stdout
+
+
 def test_demo_exits_1_when_the_locks_are_off():
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
     env.update(OTEL_LOCK_DEMO_DISABLE_LOCKS="1", OTEL_LOCK_DEMO_WORK_MS="20")
@@ -170,6 +187,7 @@ def test_unreachable_redis_is_a_clear_error(capsys):
     ["serve", "--job-interval", "0.01"], ["serve", "--job-interval", "nan"], ["demo", "--buyers", "-1"],
     ["demo", "--items", "many"], ["demo", "--job-interval", "0"], ["unlock"], ["locks", "--namespace", "a{b}"], ["locks", "--bogus"],
     ["unlock", "stock:1"], ["unlock", "stock:1", "--reason", " "],
+    ["demo", "--redis-url", "redis+sentinel://127.0.0.1:26379"], ["serve", "--redis-url", "redis+cluster://h1:port"],
 ], ids=lambda argv: " ".join(argv) or "no-command")
 def test_bad_arguments_exit_2_with_a_message(argv, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -249,12 +267,14 @@ def test_demo_without_redis_says_how_to_get_one():
     assert "redis-server is not on PATH" in result.stderr and "REDIS_URL" in result.stderr
 
 
-def test_demo_with_an_unreachable_redis_fails_fast(capsys):
+@pytest.mark.parametrize("scheme, path", [("redis", "/0"), ("redis+cluster", ""), ("redis+sentinel", "/shop")])
+def test_demo_with_an_unreachable_redis_fails_fast(scheme, path, capsys):
     from otel_lock.cli._redis_server import free_port
 
-    assert main(["demo", "--redis-url", f"redis://:secret@127.0.0.1:{free_port()}/0"]) == 1
+    assert main(["demo", "--redis-url", f"{scheme}://:secret@127.0.0.1:{free_port()}{path}"]) == 1
     err = capsys.readouterr().err
-    assert "cannot reach Redis at redis://***@127.0.0.1:" in err and "secret" not in err
+    assert f"cannot reach Redis at {scheme}://***@127.0.0.1:" in err and "secret" not in err
+    assert err.count("\n") == 1, err  # one line, not a client's repr
 
 
 def test_stack_checks_its_files_before_starting_anything(monkeypatch, tmp_path, capsys):

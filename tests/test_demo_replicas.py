@@ -17,8 +17,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from benchmarks._cluster_set import ClusterSet
-from benchmarks._sentinel_set import SentinelSet
+from _deployments import KINDS, deployment_url
 from otel_lock.cli._redis_server import RedisServer
 from otel_lock.cli._demo_load import cache_missing_sniffio, clients, double_submit, problem_type, seckill
 from otel_lock.cli._replicas import Replicas
@@ -38,19 +37,14 @@ def redis():
         yield server
 
 
-@pytest.fixture(scope="module", params=["single", "sentinel", "cluster"])
+@pytest.fixture(scope="module", params=KINDS)
 def deployment(request, redis):
-    """One Redis; a master, its replica and three sentinels; three Cluster masters. Nothing is killed."""
+    """Each deployment the shop must work on (nothing is killed: the failover tests are elsewhere)."""
     if request.param == "single":
-        yield Deployment("single", redis.url)
+        yield Deployment("single", redis.url)  # shared with the unlocked replicas and the port test
         return
-    # No replication proxy: it would live on the start-up event loop, which ends before the tests run.
-    servers = SentinelSet(proxy=False) if request.param == "sentinel" else ClusterSet(masters=3)
-    asyncio.run(servers.__aenter__())  # their start and stop are async, this module-wide fixture is not
-    try:
-        yield Deployment(request.param, servers.url)
-    finally:
-        asyncio.run(servers.__aexit__())
+    with deployment_url(request.param) as url:
+        yield Deployment(request.param, url)
 
 
 @pytest.fixture(scope="module")

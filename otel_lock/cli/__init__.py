@@ -42,8 +42,21 @@ AUDIT_STREAM_LEN = 10_000
 
 
 def _redis_url(value: str) -> str:
-    if urlsplit(value).scheme not in ("redis", "rediss", "unix"):
-        raise argparse.ArgumentTypeError(f"not a Redis URL: {value!r} (expected redis://host:port/db)")
+    scheme = urlsplit(value).scheme
+    if scheme not in ("redis", "rediss", "unix", "redis+sentinel", "redis+cluster"):
+        raise argparse.ArgumentTypeError(
+            f"not a Redis URL: {redact_url(value)!r} (expected redis://host:port/db, "
+            "redis+sentinel://host:port[,host:port...]/service or redis+cluster://host:port[,host:port...])")
+    # The core's own parsers: a bad host list is exit 2 here, not an error in every replica.
+    try:
+        if scheme == "redis+sentinel":
+            from ..lock._sentinel import parse_url as parse_sentinel_url
+            parse_sentinel_url(value)
+        elif scheme == "redis+cluster":
+            from ..lock._cluster import parse_url as parse_cluster_url
+            parse_cluster_url(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     return value
 
 

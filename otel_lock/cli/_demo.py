@@ -232,17 +232,27 @@ def _fmt(values: Sequence[float | None]) -> str:
 
 
 def _unreachable(url: str) -> str | None:
-    """Why Redis at `url` does not answer PING ('' when it does): fail in seconds, not at the replicas' timeout."""
-    import redis
+    """Why Redis at `url` does not answer PING ('' when it does): fail in seconds, not at the replicas' timeout.
 
-    client = redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
+    Through the core's `from_url`, so a Sentinel service (its master) or a Cluster (a node) is asked the same way.
+    """
+    from redis.exceptions import RedisClusterException, RedisError
+
+    from ..lock import LockManager
+
+    async def ping() -> None:
+        manager = LockManager.from_url(url, socket_timeout=2.0)
+        try:
+            await manager.redis.ping()
+        finally:
+            await manager.aclose()
+
     try:
-        client.ping()
+        asyncio.run(ping())
         return ""
-    except redis.RedisError as exc:
-        return str(exc) or type(exc).__name__
-    finally:
-        client.close()
+    except (RedisError, RedisClusterException, OSError, ValueError) as exc:
+        # redis-py names a missing Sentinel master with its client's repr: keep the sentence only.
+        return str(exc).split(" : <", 1)[0] or type(exc).__name__
 
 
 def _say(out: TextIO, text: str) -> None:

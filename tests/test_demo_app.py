@@ -214,6 +214,27 @@ async def test_redis_down_answers_503_then_recovers(fresh_redis):
     await app.state.shop.locks.aclose()
 
 
+async def test_a_demoted_master_answers_503_not_500(fresh_redis):
+    """A failover under way: the old master is a replica now and refuses writes (READONLY)."""
+    import redis.asyncio as aioredis
+
+    from otel_lock.cli._redis_server import free_port
+
+    app, client = shop(fresh_redis.url)
+    admin = aioredis.Redis(port=fresh_redis.port)
+    async with client:
+        assert (await client.put("/api/stock/p1", json={"stock": 2})).status_code == 200
+        await admin.execute_command("REPLICAOF", "127.0.0.1", free_port())  # a master that never answers
+        for response in (await client.post("/api/stock/p1/deduct-atomic"), await client.post("/api/stock/p1/deduct")):
+            assert response.status_code == 503, response.text
+            assert kind(response) == "redis-unavailable" and response.headers["retry-after"]
+        assert (await client.get("/api/stock/p1")).json()["stock"] == 2  # reads still work, nothing was sold
+        await admin.execute_command("REPLICAOF", "NO", "ONE")
+        assert (await client.post("/api/stock/p1/deduct-atomic")).json()["stock"] == 1
+    await admin.aclose()
+    await app.state.shop.locks.aclose()
+
+
 # -- hypothesis: whatever arrives, the answer is never a 5xx --------------
 
 ascii_text = st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=80)

@@ -28,8 +28,6 @@ import json
 import logging
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.requests import ClientDisconnect, Request
 
 from ._annotations import Idempotent
@@ -37,7 +35,7 @@ from ._idem_capture import FREE, STORE, Capture
 from ._idem_principal import Principal, PrincipalProblem, check_callable, choose, missing_setting, resolve
 from ._idem_request import MAX_KEY, IdempotencyKeyError, canonical_body, fingerprint, parse_key
 from ._types import Message, Receive, ResponseEnd, Scope, Send
-from ..lock._errors import LockTimeout, RedisUnavailable
+from ..lock._errors import _UNAVAILABLE, LockTimeout, RedisUnavailable
 from ._problem import send_problem
 
 if TYPE_CHECKING:
@@ -48,7 +46,8 @@ __all__ = ["MAX_KEY", "IdempotencyGate", "IdempotencyKeyError", "canonical_body"
 log = logging.getLogger("otel_lock.idempotency")
 
 RECORD_SUFFIX = ":idempotency"
-_REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, OSError, RedisUnavailable)
+# The core's list (READONLY, CLUSTERDOWN, TRYAGAIN during a failover too): 503, never 500.
+_REDIS_DOWN = (*_UNAVAILABLE, RedisUnavailable)
 
 STARTED, DONE, UNKNOWN, TOMBSTONE = "started", "done", "unknown", "tombstone"
 _UNKNOWN_CAUSES = {

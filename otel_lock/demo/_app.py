@@ -18,7 +18,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-from redis.exceptions import ClusterDownError, RedisClusterException
+from redis.exceptions import ClusterDownError, ReadOnlyError, RedisClusterException, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.applications import Starlette
@@ -323,8 +323,11 @@ def create_app(settings: DemoSettings | None = None, locks: LockManager | None =
             LockLost: lock_lost_handler,
             RedisConnectionError: redis_unavailable_handler,
             RedisTimeoutError: redis_unavailable_handler,
-            # A Cluster with slots down, or no node reachable at start-up.
+            # A failover under way (a demoted master, a Cluster slot down or moving),
+            # or no Cluster node reachable at start-up: the same 503 as the core's RedisUnavailable.
+            ReadOnlyError: redis_unavailable_handler,
             ClusterDownError: redis_unavailable_handler,
+            TryAgainError: redis_unavailable_handler,
             RedisClusterException: redis_unavailable_handler,
             Exception: unexpected_error_handler,
         },

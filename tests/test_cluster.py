@@ -106,6 +106,23 @@ async def test_every_lock_lives_in_one_slot_and_locks_spread_over_every_master(f
     assert {await flushed.owner(k) for k in keys} == set(flushed.ports)
 
 
+async def test_a_cluster_client_built_by_the_user_works_the_same(flushed):
+    client = RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", p) for p in flushed.ports], socket_timeout=2.0)
+    try:
+        async with LockManager(client, lease=5.0, poll_cap=60.0) as a, LockManager(client, lease=5.0) as b:
+            held = await a.acquire("built")
+            assert await b.try_lock("built") is None
+            waiter = asyncio.create_task(a.acquire("built", wait=BOUND))
+            await until(lambda: queued_on_owner(flushed, "built"), "the waiter to queue")
+            await held.release()
+            second = await asyncio.wait_for(waiter, BOUND)
+            assert second.token > held.token
+            await second.release()
+        assert await client.ping()  # a client the user built stays open: theirs to close
+    finally:
+        await client.aclose()
+
+
 async def test_one_holder_at_a_time_across_processes_on_keys_over_every_master(flushed):
     keys = await keys_on_every_master(flushed)
     holds = await run_holders({"url": flushed.url, "keys": keys, "count": 4, "tasks": 2}, 3, BOUND * 2)

@@ -245,6 +245,14 @@ def redis_row(scope: str = "") -> list[dict]:
                            "in use {{instance}}"),
                     target(f"sum by (instance) (otel_lock_redis_connection_pending_requests{sel()})",
                            "pending {{instance}}", "B")]),
+        timeseries("Circuit breaker state and openings",
+                   "Each lock manager's circuit breaker (otel_lock.circuit.state: 0 closed; 1 open, new "
+                   "acquisitions fail at once without asking Redis; 2 half-open, the next acquisition probes) "
+                   "and how often it opened, per replica. Open for a minute pages (OtelLockCircuitOpen).",
+                   [target(f"max by (instance, db_client_connection_pool_name) (otel_lock_circuit_state{sel()})",
+                           "state {{instance}} {{db_client_connection_pool_name}}"),
+                    target(f"sum by (instance) (increase(otel_lock_circuit_opened_total{sel()}{RATE}))",
+                           "opened {{instance}}", "B")]),
     ]
 
 

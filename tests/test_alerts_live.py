@@ -205,6 +205,14 @@ async def test_killing_redis_raises_redis_errors(stack, load):
     assert alert["labels"]["error_type"] == "redis_unavailable"
 
 
+async def test_a_dead_redis_opens_the_replicas_circuits(stack, load):
+    stack.redis.stop()  # already stopped by the test above, when it ran
+    async with httpx.AsyncClient(base_url=stack.prometheus.url, timeout=5.0) as client:
+        alert = await wait_for_alert(client, "OtelLockCircuitOpen",
+                                     instance=stack.replicas.replicas[0].url.removeprefix("http://"))
+    assert alert["labels"]["job"] == "otel-lock-replicas"
+
+
 def _dashboard_stat(title: str) -> str:
     import importlib.util
     from pathlib import Path

@@ -109,8 +109,8 @@ async def _cause_rare_events(redis_url: str, meter_provider) -> None:
 
     dead = RedisServer().start()
     dead.stop()
-    unreachable = LockManager.from_url(dead.url, namespace="faults", socket_timeout=0.5,
-                                       meter_provider=meter_provider)
+    unreachable = LockManager.from_url(dead.url, namespace="faults", socket_timeout=0.5, breaker_failures=1,
+                                       meter_provider=meter_provider)  # one failure opens its circuit
     try:
         with pytest.raises(RedisUnavailable):
             async with unreachable.lock("stock:fault-redis", name=STOCK_LOCK, wait=0.2):

@@ -31,6 +31,8 @@ RECORDS = [
     ("renewals", 2, {"lock.name": "stock:{path.product_id}", "lock.renewal.outcome": "ok"}),
     ("idempotency_requests", 1, {"http.route": "/api/orders", "idempotency.outcome": "conflict"}),
     ("redis_duration", 0.0004, {"lock.name": "job:tick", "lock.operation": "release"}),
+    ("circuit_opened", 1, {"db.client.connection.pool.name": "shop"}),
+    ("fail_open", 3, {"lock.name": "stock:{path.product_id}"}),
 ]
 
 
@@ -57,7 +59,7 @@ def samples(registry) -> set:
 def record(instruments, records=RECORDS) -> None:
     for attr, value, attributes in records:
         instrument = getattr(instruments, attr) if not isinstance(instruments, dict) else instruments[attr]
-        (instrument.add if attr in ("errors", "renewals", "idempotency_requests") else instrument.record)(
+        (instrument.add if attr in ("errors", "renewals", "idempotency_requests", "circuit_opened", "fail_open") else instrument.record)(
             value, dict(attributes))
 
 
@@ -175,11 +177,13 @@ def test_gauges_of_global_managers_are_served_by_the_fast_path(clean):
     counts = LockCounts()
     counts.pending["stock:{id}"] += 3
     counts.watch_connections(lambda: (2, 1), pool_name="shop")
+    counts.watch_circuit(lambda: 1)
     text = generate_latest(installed.registry).decode()
     assert 'otel_lock_pending{lock_name="stock:{id}"} 3.0' in text
     assert ('otel_lock_redis_connection_count{db_client_connection_pool_name="shop",'
             'db_client_connection_state="used"} 2.0') in text
     assert 'otel_lock_redis_connection_pending_requests{db_client_connection_pool_name="shop"} 1.0' in text
+    assert 'otel_lock_circuit_state{db_client_connection_pool_name="shop"} 1.0' in text
 
 
 async def test_a_manager_given_the_installed_provider_is_on_the_fast_path_too(clean, redis_client):

@@ -182,18 +182,20 @@ class Protected:
                                f"the resource is busy (lock {rule.lock_name!r} not acquired within the wait)",
                                retry_after=_retry_after(rule))
             return False
-        except RedisUnavailable:
+        except RedisUnavailable as error:
             if app_done:
                 return True  # the release failed; the lease expires by itself
             if entered:
                 raise
             if rule.fail_open:
-                # Counted by the manager as otel_lock.errors{error.type=redis_unavailable}.
+                # The manager counted the Redis error (otel_lock.errors); this counts the unlocked run.
+                self.mw.manager.telemetry.fail_open.add(1, {"lock.name": rule.lock_name})
                 log.warning("otel-lock: Redis unavailable, running %s without its lock (fail_open)", rule.lock_name)
                 await self._run_app(scope, receive, send)
                 return True
+            # An open circuit breaker knows when it lets a call through again.
             await send_problem(send, 503, "redis-unavailable", "the lock service is unavailable",
-                               retry_after=_retry_after(rule))
+                               retry_after=_retry_after(rule) if error.retry_after is None else error.retry_after)
             return False
         except LockLost:
             if started:

@@ -32,7 +32,15 @@ class LockLost(LockError):
 
 
 class RedisUnavailable(LockError):
-    """Redis did not answer (refused, reset, or timed out)."""
+    """Redis did not answer (refused, reset, or timed out), or the circuit breaker is open.
+
+    `retry_after`: seconds until the breaker lets a call through again, when
+    it refused this one without asking Redis; None otherwise.
+    """
+
+    def __init__(self, message: str, *, key: str | None = None, retry_after: float | None = None) -> None:
+        super().__init__(message, key=key)
+        self.retry_after = retry_after
 
 
 # Errors that mean "Redis cannot serve right now": refused, reset, timed out,

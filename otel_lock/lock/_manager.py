@@ -59,7 +59,8 @@ class LockManager(Ending, CommonOptions):
                  poll_cap: float = 0.5, renew_interval: float | None = None,
                  tracer_provider: trace.TracerProvider | None = None,
                  meter_provider: MeterProvider | None = None, wait_replicas: int = 0,
-                 wait_replicas_timeout: float = 0.5) -> None:
+                 wait_replicas_timeout: float = 0.5, breaker_failures: int = 5,
+                 breaker_cooldown: float = 1.0) -> None:
         self._set_common_options(namespace, lease, renew_interval, wait, cancel_on_lost, fence_ttl, poll_cap)
         self.redis: aioredis.Redis | RedisCluster = redis
         self._cluster = is_cluster(redis)
@@ -76,6 +77,8 @@ class LockManager(Ending, CommonOptions):
         self._counts = LockCounts(meter_provider)
         self.telemetry.gauges.add(self._counts)
         self._counts.watch_connections(self._connection_figures, pool_name=namespace)
+        # New acquisitions fail at once while Redis keeps failing (docs/lock.md, "Circuit breaker").
+        self._breaker = self._set_breaker(breaker_failures, breaker_cooldown, self.telemetry, self._counts)
         self.id: str = uuid.uuid4().hex[:12]
         self._ids = itertools.count(1)
         # The hot path (scripts, renewals, the subscriber) uses a lean pipelined
@@ -256,7 +259,7 @@ class LockManager(Ending, CommonOptions):
         outcome, error_type = "error", None
         with telemetry.acquire_span(name) as span:
             try:
-                reply = await (attempt.run() if wait > 0 else attempt.try_once())
+                reply = await self._breaker.guard(attempt.run() if wait > 0 else attempt.try_once())
                 if reply is None:
                     outcome = "busy"  # a try_lock miss: an answer, not an error
                     raise _Busy(f"lock {keys[0]} is held by another owner", key=keys[0])
@@ -394,12 +397,14 @@ class LockManager(Ending, CommonOptions):
                     answer = await script(self.redis, keys, args)
             self.telemetry.redis_duration.record(time.perf_counter() - began,
                                                  {"lock.name": name, "lock.operation": operation})
+            self._breaker.record(True)
             return answer
         except (RedisError, OSError) as exc:
             error_type = _error_type(exc)
             self.telemetry.redis_duration.record(time.perf_counter() - began, {
                 "lock.name": name, "lock.operation": operation, "error.type": error_type})
             self.telemetry.errors.add(1, {"lock.name": name, "lock.operation": operation, "error.type": error_type})
+            self._breaker.record(error_type != "redis_unavailable")
             if error_type == "redis_unavailable":
                 raise RedisUnavailable(f"Redis is unavailable ({operation} {keys[0]}): {exc}", key=keys[0]) from exc
             raise LockError(f"Redis refused {operation} of {keys[0]}: {exc}", key=keys[0]) from exc

@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
+
+from ._breaker import Breaker
+
+if TYPE_CHECKING:
+    from ..telemetry._instruments import LockCounts, Telemetry
 
 MAX_KEY_LENGTH = 512
 MIN_LEASE = 0.1
 _MANAGER_OPTIONS = (
     "namespace", "lease", "wait", "cancel_on_lost", "fence_ttl", "poll_cap",
     "renew_interval", "tracer_provider", "meter_provider", "wait_replicas", "wait_replicas_timeout",
+    "breaker_failures", "breaker_cooldown",
 )
 
 
@@ -45,6 +52,8 @@ class CommonOptions:
     cancel_on_lost: bool
     fence_ttl_ms: int
     poll_cap: float
+    breaker_failures: int
+    breaker_cooldown: float
 
     def _set_common_options(self, namespace: str, lease: float, renew_interval: float | None, wait: float,
                             cancel_on_lost: bool, fence_ttl: float, poll_cap: float) -> None:
@@ -62,3 +71,18 @@ class CommonOptions:
         self.cancel_on_lost = bool(cancel_on_lost)
         self.fence_ttl_ms = int(_check_seconds("fence_ttl", fence_ttl, allow_zero=False) * 1000)
         self.poll_cap = _check_seconds("poll_cap", poll_cap, allow_zero=False)
+
+    def _set_breaker(self, failures: int, cooldown: float, telemetry: Telemetry, counts: LockCounts) -> Breaker:
+        """The circuit breaker of `_breaker.py`, seen in otel_lock.circuit.state / .opened under the namespace."""
+        if isinstance(failures, bool) or not isinstance(failures, int) or failures < 0:
+            raise ValueError(f"breaker_failures must be a whole number >= 0 (0 turns the breaker off), "
+                             f"not {failures!r}")
+        self.breaker_failures = failures
+        self.breaker_cooldown = _check_seconds("breaker_cooldown", cooldown, allow_zero=False)
+        pool = {"db.client.connection.pool.name": self.namespace}
+
+        def opened() -> None:
+            telemetry.circuit_opened.add(1, pool)
+        breaker = Breaker(failures, self.breaker_cooldown, on_open=opened)
+        counts.watch_circuit(breaker.state, self.namespace)
+        return breaker

@@ -43,7 +43,7 @@ log = logging.getLogger("otel_lock")
 _HELD: ContextVar[Mapping[tuple[str, str], Lease]] = ContextVar("otel_lock_redlock_held",
                                                                default=MappingProxyType({}))
 _OPTIONS = ("namespace", "lease", "wait", "cancel_on_lost", "fence_ttl", "poll_cap", "renew_interval",
-            "master_timeout", "tracer_provider", "meter_provider")
+            "master_timeout", "tracer_provider", "meter_provider", "breaker_failures", "breaker_cooldown")
 MIN_MASTERS = 3
 
 
@@ -54,7 +54,8 @@ class RedLockManager(CommonOptions):
                  wait: float = 5.0, cancel_on_lost: bool = False, fence_ttl: float = 3600.0,
                  poll_cap: float = 0.05, renew_interval: float | None = None, master_timeout: float | None = None,
                  tracer_provider: trace.TracerProvider | None = None,
-                 meter_provider: MeterProvider | None = None) -> None:
+                 meter_provider: MeterProvider | None = None, breaker_failures: int = 5,
+                 breaker_cooldown: float = 1.0) -> None:
         given: object = clients
         if isinstance(given, (str, bytes)) or not isinstance(given, Sequence):
             raise ValueError(f"clients must be a list of redis.asyncio clients, not {clients!r}")
@@ -78,6 +79,9 @@ class RedLockManager(CommonOptions):
         self._cleanup = Cleanup(self.masters)
         self._counts = LockCounts(meter_provider)
         self.telemetry.gauges.add(self._counts)
+        # One breaker for the manager, fed by acquire rounds: it opens when a majority of the
+        # masters is unreachable round after round (docs/lock.md, "Circuit breaker").
+        self._breaker = self._set_breaker(breaker_failures, breaker_cooldown, self.telemetry, self._counts)
         self.id: str = uuid.uuid4().hex[:12]
         self._ids = itertools.count(1)
         self._background = Background("RedLock task")
@@ -182,15 +186,18 @@ class RedLockManager(CommonOptions):
         deadline = start + wait
         keys = self._keys(key)
         owner = f"{self.id}:{next(self._ids)}"
-        outcome, error_type, contended, rounds = "error", None, False, 0
+        outcome, error_type, contended, rounds, probe = "error", None, False, 0, 0
         found, sent_at = Round(), start
         with self.telemetry.acquire_span(name) as span:
             try:
+                probe = self._breaker.admit()
                 await self._let_others_first(key, deadline)
                 while True:
                     rounds += 1
                     sent_at = loop.time()
                     found = await self._round(keys, owner, lease, name)
+                    self._breaker.record(found.answered >= self.quorum
+                                         or not isinstance(found.error, RedisUnavailable))
                     if found.token:
                         break
                     contended = contended or found.answered >= self.quorum
@@ -225,6 +232,7 @@ class RedLockManager(CommonOptions):
                 self.telemetry.set_error(span, "redis error")
                 raise
             finally:
+                self._breaker.done(probe)
                 now = loop.time()
                 metric: dict[str, Any] = {"lock.name": name, "lock.outcome": outcome, "lock.contended": contended}
                 if error_type:

@@ -38,6 +38,7 @@ class LockCounts:
     `.acquired_at` (event-loop time, i.e. `time.monotonic()` seconds) and
     `.lease_seconds`; they feed `otel_lock.hold.age` and `otel_lock.lease`.
     `connections(used, pending)` or `watch_connections(fn)`: the Redis gauges.
+    `watch_circuit(fn)`: the circuit breaker's state (0 closed, 1 open, 2 half-open).
     """
 
     def __init__(self, meter_provider: MeterProvider | None = None) -> None:
@@ -47,6 +48,7 @@ class LockCounts:
         self._holds: dict[str, dict[int, Hold]] = {}
         self._connections: tuple[int, int] | None = None
         self._connection_source: Callable[[], tuple[int, int]] | None = None
+        self._circuit_source: Callable[[], int] | None = None
         self.pool_name = "otel-lock"
         ALL_COUNTS.add(self)
 
@@ -95,6 +97,22 @@ class LockCounts:
                 return None
         return self._connections
 
+    # -- circuit breaker -----------------------------------------------------
+
+    def watch_circuit(self, source: Callable[[], int], pool_name: str | None = None) -> None:
+        """`source()` returns the breaker's state when a reader collects (on the reader's thread)."""
+        self._circuit_source = source
+        if pool_name:
+            self.pool_name = pool_name
+
+    def circuit_state(self) -> int | None:
+        if self._circuit_source is None:
+            return None
+        try:
+            return int(self._circuit_source())
+        except Exception:  # a collection must never fail because of one manager
+            return None
+
 
 def _acquired_at(hold: Hold) -> float:
     return hold.acquired_at
@@ -126,4 +144,18 @@ def connections(counts: Iterable[LockCounts]) -> dict[str, tuple[int, int]]:
         if figures is not None:
             used, pending = out.get(one.pool_name, (0, 0))
             out[one.pool_name] = (used + figures[0], pending + figures[1])
+    return out
+
+
+# Several managers under one pool name: the worst circuit wins (open, then half-open, then closed).
+_SEVERITY = {0: 0, 2: 1, 1: 2}
+
+
+def circuits(counts: Iterable[LockCounts]) -> dict[str, int]:
+    """Per pool name: the circuit state of its managers."""
+    out: dict[str, int] = {}
+    for one in counts:
+        state = one.circuit_state()
+        if state is not None and _SEVERITY.get(state, 0) >= _SEVERITY.get(out.get(one.pool_name, 0), 0):
+            out[one.pool_name] = state
     return out

@@ -118,6 +118,8 @@ class Telemetry:
     errors: CounterSink
     renewals: CounterSink
     idempotency_requests: CounterSink
+    circuit_opened: CounterSink
+    fail_open: CounterSink
 
     def __init__(self, tracer_provider: trace.TracerProvider | None = None,
                  meter_provider: metrics.MeterProvider | None = None) -> None:
@@ -243,6 +245,9 @@ def _observe(which: str, mine: Callable[[LockCounts], bool]) -> Callable[[Callba
         if which in ("hold_age", "lease"):
             index = 0 if which == "hold_age" else 1
             return [Observation(v[index], {"lock.name": n}) for n, v in _counts.oldest(counts).items()]
+        if which == "circuit_state":
+            return [Observation(state, {"db.client.connection.pool.name": p})
+                    for p, state in _counts.circuits(counts).items()]
         figures = _counts.connections(counts)
         if which == "connections":
             return [Observation(used, {"db.client.connection.state": "used", "db.client.connection.pool.name": p})

@@ -55,6 +55,12 @@ RECORDED = (
          "otel_lock_redis_operation_duration_seconds", ("lock.name", "lock.operation", "error.type"),
          "Redis round trip of one lock script (acquire, release, renew, leave), "
          "modelled on db.client.operation.duration.", REDIS_BUCKETS),
+    Spec("circuit_opened", "otel_lock.circuit.opened", "counter", "{opening}", "otel_lock_circuit_opened",
+         ("db.client.connection.pool.name",),
+         "Times a manager's circuit breaker opened after consecutive Redis-unavailable errors."),
+    Spec("fail_open", "otel_lock.fail_open", "counter", "{request}", "otel_lock_fail_open",
+         ("lock.name",),
+         "Requests of fail_open routes that ran without their lock because Redis was unavailable."),
 )
 
 
@@ -84,6 +90,9 @@ OBSERVED = {
                                     "{request}", "otel_lock_redis_connection_pending_requests",
                                     "Lock commands sent or queued and not yet answered, "
                                     "as db.client.connection.pending_requests."),
+    "circuit_state": GaugeSpec("otel_lock.circuit.state", "gauge", "{state}", "otel_lock_circuit_state",
+                               "Circuit breaker of the lock managers: 0 closed, 1 open (acquisitions "
+                               "fail at once), 2 half-open (a probe may pass)."),
 }
 
 

@@ -135,7 +135,7 @@ class FastMetrics(Collector):
 
 
 class GaugeCollector(Collector):
-    """Held, waiting, oldest hold age and lease, Redis connections: summed over managers at scrape time.
+    """Held, waiting, oldest hold age and lease, Redis connections, circuits: read over managers at scrape time.
 
     Only managers on the global provider `setup()` installed (named or
     not): one made with another provider reports through that provider.
@@ -163,6 +163,10 @@ class GaugeCollector(Collector):
             pending.add_metric([pool], waiting)
         yield used
         yield pending
+        circuit = _family("circuit_state", ["db_client_connection_pool_name"])
+        for pool, state in _counts.circuits(counts).items():
+            circuit.add_metric([pool], state)
+        yield circuit
 
     def describe(self) -> Iterable[GaugeMetricFamily]:
         return [_family(which, []) for which in OBSERVED]

@@ -21,13 +21,67 @@ from ..telemetry._instruments import LockCounts, Telemetry
 log = logging.getLogger("otel_lock")
 
 
-class Ending:
-    """Release, loss and their telemetry, for LockManager."""
+class HoldEnds:
+    """What every manager does when a hold ends or is lost: counts, span, the holder told."""
 
     id: str
-    fence_ttl_ms: int
     telemetry: Telemetry
     _counts: LockCounts
+
+    def _forget(self, held: HeldLock) -> None:
+        """Drop the key from this context's held map when its outer hold ends."""
+        lease = held._lease
+        if not held._outer:
+            return
+        current = HELD.get()
+        ident = (self.id, lease.lock_key)
+        if current.get(ident) is lease:
+            HELD.set(MappingProxyType({k: v for k, v in current.items() if k != ident}))
+
+    def _stop_renewing(self, lease: Lease) -> None:
+        """No renewal may follow a loss (each manager renews its own way)."""
+
+    def _finish(self, lease: Lease, outcome: str) -> None:
+        """The hold is over: its duration, the active count, the age gauge and its span."""
+        loop = asyncio.get_running_loop()
+        self.telemetry.hold_duration.record(loop.time() - lease.acquired_at,
+                                            {"lock.name": lease.name, "lock.release.outcome": outcome})
+        self._uncount(lease)
+        self._counts.hold_ended(lease)  # a lost hold stays in the age gauge until its holder lets go
+        self.telemetry.end_hold_span(lease.span, outcome)
+
+    def _uncount(self, lease: Lease) -> None:
+        """`otel_lock.active` counts what is held: a lost or expired lease leaves it at once."""
+        if lease.counted:
+            lease.counted = False
+            self._counts.active[lease.name] -= 1
+
+    def _lose(self, lease: Lease, reason: str, count: bool = True) -> None:
+        """The lease is gone: tell the holder, and cancel it if it asked for that."""
+        if lease.lost_reason:
+            return
+        lease.lost_reason = reason
+        lease.lost.set()
+        self._stop_renewing(lease)
+        self._uncount(lease)  # no longer held, whatever the holder still believes
+        if count and lease.renew:
+            self.telemetry.renewals.add(1, {"lock.name": lease.name, "lock.renewal.outcome": "lost"})
+        if lease.span.is_recording():
+            lease.span.add_event("lock lost", {"lock.name": lease.name, "lock.token": lease.token,
+                                               "lock.lost.reason": reason})
+        log.warning("otel-lock: lease of %s lost: %s", lease.key, reason)
+        for callback in lease.on_lost:
+            callback()
+        task = lease.task
+        if lease.cancel_on_lost and task is not None and not task.done() and not lease.ended:
+            lease.cancelled_by_us = True
+            task.cancel(f"otel-lock: lease of {lease.key} lost")
+
+
+class Ending(HoldEnds):
+    """Release, loss and their telemetry, for LockManager."""
+
+    fence_ttl_ms: int
     _watchdog: Watchdog
 
     if TYPE_CHECKING:
@@ -45,16 +99,6 @@ class Ending:
             lease.child_holds -= 1
             if lease.child_holds == 0:
                 lease.children_done.set()
-
-    def _forget(self, held: HeldLock) -> None:
-        """Drop the key from this context's held map when its outer hold ends."""
-        lease = held._lease
-        if not held._outer:
-            return
-        current = HELD.get()
-        ident = (self.id, lease.lock_key)
-        if current.get(ident) is lease:
-            HELD.set(MappingProxyType({k: v for k, v in current.items() if k != ident}))
 
     async def _release(self, held: HeldLock) -> bool:
         lease = held._lease
@@ -111,39 +155,10 @@ class Ending:
             return
         lease.ended = True
         self._watchdog.discard(lease)
-        loop = asyncio.get_running_loop()
-        self.telemetry.hold_duration.record(loop.time() - lease.acquired_at,
-                                            {"lock.name": lease.name, "lock.release.outcome": outcome})
-        self._uncount(lease)
-        self._counts.hold_ended(lease)  # a lost hold stays in the age gauge until its holder lets go
-        self.telemetry.end_hold_span(lease.span, outcome)
+        self._finish(lease, outcome)
 
-    def _uncount(self, lease: Lease) -> None:
-        """`otel_lock.active` counts what is held: a lost or expired lease leaves it at once."""
-        if lease.counted:
-            lease.counted = False
-            self._counts.active[lease.name] -= 1
-
-    def _lose(self, lease: Lease, reason: str, count: bool = True) -> None:
-        """The lease is gone: tell the holder, and cancel it if it asked for that."""
-        if lease.lost_reason:
-            return
-        lease.lost_reason = reason
-        lease.lost.set()
+    def _stop_renewing(self, lease: Lease) -> None:
         self._watchdog.discard(lease)
-        self._uncount(lease)  # no longer held, whatever the holder still believes
-        if count and lease.renew:
-            self.telemetry.renewals.add(1, {"lock.name": lease.name, "lock.renewal.outcome": "lost"})
-        if lease.span.is_recording():
-            lease.span.add_event("lock lost", {"lock.name": lease.name, "lock.token": lease.token,
-                                               "lock.lost.reason": reason})
-        log.warning("otel-lock: lease of %s lost: %s", lease.key, reason)
-        for callback in lease.on_lost:
-            callback()
-        task = lease.task
-        if lease.cancel_on_lost and task is not None and not task.done() and not lease.ended:
-            lease.cancelled_by_us = True
-            task.cancel(f"otel-lock: lease of {lease.key} lost")
 
     def _count_renewal(self, lease: Lease, outcome: str, error: BaseException | None = None) -> None:
         self.telemetry.renewals.add(1, {"lock.name": lease.name, "lock.renewal.outcome": outcome})

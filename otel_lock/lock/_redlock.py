@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
 import random
 import uuid
-from contextvars import ContextVar
 from functools import partial
 from types import MappingProxyType, TracebackType
-from typing import Any, Coroutine, Mapping, Sequence
+from typing import Any, Coroutine, Sequence
 from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
@@ -32,22 +30,18 @@ from ._redlock_cleanup import Cleanup
 from ._redlock_rounds import Round, grant, keep
 from ._errors import LockError, LockLost, LockTimeout, RedisUnavailable
 from ._background import Background
-from ._held import NEVER, HeldLock, Lease, LockContext
-from ._ending import Ending
+from ._held import HELD, NEVER, HeldLock, Lease, LockContext
+from ._ending import Ending, HoldEnds
 from ._manager import LockManager, _Busy
 from ._options import CommonOptions, _check_seconds, default_name
 from ..telemetry._instruments import LockCounts, Telemetry, get_telemetry
 
-log = logging.getLogger("otel_lock")
-
-_HELD: ContextVar[Mapping[tuple[str, str], Lease]] = ContextVar("otel_lock_redlock_held",
-                                                               default=MappingProxyType({}))
 _OPTIONS = ("namespace", "lease", "wait", "cancel_on_lost", "fence_ttl", "poll_cap", "renew_interval",
             "master_timeout", "tracer_provider", "meter_provider", "breaker_failures", "breaker_cooldown")
 MIN_MASTERS = 3
 
 
-class RedLockManager(CommonOptions):
+class RedLockManager(HoldEnds, CommonOptions):
     """Hands out locks held by a majority of N independent Redis masters."""
 
     def __init__(self, clients: Sequence[aioredis.Redis], *, namespace: str = "otel-lock", lease: float = 30.0,
@@ -147,7 +141,7 @@ class RedLockManager(CommonOptions):
                              "a round takes up to two of them and must leave validity")
         if name is not None and (not isinstance(name, str) or not name):
             raise ValueError(f"name must be a non-empty string, not {name!r}")
-        held = _HELD.get().get((self.id, key))
+        held = HELD.get().get((self.id, key))
         if held is not None and not held.ended:
             if held.task is asyncio.current_task():
                 return self._reenter(held, child=False)
@@ -250,7 +244,7 @@ class RedLockManager(CommonOptions):
         self._counts.hold_started(hold)
         self._counts.active[name] += 1
         self._background_task(keep(self, hold))
-        _HELD.set(MappingProxyType({**_HELD.get(), (self.id, key): hold}))
+        HELD.set(MappingProxyType({**HELD.get(), (self.id, key): hold}))
         return HeldLock(hold, 1, outer=True)
 
     async def _let_others_first(self, key: str, deadline: float) -> None:
@@ -312,13 +306,6 @@ class RedLockManager(CommonOptions):
 
     # -- keeping, releasing, losing ------------------------------------------
 
-    def _forget(self, held: HeldLock) -> None:
-        hold = held._lease
-        current = _HELD.get()
-        ident = (self.id, hold.lock_key)
-        if held._outer and current.get(ident) is hold:
-            _HELD.set(MappingProxyType({k: v for k, v in current.items() if k != ident}))
-
     async def _release(self, held: HeldLock) -> bool:
         hold = held._lease
         if held._child:
@@ -372,33 +359,7 @@ class RedLockManager(CommonOptions):
 
     def _end(self, hold: Lease, outcome: str) -> None:
         hold.ended = True
-        if hold.counted:
-            hold.counted = False
-            self._counts.active[hold.name] -= 1
-        self._counts.hold_ended(hold)
-        self.telemetry.hold_duration.record(asyncio.get_running_loop().time() - hold.acquired_at,
-                                            {"lock.name": hold.name, "lock.release.outcome": outcome})
-        self.telemetry.end_hold_span(hold.span, outcome)
-
-    def _lose(self, hold: Lease, reason: str, count: bool = True) -> None:
-        """The quorum is gone: tell the holder, and cancel it if it asked for that."""
-        if hold.lost_reason:
-            return
-        hold.lost_reason = reason
-        hold.lost.set()
-        if hold.counted:
-            hold.counted = False
-            self._counts.active[hold.name] -= 1
-        if count and hold.renew:
-            self.telemetry.renewals.add(1, {"lock.name": hold.name, "lock.renewal.outcome": "lost"})
-        if hold.span.is_recording():
-            hold.span.add_event("lock lost", {"lock.name": hold.name, "lock.token": hold.token,
-                                              "lock.lost.reason": reason})
-        log.warning("otel-lock: RedLock lease of %s lost: %s", hold.key, reason)
-        task = hold.task
-        if hold.cancel_on_lost and task is not None and not task.done() and not hold.ended:
-            hold.cancelled_by_us = True
-            task.cancel(f"otel-lock: lease of {hold.key} lost")
+        self._finish(hold, outcome)
 
     def _background_task(self, coro: Coroutine[Any, Any, Any]) -> None:
         self._background.add(coro)

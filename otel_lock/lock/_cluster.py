@@ -16,20 +16,20 @@ survives one being down.
 
 from __future__ import annotations
 
-import re
 from functools import lru_cache
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
+from ._url_hosts import UrlForm
+
 SCHEME = "redis+cluster"
 DEFAULT_PORT = 6379
-_HOST = re.compile(r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<name>[^\s:\[\]/@,]+))(?::(?P<port>[0-9]+))?$")
-_FORM = f"{SCHEME}://[[user]:password@]host1[:{DEFAULT_PORT}][,host2[:port]...]"
+_URL = UrlForm(SCHEME, "Redis Cluster", DEFAULT_PORT,
+               f"{SCHEME}://[[user]:password@]host1[:{DEFAULT_PORT}][,host2[:port]...]")
 # Options a cluster client takes that a plain one does not pass on, and the ones it refuses.
 _UNSUPPORTED = ("db", "ssl", "connection_class", "unix_socket_path", "path")
 
@@ -40,35 +40,10 @@ def is_cluster(client: Any) -> bool:
 
 def parse_url(url: str) -> tuple[list[tuple[str, int]], str | None, str | None]:
     """(nodes, username, password); a ValueError says what is wrong and shows the expected form."""
-    def bad(problem: str) -> ValueError:
-        shown = re.sub(r"//[^@/]*@", "//***@", url)
-        return ValueError(f"bad Redis Cluster URL {shown!r}: {problem}; expected {_FORM}")
-
-    parts = urlsplit(url)
-    if parts.scheme != SCHEME:
-        raise bad(f"the scheme must be {SCHEME}://")
-    if parts.query or parts.fragment:
-        raise bad("query strings and fragments are not accepted (pass options as keyword arguments)")
-    if parts.path not in ("", "/"):
-        raise bad("a cluster has no database number or path (database 0 only)")
-    userinfo, at, hostlist = parts.netloc.rpartition("@")
-    username = password = None
-    if at:
-        user, colon, secret = userinfo.partition(":")
-        username = unquote(user) or None
-        password = unquote(secret) if colon else None
-        if password is None and username is not None:
-            raise bad("give the password as ':password@' (or 'user:password@')")
-    nodes = []
-    for item in hostlist.split(","):
-        match = _HOST.match(item.strip())
-        if not match:
-            raise bad(f"{item!r} is not a host[:port]")
-        port = int(match["port"] or DEFAULT_PORT)
-        if not 0 < port < 65536:
-            raise bad(f"port {port} is out of range")
-        nodes.append((match["v6"] or match["name"], port))
-    return nodes, username, password
+    parsed = _URL.parse(url)
+    if parsed.path not in ("", "/"):
+        raise _URL.error(url, "a cluster has no database number or path (database 0 only)")
+    return list(parsed.hosts), parsed.username, parsed.password
 
 
 def cluster_client(url: str, options: dict[str, Any]) -> RedisCluster:

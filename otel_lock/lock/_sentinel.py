@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import re
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import unquote
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -27,10 +26,12 @@ from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
+from ._url_hosts import UrlForm, redact
+
 SCHEME = "redis+sentinel"
 DEFAULT_PORT = 26379
-_HOST = re.compile(r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<name>[^\s:\[\]/@,]+))(?::(?P<port>[0-9]+))?$")
-_FORM = f"{SCHEME}://[[user]:password@]host1[:{DEFAULT_PORT}][,host2[:port]...]/service_name[/db]"
+_URL = UrlForm(SCHEME, "Sentinel", DEFAULT_PORT,
+               f"{SCHEME}://[[user]:password@]host1[:{DEFAULT_PORT}][,host2[:port]...]/service_name[/db]")
 
 
 @dataclass(frozen=True)
@@ -46,38 +47,14 @@ class SentinelTarget:
 
 def parse_url(url: str) -> SentinelTarget:
     """Parse and validate; a ValueError says what is wrong and shows the expected form."""
-    def bad(problem: str) -> ValueError:
-        return ValueError(f"bad Sentinel URL {_redact(url)!r}: {problem}; expected {_FORM}")
-
-    parts = urlsplit(url)
-    if parts.scheme != SCHEME:
-        raise bad(f"the scheme must be {SCHEME}://")
-    if parts.query or parts.fragment:
-        raise bad("query strings and fragments are not accepted (pass options as keyword arguments)")
-    userinfo, at, hostlist = parts.netloc.rpartition("@")
-    username = password = None
-    if at:
-        user, colon, secret = userinfo.partition(":")
-        username = unquote(user) or None
-        password = unquote(secret) if colon else None
-        if password is None and username is not None:
-            raise bad("give the password as ':password@' (or 'user:password@')")
-    sentinels = []
-    for item in hostlist.split(","):
-        match = _HOST.match(item.strip())
-        if not match:
-            raise bad(f"{item!r} is not a host[:port]")
-        port = int(match["port"] or DEFAULT_PORT)
-        if not 0 < port < 65536:
-            raise bad(f"port {port} is out of range")
-        sentinels.append((match["v6"] or match["name"], port))
-    segments = parts.path.split("/")[1:] if parts.path else []
+    parsed = _URL.parse(url)
+    segments = parsed.path.split("/")[1:] if parsed.path else []
     if not segments or not segments[0]:
-        raise bad("the service name (the master's name in the Sentinels' config) is missing")
+        raise _URL.error(url, "the service name (the master's name in the Sentinels' config) is missing")
     if len(segments) > 2 or (len(segments) == 2 and not segments[1].isdigit()):
-        raise bad("after the service name only a database number may follow")
-    return SentinelTarget(tuple(sentinels), unquote(segments[0]), int(segments[1]) if len(segments) == 2 else 0,
-                          username, password)
+        raise _URL.error(url, "after the service name only a database number may follow")
+    return SentinelTarget(parsed.hosts, unquote(segments[0]), int(segments[1]) if len(segments) == 2 else 0,
+                          parsed.username, parsed.password)
 
 
 class _BlockingSentinelPool(SentinelConnectionPool, aioredis.BlockingConnectionPool):
@@ -161,8 +138,3 @@ def master_client(url: str, pool_timeout: float, options: dict[str, Any]) -> Sen
                                  timeout=pool_timeout, **options)
     client._sentinel_clients = tuple(sentinel.sentinels)
     return client
-
-
-def _redact(url: str) -> str:
-    head, sep, tail = url.rpartition("@")
-    return f"{head.split('://')[0]}://***@{tail}" if sep else url

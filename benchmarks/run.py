@@ -1,9 +1,10 @@
 """Run the benchmarks, print markdown tables, write benchmarks/results/*.json and docs/benchmarks.md.
 
-    .venv/bin/python -m benchmarks.run             # everything, ~10 minutes on 2 cores
+    .venv/bin/python -m benchmarks.run             # everything, ~13 minutes on 2 cores
     .venv/bin/python -m benchmarks.run --quick     # shorter windows, < 2 minutes per suite; no verdicts,
                                                    # results in a temporary directory (no tracked file changes)
     .venv/bin/python -m benchmarks.run --only lock --profile
+    .venv/bin/python -m benchmarks.run --only deployments    # issue 11: single, Sentinel, Cluster, RedLock(3)
 
 Every suite starts its own redis-server on a free loopback port (never the
 machine's 6379); the libraries of one table run against the same server in

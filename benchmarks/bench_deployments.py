@@ -77,6 +77,8 @@ class Target:
 
 def run(single_url: str, size: str = "full") -> dict:
     """Every row against fresh servers (single_url is the single Redis); size: a key of SIZES."""
+    if size not in SIZES:
+        raise ValueError(f"unknown benchmark size {size!r}: use one of {', '.join(SIZES)}")
     return asyncio.run(_run(single_url, SIZES[size] | {"size": size}))
 
 

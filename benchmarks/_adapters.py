@@ -4,6 +4,9 @@
 that takes a wait bound (otel-lock, redis-py), so the timed path is exactly
 what a user writes; the sync peers get a thin wrapper. A lock that is not
 acquired within `wait` raises one of `adapter.timeouts`.
+
+The quorum adapters (otel-lock's RedLockManager, pottery) take the URLs of
+their masters separated by spaces, so every adapter is built from one string.
 """
 
 from __future__ import annotations
@@ -37,6 +40,18 @@ class OtelLock:
 
     async def close(self) -> None:
         await self.manager.aclose()
+
+
+class OtelRedLock(OtelLock):
+    """otel-lock's RedLockManager over the space-separated master URLs (a quorum of them per lock)."""
+
+    name = "otel-lock RedLockManager"
+
+    async def open(self) -> None:
+        from otel_lock import LockTimeout, RedLockManager
+
+        self.timeouts = (LockTimeout,)
+        self.manager = RedLockManager.from_urls(self.url.split(), namespace="bench", **self.options)
 
 
 class OtelLockFixedLease(OtelLock):
@@ -79,7 +94,7 @@ class RedisPyFast(RedisPy):
 
 
 class _SyncPeer:
-    """A sync peer library over one redis-py client (its waiters are threads)."""
+    """A sync peer library over redis-py clients, one per space-separated URL (its waiters are threads)."""
 
     sync = True
     timeouts = (NotAcquired,)
@@ -90,10 +105,12 @@ class _SyncPeer:
     def open(self) -> None:
         import redis
 
-        self.client = redis.Redis.from_url(self.url, max_connections=MAX_CONNECTIONS)
+        self.clients = [redis.Redis.from_url(url, max_connections=MAX_CONNECTIONS) for url in self.url.split()]
+        self.client = self.clients[0]
 
     def close(self) -> None:
-        self.client.close()
+        for client in self.clients:
+            client.close()
 
 
 class PythonRedisLock(_SyncPeer):
@@ -116,7 +133,8 @@ class PythonRedisLock(_SyncPeer):
 
 
 class Pottery(_SyncPeer):
-    """pottery.Redlock with a single master: SET NX PX, retry after a random sleep up to 200 ms."""
+    """pottery.Redlock: SET NX PX on every master given (one in the lock suite), retry after a random sleep
+    up to 200 ms."""
 
     name = "pottery Redlock (1 master)"
 
@@ -124,7 +142,7 @@ class Pottery(_SyncPeer):
     def lock(self, key: str, wait: float):
         from pottery import Redlock
 
-        held = Redlock(key=key, masters={self.client}, auto_release_time=LEASE)
+        held = Redlock(key=key, masters=set(self.clients), auto_release_time=LEASE)
         if not held.acquire(timeout=wait):
             raise NotAcquired(key)
         try:
@@ -136,6 +154,7 @@ class Pottery(_SyncPeer):
 ADAPTERS = {
     "otel-lock": OtelLock,
     "otel-lock-lease": OtelLockFixedLease,
+    "otel-lock-redlock": OtelRedLock,
     "redis-py": RedisPy,
     "redis-py-1ms": RedisPyFast,
     "python-redis-lock": PythonRedisLock,

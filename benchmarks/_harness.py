@@ -20,19 +20,26 @@ class WorkerFailed(RuntimeError):
     pass
 
 
-def redis_stats(url: str) -> dict:
-    """Commands (INFO commandstats, scripts' inner commands included) and CPU of the server."""
-    client = redis.Redis.from_url(url)
-    try:
-        stats = client.info("commandstats")
-        cpu = client.info("cpu")
-    finally:
-        client.close()
-    calls = {k.removeprefix("cmdstat_"): v["calls"] for k, v in stats.items()}
-    return {
-        "calls": calls,
-        "cpu": cpu["used_cpu_user"] + cpu["used_cpu_sys"],
-    }
+def _urls(servers: str | list[str]) -> list[str]:
+    return [servers] if isinstance(servers, str) else list(servers)
+
+
+def redis_stats(servers: str | list[str]) -> dict:
+    """Commands (INFO commandstats, scripts' inner commands included) and CPU, summed over the servers."""
+    calls: dict = {}
+    cpu = 0.0
+    for url in _urls(servers):
+        client = redis.Redis.from_url(url)
+        try:
+            stats = client.info("commandstats")
+            used = client.info("cpu")
+        finally:
+            client.close()
+        for k, v in stats.items():
+            name = k.removeprefix("cmdstat_")
+            calls[name] = calls.get(name, 0) + v["calls"]
+        cpu += used["used_cpu_user"] + used["used_cpu_sys"]
+    return {"calls": calls, "cpu": cpu}
 
 
 def stats_delta(before: dict, after: dict) -> dict:
@@ -43,18 +50,23 @@ def stats_delta(before: dict, after: dict) -> dict:
     return {"calls": dict(sorted(calls.items())), "total": sum(calls.values()), "cpu": after["cpu"] - before["cpu"]}
 
 
-def flush(url: str) -> None:
-    client = redis.Redis.from_url(url)
-    try:
-        client.flushall()
-        client.config_resetstat()
-    finally:
-        client.close()
+def flush(servers: str | list[str]) -> None:
+    """Empty every server (each master of a deployment) and reset its counters."""
+    for url in _urls(servers):
+        client = redis.Redis.from_url(url)
+        try:
+            client.flushall()
+            client.config_resetstat()
+        finally:
+            client.close()
 
 
-def run_workers(specs: list[dict], duration: float, url: str, settle: float = 0.3,
+def run_workers(specs: list[dict], duration: float, url: str | list[str], settle: float = 0.3,
                 env: dict | None = None) -> tuple[list[dict], dict, float]:
-    """Run one process per spec for `duration` seconds; returns (results, Redis delta, measured window)."""
+    """Run one process per spec for `duration` seconds; returns (results, Redis delta, measured window).
+
+    `url`: the server(s) whose INFO counters are read around the window (every master of a deployment).
+    """
     env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     procs = [
         subprocess.Popen(
@@ -90,6 +102,8 @@ def run_workers(specs: list[dict], duration: float, url: str, settle: float = 0.
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+            proc.stdin.close()
+            proc.stdout.close()
 
 
 def _expect(proc: subprocess.Popen, field: str) -> dict:
@@ -102,6 +116,24 @@ def _expect(proc: subprocess.Popen, field: str) -> dict:
     if field not in msg:
         raise WorkerFailed(f"worker {proc.pid} sent {msg!r}, expected {field!r}")
     return msg[field] if field == "result" else msg
+
+
+def rotate(items: list, n: int) -> list:
+    """`items` started at position n: rounds interleave libraries without always starting with the same one."""
+    n %= len(items)
+    return items[n:] + items[:n]
+
+
+def best_rounds(rows: list[dict], key: str, higher: bool, group=lambda r: r["lib"]) -> list[dict]:
+    """Per group, the row of its best round by `key`, with every round's value (first-seen order)."""
+    groups: dict = {}
+    for row in rows:
+        groups.setdefault(group(row), []).append(row)
+    out = []
+    for members in groups.values():
+        best = (max if higher else min)(members, key=lambda r: r[key])
+        out.append({**best, "rounds": [round(r[key], 3) for r in members]})
+    return out
 
 
 def percentile(values: list[float], q: float) -> float:

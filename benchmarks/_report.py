@@ -82,7 +82,8 @@ def render_summary(results: Path, quick: bool) -> str:
 def _machine(data: dict) -> list[str]:
     m = data["machine"]
     return [
-        f"Run {m['date']}{' (--quick)' if m['quick'] else ''}: {m['nproc']} CPUs, Python {m['python']}, "
+        f"Run {m['date']}{' (--quick)' if m['quick'] else ''}"
+        f"{', commit ' + m['commit'] if m.get('commit') else ''}: {m['nproc']} CPUs, Python {m['python']}, "
         f"Redis {m['redis']}, {m['platform']}; suite took {m['seconds']} s; 1-minute load average "
         f"{m.get('loadavg_at_start')} at start, {m.get('loadavg_at_end')} at end (other work shares these 2 CPUs).",
         "",
@@ -339,4 +340,42 @@ def update_docs(path: Path, name: str, markdown: str) -> None:
     path.write_text(text)
 
 
-RENDERERS.update(lock=render_lock, middleware=render_middleware, telemetry=render_telemetry)
+def render_deployments(data: dict, collect: list | None = None) -> str:
+    """Issue 11: one table, a row per deployment and lock, from benchmarks/bench_deployments.py."""
+    out = _machine(data)
+    loads = [r["load_1m_before"] for t in data["every_round"].values() for r in t]
+    if loads:
+        out[-2] += (f" Before each row: {min(loads)} to {max(loads)} (this run's own worker processes "
+                    "count in it from the second row on).")
+    keys = data.get("keys", [])
+    out += [f"{data['processes']} worker processes (one waiter each) take {len(keys)} keys in turn "
+            f"({', '.join(k['key'] for k in keys)}: slots {', '.join(str(k['slot']) for k in keys)}, "
+            "one per Cluster master); critical section = a local increment; "
+            f"{data['contended_s']:g} s per row and round, best of {data['rounds']} round(s) by hand-overs/s "
+            "(every round in the last column). A hand-over is an acquisition of a key by another worker than "
+            "the one before on that key; overlaps (two holders of one key at once, system-wide monotonic "
+            "clock) must be 0. Redis cmds and Redis CPU are summed over every master of the deployment "
+            "(`INFO commandstats`, commands inside scripts included). Uncontended: one worker process, "
+            "acquire + release of one key in a loop.", ""]
+    rows = data["rows"]
+    base = next((r for r in rows if r["row"] == "single"), None)
+    out.append(_table(
+        ["deployment", "lock", "hand-overs/s", "vs single", "wait p50 ms", "wait p99 ms", "busiest worker",
+         "overlaps", "Redis cmds/hand-over", "Redis CPU ms/hand-over", "client CPU ms/hand-over",
+         "uncontended p50 ms", "uncontended p99 ms", "rounds"],
+        [[r["where"], r["lock"], _f(r["handoffs_per_s"], 0),
+          f"{r['handoffs_per_s'] / base['handoffs_per_s']:.2f}x" if base and base["handoffs_per_s"] else "n/a",
+          _f(r["wait_p50_ms"], 2), _f(r["wait_p99_ms"], 1), f"{r['busiest_share']:.0%}", r["overlaps"],
+          _f(r["redis_commands_per_handoff"], 1), _f(r["redis_cpu_ms_per_handoff"], 3),
+          _f(r["client_cpu_ms_per_handoff"], 2), _f(r.get("cycle_p50_ms"), 3), _f(r.get("cycle_p99_ms"), 3),
+          _rounds(r)] for r in rows]))
+    every = data["every_round"]["contended"]
+    out += ["", f"Overlapping holds over every round of every row: {sum(r['overlaps'] for r in every)}."]
+    if data.get("failures"):
+        out += ["", "Failed runs (no row above):", ""]
+        out += [f"- {f['what']}: `{f['error']}`" for f in data["failures"]]
+    return "\n".join(out) + "\n"
+
+
+RENDERERS.update(lock=render_lock, middleware=render_middleware, telemetry=render_telemetry,
+                 deployments=render_deployments)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import cProfile
+import itertools
 import json
 import sys
 import threading
@@ -85,11 +86,26 @@ def _cycle_sync(adapter, key: str, stop: float) -> list[float]:
 
 # -- (b), (d) contention ----------------------------------------------------
 
-async def _contend_async(adapter, key: str, wid: int, warmed: list, go: asyncio.Event, window: dict,
+def _warm_keys(keys: list[str], wid: int) -> list[str]:
+    """One private key per contended key, in the same hash slot (a cluster node's connection is then open)."""
+    from redis.crc import key_slot
+
+    out = []
+    for key in keys:
+        slot = key_slot(key.encode())
+        out.append(next(k for i in itertools.count() if key_slot((k := f"warm:{wid}:{i}").encode()) == slot))
+    return out
+
+
+# A worker with several keys takes them in turn, starting at its own offset, so every key is contended
+# by all workers over time; a record is (worker, requested, entered, left, key index).
+
+async def _contend_async(adapter, keys: list[str], wid: int, warmed: list, go: asyncio.Event, window: dict,
                          out: list) -> None:
-    # warm-up on a private key first, so connections are open before the clock starts
-    async with adapter.lock(f"warm:{wid}", 5.0):
-        pass
+    # warm-up on private keys first, so connections are open before the clock starts
+    for warm in _warm_keys(keys, wid):
+        async with adapter.lock(warm, 5.0):
+            pass
     warmed[0] -= 1
     if warmed[0] == 0:
         warmed[1].set()
@@ -97,41 +113,53 @@ async def _contend_async(adapter, key: str, wid: int, warmed: list, go: asyncio.
     stop = window["stop"]
     mono = time.monotonic
     counter = 0
+    turn = wid
     while (req := mono()) < stop:
+        index = turn % len(keys)
+        turn += 1
         try:
-            async with adapter.lock(key, min(stop - req, 10.0)):
+            async with adapter.lock(keys[index], min(stop - req, 10.0)):
                 enter = mono()
                 counter += 1  # the critical section: a local increment
                 leave = mono()
         except adapter.timeouts:
             continue
         if enter < stop:
-            out.append((wid, req, enter, leave))
+            out.append((wid, req, enter, leave, index))
 
 
-def _contend_sync(adapter, key: str, wid: int, warmed: threading.Semaphore, go: threading.Event,
+def _contend_sync(adapter, keys: list[str], wid: int, warmed: threading.Semaphore, go: threading.Event,
                   window: dict, out: list) -> None:
-    with adapter.lock(f"warm:{wid}", 5.0):
-        pass
+    for warm in _warm_keys(keys, wid):
+        with adapter.lock(warm, 5.0):
+            pass
     warmed.release()
     go.wait()
     stop = window["stop"]
     mono = time.monotonic
     counter = 0
+    turn = wid
     while (req := mono()) < stop:
+        index = turn % len(keys)
+        turn += 1
         try:
-            with adapter.lock(key, min(stop - req, 10.0)):
+            with adapter.lock(keys[index], min(stop - req, 10.0)):
                 enter = mono()
                 counter += 1
                 leave = mono()
         except adapter.timeouts:
             continue
         if enter < stop:
-            out.append((wid, req, enter, leave))
+            out.append((wid, req, enter, leave, index))
+
+
+def _adapter(spec: dict):
+    # options (e.g. wait_replicas) go to the lock's manager; only otel-lock's adapters take any
+    return ADAPTERS[spec["lib"]](spec["url"], **(spec.get("options") or {}))
 
 
 async def _run_async(spec: dict) -> dict:
-    adapter = ADAPTERS[spec["lib"]](spec["url"])
+    adapter = _adapter(spec)
     await adapter.open()
     key, mode = spec["key"], spec["mode"]
     records: list = []
@@ -143,7 +171,8 @@ async def _run_async(spec: dict) -> dict:
     else:
         base, n = spec["worker_base"], spec["tasks"]
         warmed = [n, asyncio.Event()]
-        waiters = asyncio.gather(*(_contend_async(adapter, key, base + i, warmed, go, shared, records)
+        waiters = asyncio.gather(*(_contend_async(adapter, spec.get("keys") or [key], base + i, warmed, go,
+                                                  shared, records)
                                    for i in range(n)))
         await warmed[1].wait()
     loop = asyncio.get_running_loop()
@@ -171,7 +200,7 @@ async def _run_async(spec: dict) -> dict:
 
 
 def _run_sync(spec: dict) -> dict:
-    adapter = ADAPTERS[spec["lib"]](spec["url"])
+    adapter = _adapter(spec)
     adapter.open()
     key, mode = spec["key"], spec["mode"]
     records: list = []
@@ -186,7 +215,8 @@ def _run_sync(spec: dict) -> dict:
         base, n = spec["worker_base"], spec["tasks"]
         warmed = threading.Semaphore(0)
         threads = [
-            threading.Thread(target=_contend_sync, args=(adapter, key, base + i, warmed, go, shared, records),
+            threading.Thread(target=_contend_sync,
+                             args=(adapter, spec.get("keys") or [key], base + i, warmed, go, shared, records),
                              daemon=True)
             for i in range(n)
         ]

@@ -14,11 +14,16 @@ KEY = "bench:one"
 
 
 def uncontended(lib: str, url: str, duration: float, profile: str | None = None, telemetry: str | None = None,
-                env: dict | None = None) -> dict:
-    """(a) One worker, one key, acquire+release in a loop (`telemetry`: a benchmarks._otel_modes mode)."""
-    flush(url)
-    spec = {"mode": "cycle", "lib": lib, "url": url, "key": KEY, "profile": profile, "telemetry": telemetry}
-    [result], redis_delta, window = run_workers([spec], duration, url, env=env)
+                env: dict | None = None, options: dict | None = None, servers: list[str] | None = None) -> dict:
+    """(a) One worker, one key, acquire+release in a loop (`telemetry`: a benchmarks._otel_modes mode).
+
+    `options` go to the lock's manager; `servers` are the redis:// URLs of every master behind `url`
+    (flushed before, counted around the window), `url` itself when not given.
+    """
+    flush(servers or url)
+    spec = {"mode": "cycle", "lib": lib, "url": url, "key": KEY, "profile": profile, "telemetry": telemetry,
+            "options": options}
+    [result], redis_delta, window = run_workers([spec], duration, servers or url, env=env)
     durations = result["durations"]
     return {
         "lib": lib,
@@ -33,19 +38,25 @@ def uncontended(lib: str, url: str, duration: float, profile: str | None = None,
 
 
 def analyse(records: list, window: float) -> dict:
-    """Acquisitions, handoffs, waits, fairness and the mutual-exclusion check over merged hold intervals."""
-    records = sorted(records, key=lambda r: r[2])
+    """Acquisitions, handoffs, waits, fairness and the mutual-exclusion check over merged hold intervals.
+
+    A record is (worker, requested, entered, left[, key index]); handoffs and overlaps are counted per key.
+    """
+    by_key: dict = {}
+    for record in records:
+        by_key.setdefault(record[4] if len(record) > 4 else 0, []).append(record)
     handoffs = overlaps = 0
-    last_exit = float("-inf")
-    prev = None
-    for wid, _req, enter, leave in records:
-        if enter < last_exit:
-            overlaps += 1
-        last_exit = max(last_exit, leave)
-        if prev is not None and wid != prev:
-            handoffs += 1
-        prev = wid
-    waits = [enter - req for _wid, req, enter, _leave in records]
+    for holds in by_key.values():
+        last_exit = float("-inf")
+        prev = None
+        for wid, _req, enter, leave, *_ in sorted(holds, key=lambda r: r[2]):
+            if enter < last_exit:
+                overlaps += 1
+            last_exit = max(last_exit, leave)
+            if prev is not None and wid != prev:
+                handoffs += 1
+            prev = wid
+    waits = [r[2] - r[1] for r in records]
     per_worker = Counter(r[0] for r in records)
     n = len(records)
     return {
@@ -62,16 +73,20 @@ def analyse(records: list, window: float) -> dict:
 
 
 def contended(lib: str, url: str, duration: float, workers: int = 8, processes: int = 8,
-              count: bool = False, profile_dir: str | None = None) -> dict:
-    """(b) and (d): `workers` waiters on one key spread over `processes` processes, tiny critical section."""
-    flush(url)
+              count: bool = False, profile_dir: str | None = None, keys: list[str] | None = None,
+              options: dict | None = None, servers: list[str] | None = None) -> dict:
+    """(b) and (d): `workers` waiters on one key spread over `processes` processes, tiny critical section.
+
+    With `keys`, each worker takes those keys in turn instead; `options` and `servers` as for uncontended().
+    """
+    flush(servers or url)
     per = workers // processes
     specs = [
-        {"mode": "contend", "lib": lib, "url": url, "key": KEY, "tasks": per, "worker_base": i * per,
-         "count": count, "profile": f"{profile_dir}/contend-{i}.prof" if profile_dir else None}
+        {"mode": "contend", "lib": lib, "url": url, "key": KEY, "keys": keys, "options": options, "tasks": per,
+         "worker_base": i * per, "count": count, "profile": f"{profile_dir}/contend-{i}.prof" if profile_dir else None}
         for i in range(processes)
     ]
-    results, redis_delta, window = run_workers(specs, duration, url)
+    results, redis_delta, window = run_workers(specs, duration, servers or url)
     records = [tuple(r) for res in results for r in res["records"]]
     row = {"lib": lib, "workers": workers, "processes": processes, **analyse(records, window)}
     handoffs = max(1, row["handoffs"])

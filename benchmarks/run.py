@@ -1,9 +1,10 @@
 """Run the benchmarks, print markdown tables, write benchmarks/results/*.json and docs/benchmarks.md.
 
-    .venv/bin/python -m benchmarks.run             # everything, ~10 minutes on 2 cores
+    .venv/bin/python -m benchmarks.run             # everything, ~13 minutes on 2 cores
     .venv/bin/python -m benchmarks.run --quick     # shorter windows, < 2 minutes per suite; no verdicts,
                                                    # results in a temporary directory (no tracked file changes)
     .venv/bin/python -m benchmarks.run --only lock --profile
+    .venv/bin/python -m benchmarks.run --only deployments    # issue 11: single, Sentinel, Cluster, RedLock(3)
 
 Every suite starts its own redis-server on a free loopback port (never the
 machine's 6379); the libraries of one table run against the same server in
@@ -26,10 +27,22 @@ from otel_lock.cli._redis_server import RedisServer
 
 from . import _report
 from ._adapters import available
+from ._harness import best_rounds
+from ._harness import rotate as _rotate
 
-RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 LOCK_LIBS = ["otel-lock", "redis-py", "redis-py-1ms", "python-redis-lock", "pottery"]
+
+
+def commit() -> str:
+    """The checkout's commit, "-dirty" when tracked files differ from it ("?" outside git)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+
+    head = git("rev-parse", "--short", "HEAD")
+    return (head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")) if head else "?"
 
 
 def machine() -> dict:
@@ -41,6 +54,7 @@ def machine() -> dict:
         "redis": next((w.split("=", 1)[1] for w in redis_version if w.startswith("v=")), "?"),
         "platform": platform.platform(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "commit": commit(),
         # the machine is shared: say how busy it was
         "loadavg_at_start": round(os.getloadavg()[0], 2),
     }
@@ -104,23 +118,6 @@ def lock_suite(url: str, quick: bool, profile_dir: Path | None) -> dict:
     return out
 
 
-def _rotate(items: list, n: int) -> list:
-    n %= len(items)
-    return items[n:] + items[:n]
-
-
-def best_rounds(rows: list[dict], key: str, higher: bool, group=lambda r: r["lib"]) -> list[dict]:
-    """Per group, the row of its best round by `key`, with every round's value (first-seen order)."""
-    groups: dict = {}
-    for row in rows:
-        groups.setdefault(group(row), []).append(row)
-    out = []
-    for members in groups.values():
-        best = (max if higher else min)(members, key=lambda r: r[key])
-        out.append({**best, "rounds": [round(r[key], 3) for r in members]})
-    return out
-
-
 def profile_lock(url: str, quick: bool, profile_dir: Path) -> dict:
     """cProfile of otel-lock's worker processes, uncontended and 8-way contended; top functions by own time."""
     from . import bench_lock as b
@@ -174,7 +171,17 @@ def telemetry_suite(url: str, quick: bool, profile_dir: Path | None) -> dict:
     return data
 
 
-SUITES = {"lock": lock_suite, "middleware": middleware_suite, "telemetry": telemetry_suite}
+def deployments_suite(url: str, quick: bool, profile_dir: Path | None) -> dict:
+    from . import bench_deployments
+
+    if not available("otel-lock"):
+        return {"rows": [], "skipped": "otel_lock not importable"}
+    # `url` is the single Redis; Sentinel, Cluster and the RedLock masters are started in there
+    return bench_deployments.run(url, "quick" if quick else "full")
+
+
+SUITES = {"lock": lock_suite, "middleware": middleware_suite, "telemetry": telemetry_suite,
+          "deployments": deployments_suite}
 
 
 def _say(text: str) -> None:

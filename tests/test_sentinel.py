@@ -1,6 +1,6 @@
 """LockManager behind Redis Sentinel, and `wait_replicas` (WAIT after acquire and renewal).
 
-Real processes on loopback (benchmarks/_sentinel_set.py, shared with benchmarks/bench_sentinel.py): one master, one
+Real processes on loopback (benchmarks/_sentinel_set.py, shared with benchmarks/bench_deployments.py): one master, one
 replica (replicating through a proxy that can stall it) and three sentinels,
 each started and stopped by pid. The `failover` tests SIGKILL the master
 under load and check what docs/lock.md and docs/safety.md promise:

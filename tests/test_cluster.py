@@ -227,6 +227,32 @@ async def _at_least(items: list, n: int) -> bool:
     return len(items) >= n
 
 
+async def test_a_slot_half_migrated_refuses_new_locks_as_unavailable_until_it_is_done(flushed):
+    """A script's four keys must all be on one side: while they are not, Redis answers TRYAGAIN (or ASK)."""
+    key = "asked"
+    slot = slot_of(key)
+    source = await flushed.owner(key)
+    target = next(p for p in flushed.ports if p != source)
+    source_id, target_id = await flushed.node_id(source), await flushed.node_id(target)
+    async with LockManager.from_url(flushed.url, lease=5.0) as a, LockManager.from_url(flushed.url, lease=5.0) as b:
+        async with a.lock("warm-up"):
+            pass
+        async with aioredis.Redis(port=source) as src, aioredis.Redis(port=target) as dst:
+            await dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", source_id)
+            await src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", target_id)
+            with pytest.raises(RedisUnavailable, match="TRYAGAIN"):
+                await a.try_lock(key)  # redirected with ASK, then refused: a reported error, not a hold
+            with pytest.raises(RedisUnavailable, match="TRYAGAIN"):
+                await b.acquire(key, wait=0.2)
+            for port in flushed.ports:
+                async with aioredis.Redis(port=port) as node:
+                    await node.execute_command("CLUSTER", "SETSLOT", slot, "NODE", target_id)
+        held = await a.acquire(key)  # MOVED to the target, where it is made
+        assert await b.try_lock(key) is None
+        assert await flushed.owner(key) == target
+        assert await held.release() is True
+
+
 @pytest.mark.failover
 async def test_a_killed_master_ends_in_told_holders_and_the_replica_takes_over():
     async with ClusterSet(masters=3, replicas=1) as cluster:

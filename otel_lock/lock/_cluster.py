@@ -64,7 +64,9 @@ def cluster_client(url: str, options: dict[str, Any]) -> RedisCluster:
     return RedisCluster(startup_nodes=[ClusterNode(host, port) for host, port in nodes], **options)
 
 
+@lru_cache(maxsize=65536)
 def slot_of(key: str) -> int:
+    """The key's cluster slot (cached: every call of a lock asks it for the same few keys)."""
     return key_slot(key.encode())
 
 

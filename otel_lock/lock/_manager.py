@@ -42,6 +42,7 @@ from ._options import (MAX_KEY_LENGTH, _MANAGER_OPTIONS, CommonOptions, _check_s
                        default_name)
 from ._held import HELD, NEVER, HeldLock, Lease, LockContext, LockInfo
 from ._replicas import Replicated, check_replicas
+from ._routed import RoutedConnections
 from ._sentinel import SCHEME as SENTINEL_SCHEME
 from ._sentinel import MasterWatch, master_client
 from ._sharded import ShardedWaiting
@@ -84,7 +85,9 @@ class LockManager(Ending, CommonOptions):
         # The hot path (scripts, renewals, the subscriber) uses a lean pipelined
         # connection to the same server when the client allows; else redis-py.
         self._direct = Connection.for_client(redis)
-        self._client: _scripts.ScriptClient = self._direct or redis
+        # On a Redis Cluster: one lean connection per master, each script routed by slot.
+        self._routed = RoutedConnections.for_client(redis)
+        self._client: _scripts.ScriptClient = self._direct or self._routed or redis
         # Behind Sentinel: leave a demoted master as soon as the Sentinels name another.
         self._master_watch = MasterWatch.for_client(redis)
         subscriber = partial(Connection.for_client, redis) if self._direct else None
@@ -223,6 +226,8 @@ class LockManager(Ending, CommonOptions):
         await self._background.aclose()
         if self._direct is not None:
             await self._direct.aclose()
+        if self._routed is not None:
+            await self._routed.aclose()
         if self._owns_client:
             await self.redis.aclose()
 
@@ -370,6 +375,8 @@ class LockManager(Ending, CommonOptions):
     def _connection_figures(self) -> tuple[int, int]:
         """(connections in use, replies awaited): read by a metrics reader, on its own thread."""
         redis = self.redis
+        if self._routed is not None:
+            return self._routed.connected, self._routed.in_flight
         if isinstance(redis, RedisCluster):  # each node keeps its own connections
             return sum(len(getattr(n, "_connections", ())) - len(getattr(n, "_free", ()))
                        for n in redis.get_nodes()), 0
@@ -386,13 +393,14 @@ class LockManager(Ending, CommonOptions):
         try:
             if self._master_watch is not None:
                 await self._master_watch.check()
-            if self._cluster:
-                # redis-py sends commands issued before it has read the slot map to
-                # one node (MOVED, and after a few of those it drops every connection)
-                await self.redis.initialize()
-            if self._direct is not None:  # no Redis instrumentation sees the lean connection
-                answer = await script(self._direct, keys, args)
+            lean = self._direct or self._routed
+            if lean is not None:  # no Redis instrumentation sees the lean connections
+                answer = await script(lean, keys, args)
             else:
+                if isinstance(self.redis, RedisCluster):
+                    # redis-py sends commands issued before it has read the slot map to
+                    # one node (MOVED, and after a few of those it drops every connection)
+                    await self.redis.initialize()
                 with suppressed():
                     answer = await script(self.redis, keys, args)
             self.telemetry.redis_duration.record(time.perf_counter() - began,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from typing import Any, Callable
 
@@ -53,7 +54,14 @@ class ShardedWaiting(Waiting):
         self._connecting = asyncio.Lock()
 
     def channel_for(self, key: str) -> str:
-        return f"{self.channel}:{{{slot_tag(slot_of(key))}}}"
+        return self._channels_by_slot(slot_of(key))
+
+    @functools.cached_property
+    def _channels_by_slot(self) -> Callable[[int], str]:
+        @functools.lru_cache(maxsize=None)  # at most one per slot
+        def channel(slot: int) -> str:
+            return f"{self.channel}:{{{slot_tag(slot)}}}"
+        return channel
 
     def ready_for(self, key: str) -> bool:
         done = self._subscriptions.get(self.channel_for(key))

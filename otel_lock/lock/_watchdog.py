@@ -148,11 +148,14 @@ class Watchdog:
     async def _send(self, chunks: Sequence[list[Lease]]) -> list[Any]:
         manager = self._manager
         if manager._cluster:
-            await manager.redis.initialize()  # (see LockManager._call)
-            # One call per slot, each routed (and redirected) to its node by redis-py;
-            # a node that is down fails its own slots' renewals only.
+            # One call per slot, each routed (and redirected) to its node; the calls
+            # to one node share its socket. A node that is down fails its own
+            # slots' renewals only.
+            client = manager._client
+            if client is manager.redis:
+                await manager.redis.initialize()  # (see LockManager._call)
             return await asyncio.gather(*(
-                _scripts.renew(manager.redis, [l.key for l in chunk],
+                _scripts.renew(client, [l.key for l in chunk],
                                [a for l in chunk for a in (l.owner, l.renew_ms)]) for chunk in chunks),
                 return_exceptions=True)
         calls: list[tuple[Any, ...]] = []

@@ -25,7 +25,7 @@ from redis.asyncio.sentinel import Sentinel
 from benchmarks._sentinel_set import SentinelSet, until
 from otel_lock import LockManager, LockTimeout, RedisUnavailable
 from otel_lock.lock._connection import Connection
-from otel_lock.lock._sentinel import parse_url
+from otel_lock.lock._sentinel import MasterConnection, parse_url
 
 # -- the URL form ------------------------------------------------------------------
 
@@ -81,20 +81,28 @@ def test_bad_wait_replicas_options(options, problem):
         LockManager.from_url("redis://127.0.0.1:1/0", socket_timeout=2.0, **options)
 
 
-async def test_a_sentinel_client_goes_through_redis_py():
-    """The lean connection would keep talking to one address: never used for a Sentinel-managed client."""
+async def test_a_sentinel_client_gets_a_lean_connection_that_follows_the_master():
+    """A plain lean connection would keep talking to one address; the Sentinel one asks who the master is."""
     sentinel = Sentinel([("127.0.0.1", 1)])
     client = sentinel.master_for("svc")
     assert Connection.for_client(client) is None
     locks = LockManager(client)
-    assert locks._direct is None and locks._client is client
+    assert isinstance(locks._direct, MasterConnection) and locks._client is locks._direct
+    assert locks._master_watch is not None and locks._master_watch.lean is locks._direct
     await locks.aclose()
     await client.aclose()
+    tls = sentinel.master_for("svc", ssl=True)  # what the lean connection does not speak: redis-py
+    locks = LockManager(tls)
+    assert locks._direct is None and locks._client is tls
+    await locks.aclose()
+    await tls.aclose()
     await sentinel.aclose()
     from_url = LockManager.from_url("redis+sentinel://127.0.0.1:1/svc/2", socket_timeout=1.0)
-    assert from_url._direct is None
+    assert isinstance(from_url._direct, MasterConnection)
     kwargs = from_url.redis.connection_pool.connection_kwargs
     assert (kwargs["db"], kwargs["socket_timeout"]) == (2, 1.0)
+    with pytest.raises(RedisUnavailable, match="no Sentinel named a master"):
+        await from_url.try_lock("k")
     await from_url.aclose()
 
 

@@ -44,7 +44,7 @@ from ._held import HELD, NEVER, HeldLock, Lease, LockContext, LockInfo
 from ._replicas import Replicated, check_replicas
 from ._routed import RoutedConnections
 from ._sentinel import SCHEME as SENTINEL_SCHEME
-from ._sentinel import MasterWatch, master_client
+from ._sentinel import MasterConnection, MasterWatch, master_client
 from ._sharded import ShardedWaiting
 from ._waiting import Waiting
 from ._watchdog import Watchdog
@@ -84,13 +84,14 @@ class LockManager(Ending, CommonOptions):
         self._ids = itertools.count(1)
         # The hot path (scripts, renewals, the subscriber) uses a lean pipelined
         # connection to the same server when the client allows; else redis-py.
-        self._direct = Connection.for_client(redis)
+        plain = Connection.for_client(redis)
+        # Behind Sentinel: leave a demoted master as soon as the Sentinels name another.
+        self._master_watch = MasterWatch.for_client(redis)
+        self._direct: Connection | None = plain or MasterConnection.for_master(redis, self._master_watch)
         # On a Redis Cluster: one lean connection per master, each script routed by slot.
         self._routed = RoutedConnections.for_client(redis)
         self._client: _scripts.ScriptClient = self._direct or self._routed or redis
-        # Behind Sentinel: leave a demoted master as soon as the Sentinels name another.
-        self._master_watch = MasterWatch.for_client(redis)
-        subscriber = partial(Connection.for_client, redis) if self._direct else None
+        subscriber = partial(Connection.for_client, redis) if plain else None
         channel = f"{namespace}:wake:{self.id}"
         self._waiting = ShardedWaiting(redis, channel, self._pass_on) if isinstance(redis, RedisCluster) else Waiting(
             redis, channel, subscriber, self._pass_on,

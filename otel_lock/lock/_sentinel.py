@@ -22,9 +22,12 @@ from urllib.parse import unquote
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
-from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ReadOnlyError, RedisError
+
+from ._connection import Connection
 
 from ._url_hosts import UrlForm, redact
 
@@ -98,6 +101,7 @@ class MasterWatch:
     def __init__(self, pool: SentinelConnectionPool) -> None:
         self.pool = pool
         self._next = 0.0
+        self.lean: MasterConnection | None = None  # closed too when the master changes
 
     @classmethod
     def for_client(cls, client: Any) -> "MasterWatch | None":
@@ -116,6 +120,69 @@ class MasterWatch:
             return  # no Sentinel answered: the call itself will tell
         if known is not None and current != known:
             await self.pool.disconnect(inuse_connections=True)
+            if self.lean is not None:
+                await self.lean.aclose()
+
+    def recheck(self) -> None:
+        """Ask the Sentinels at the next call, not after REFRESH_EVERY (a master answered READONLY)."""
+        self._next = 0.0
+
+
+class MasterConnection(Connection):
+    """The lean connection (see _connection.py) to whichever server the Sentinels name master.
+
+    Every (re)connect asks the Sentinels for the address, as redis-py's own
+    Sentinel connections do; `MasterWatch` closes it when the Sentinels name
+    another master, and a READONLY answer (a demoted master) closes it and
+    makes the next call ask them again. Calls in flight on a closed
+    connection fail as unavailable: the failover is under way.
+    """
+
+    def __init__(self, pool: SentinelConnectionPool, watch: MasterWatch, **options: Any) -> None:
+        super().__init__(**options)
+        self._pool, self._watch = pool, watch
+        watch.lean = self
+
+    @classmethod
+    def for_master(cls, client: Any, watch: MasterWatch | None) -> "MasterConnection | None":
+        """For a Sentinel master client over plain TCP, RESP2 and password auth; else None (redis-py)."""
+        pool = getattr(client, "connection_pool", None)
+        if watch is None or not isinstance(pool, SentinelConnectionPool) or not pool.is_master:
+            return None
+        kw = pool.connection_kwargs
+        if pool.connection_class is not SentinelManagedConnection or kw.get("credential_provider") \
+                or str(kw.get("protocol") or 2) != "2":
+            return None
+        timeout = kw.get("socket_timeout")
+        return cls(pool, watch, db=kw.get("db") or 0, username=kw.get("username"), password=kw.get("password"),
+                   timeout=timeout, connect_timeout=kw.get("socket_connect_timeout") or timeout)
+
+    async def connect(self) -> None:
+        if self.connected:
+            return
+        try:
+            host, port = await self._pool.get_master_address()  # type: ignore[no-untyped-call]
+        except (RedisError, OSError) as exc:
+            raise RedisConnectionError(f"no Sentinel named a master: {exc}") from exc
+        self._host, self._port = str(host), int(port)
+        await super().connect()
+
+    async def execute(self, *args: Any) -> Any:
+        try:
+            return await super().execute(*args)
+        except ReadOnlyError:
+            await self._demoted()
+            raise
+
+    async def execute_many(self, commands: list[tuple[Any, ...]]) -> list[Any]:
+        results = await super().execute_many(commands)
+        if any(isinstance(r, ReadOnlyError) for r in results):
+            await self._demoted()
+        return results
+
+    async def _demoted(self) -> None:
+        self._watch.recheck()
+        await self.aclose()
 
 
 def master_client(url: str, pool_timeout: float, options: dict[str, Any]) -> SentinelMaster:

@@ -88,7 +88,7 @@ async def test_a_sentinel_client_gets_a_lean_connection_that_follows_the_master(
     assert Connection.for_client(client) is None
     locks = LockManager(client)
     assert isinstance(locks._direct, MasterConnection) and locks._client is locks._direct
-    assert locks._master_watch is not None and locks._master_watch.lean is locks._direct
+    assert locks._master_watch is not None and locks._direct in locks._master_watch.leans
     await locks.aclose()
     await client.aclose()
     tls = sentinel.master_for("svc", ssl=True)  # what the lean connection does not speak: redis-py

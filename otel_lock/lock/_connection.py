@@ -231,6 +231,11 @@ class Connection:
     def script_load(self, source: str) -> Awaitable[Any]:
         return self.execute("SCRIPT", "LOAD", source)
 
+    def drop(self) -> None:
+        """Abort the socket as if the server had closed it: calls in flight fail and `on_lost` runs."""
+        if self._protocol is not None:
+            self._protocol.abort()
+
     async def aclose(self) -> None:
         protocol, self._protocol = self._protocol, None
         if protocol is not None and protocol.transport is not None:

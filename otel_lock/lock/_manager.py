@@ -91,7 +91,8 @@ class LockManager(Ending, CommonOptions):
         # On a Redis Cluster: one lean connection per master, each script routed by slot.
         self._routed = RoutedConnections.for_client(redis)
         self._client: _scripts.ScriptClient = self._direct or self._routed or redis
-        subscriber = partial(Connection.for_client, redis) if plain else None
+        subscriber = partial(Connection.for_client, redis) if plain else (
+            partial(MasterConnection.for_master, redis, self._master_watch) if self._direct else None)
         channel = f"{namespace}:wake:{self.id}"
         self._waiting = ShardedWaiting(redis, channel, self._pass_on) if isinstance(redis, RedisCluster) else Waiting(
             redis, channel, subscriber, self._pass_on,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import weakref
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
@@ -101,7 +102,7 @@ class MasterWatch:
     def __init__(self, pool: SentinelConnectionPool) -> None:
         self.pool = pool
         self._next = 0.0
-        self.lean: MasterConnection | None = None  # closed too when the master changes
+        self.leans: weakref.WeakSet[MasterConnection] = weakref.WeakSet()  # closed too when the master changes
 
     @classmethod
     def for_client(cls, client: Any) -> "MasterWatch | None":
@@ -120,8 +121,8 @@ class MasterWatch:
             return  # no Sentinel answered: the call itself will tell
         if known is not None and current != known:
             await self.pool.disconnect(inuse_connections=True)
-            if self.lean is not None:
-                await self.lean.aclose()
+            for lean in list(self.leans):
+                lean.drop()  # a subscriber among them notices, and subscribes again on the new master
 
     def recheck(self) -> None:
         """Ask the Sentinels at the next call, not after REFRESH_EVERY (a master answered READONLY)."""
@@ -141,10 +142,10 @@ class MasterConnection(Connection):
     def __init__(self, pool: SentinelConnectionPool, watch: MasterWatch, **options: Any) -> None:
         super().__init__(**options)
         self._pool, self._watch = pool, watch
-        watch.lean = self
+        watch.leans.add(self)
 
     @classmethod
-    def for_master(cls, client: Any, watch: MasterWatch | None) -> "MasterConnection | None":
+    def for_master(cls, client: Any, watch: MasterWatch | None, **extra: Any) -> "MasterConnection | None":
         """For a Sentinel master client over plain TCP, RESP2 and password auth; else None (redis-py)."""
         pool = getattr(client, "connection_pool", None)
         if watch is None or not isinstance(pool, SentinelConnectionPool) or not pool.is_master:
@@ -155,7 +156,7 @@ class MasterConnection(Connection):
             return None
         timeout = kw.get("socket_timeout")
         return cls(pool, watch, db=kw.get("db") or 0, username=kw.get("username"), password=kw.get("password"),
-                   timeout=timeout, connect_timeout=kw.get("socket_connect_timeout") or timeout)
+                   timeout=timeout, connect_timeout=kw.get("socket_connect_timeout") or timeout, **extra)
 
     async def connect(self) -> None:
         if self.connected:
@@ -182,7 +183,7 @@ class MasterConnection(Connection):
 
     async def _demoted(self) -> None:
         self._watch.recheck()
-        await self.aclose()
+        self.drop()
 
 
 def master_client(url: str, pool_timeout: float, options: dict[str, Any]) -> SentinelMaster:

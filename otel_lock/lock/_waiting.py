@@ -89,7 +89,7 @@ class Waiting:
         self._redis = redis
         self._subscriber = subscriber  # makes a lean Connection, when the client allows one
         self._on_orphan = on_orphan
-        self._on_idle = on_idle  # redis-py subscriber: called each idle second (Sentinel: is the master still it?)
+        self._on_idle = on_idle  # called when idle (Sentinel: is the master still it?)
         self.channel = channel
         self._waiters: dict[str, Waiter] = {}
         self._by_key: dict[str, OrderedDict[str, Waiter]] = {}
@@ -198,8 +198,7 @@ class Waiting:
             self._poll_all()
             await asyncio.sleep(RECONNECT_DELAY)
 
-    @staticmethod
-    async def _watch(connection: Connection, lost: asyncio.Event) -> None:
+    async def _watch(self, connection: Connection, lost: asyncio.Event) -> None:
         """Until the connection drops; a PING now and then finds one that went silent (half-open)."""
         while not lost.is_set():
             try:
@@ -210,6 +209,8 @@ class Waiting:
                     await connection.execute("PING")  # no answer within the socket timeout: aborted
                 except (RedisError, OSError):
                     return
+                if self._on_idle is not None:
+                    await self._on_idle()  # Sentinel: still the master? (else the watch closes this)
 
     def _on_push(self, reply: Any) -> None:
         if reply[0] == b"message":

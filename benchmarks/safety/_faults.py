@@ -4,7 +4,13 @@ Stall lengths are fractions of the lease L. "Short" stalls stay under
 L minus the renewal interval (L/3), so a renewing lock must show no overlap;
 "long" ones outlast L, so overlaps are expected and each must be fenced. The
 only other fault that may let two holders overlap is a Redis that comes back
-empty; kills, cuts, short stalls and a restart with AOF must not.
+empty (or a failover to a replica that missed the grant); kills, cuts, short
+stalls and a restart with AOF must not.
+
+Each fault names the deployments it makes sense on (`where`): the process
+faults run anywhere, the crashes and proxies of one Redis on a single Redis,
+and each other deployment has its own (failover, slot migration, a master of
+the quorum killed or restarted empty).
 """
 
 from __future__ import annotations
@@ -16,9 +22,12 @@ import time
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+from redis.crc import key_slot
 
 SHORT = (0.25, 0.55)  # x lease: under lease - renewal interval (2/3 L), with room for a round trip
 LONG = (1.3, 1.6)  # x lease: past the lease
+ANYWHERE = ("single", "sentinel", "cluster", "redlock")
+FAILOVER_WINDOW = 7.0  # s: a Sentinel or Cluster failover (~1-3 s here) inside the window, and load after it
 
 
 @dataclass
@@ -34,6 +43,10 @@ class Fault:
     short: bool = False  # stalls under lease - renewal interval
     long: bool = False  # stalls past the lease: overlaps expected, each stale holder fenced and told at its next await
     forgets: bool = False  # Redis loses the lock (restart without persistence): overlaps expected, each fenced
+    where: tuple = ANYWHERE  # the deployments it applies to
+    options: dict | None = None  # manager options of the workers (e.g. wait_replicas)
+    replicas: bool = False  # a Cluster with a replica per master
+    min_window: float = 0.0  # s: the run's window is at least this long
 
     @property
     def may_overlap(self) -> bool:
@@ -42,7 +55,7 @@ class Fault:
 
     def worker(self, profile) -> dict:
         # every run: 5% of holds are long (0.2-0.5 L of async work), so a fault can land inside a hold
-        config = {"long_hold": [0.05, 0.2 * profile.lease, 0.5 * profile.lease]}
+        config: dict = {"long_hold": [0.05, 0.2 * profile.lease, 0.5 * profile.lease]}
         if self.hold_stall:
             p, a, b = self.hold_stall
             config["hold_stall"] = [p, a * profile.lease, b * profile.lease]
@@ -62,9 +75,7 @@ class Fault:
                 worker.proc.send_signal(signal.SIGCONT)
             if worker.proxy is not None:
                 worker.proxy.forward()
-        if run.server.process is None:
-            await asyncio.to_thread(run.server.start)
-            await run.meter.begin()
+        await run.deployment.heal(run)
 
 
 def _span(rng, lease: float, bounds) -> float:
@@ -153,15 +164,95 @@ async def proxy_cut(run, rng) -> None:
 
 
 async def client_kill(run, rng) -> None:
-    """CLIENT KILL every normal and pub/sub connection (but ours) every ~0.3 s."""
+    """CLIENT KILL every normal and pub/sub connection (but ours) on every master every ~0.3 s."""
     while True:
         await asyncio.sleep(rng.uniform(0.2, 0.4))
-        client = aioredis.Redis.from_url(run.server.url, socket_timeout=5)
-        try:
-            await client.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
-            await client.execute_command("CLIENT", "KILL", "TYPE", "pubsub", "SKIPME", "yes")
-        finally:
-            await client.aclose()
+        for url in run.deployment.masters():
+            client = aioredis.Redis.from_url(url, socket_timeout=5)
+            try:
+                await client.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+                await client.execute_command("CLIENT", "KILL", "TYPE", "pubsub", "SKIPME", "yes")
+            finally:
+                await client.aclose()
+
+
+# -- Sentinel -------------------------------------------------------------------
+
+
+def sentinel_failover(kill: bool):
+    """Stall replication, let the master grant for 0.3-0.5 L, then kill (or demote) it; once per window.
+
+    The replica misses what the master granted during the stall, as an
+    asynchronous replica does under load: that is the failover that can lose
+    an acknowledged lock (and that `wait_replicas` must not let happen).
+    """
+    async def act(run, rng) -> None:
+        sentinels = run.deployment.set
+        await asyncio.sleep(run.window / 4)
+        sentinels.proxy.stall()
+        await asyncio.sleep(rng.uniform(0.3, 0.5) * run.profile.lease)
+        old = run.deployment.masters()[0]
+        await run.meter.pause(old)
+        if kill:
+            sentinels.kill_master()
+            port = await sentinels.failed_over()
+        else:
+            port = await sentinels.demote_master()
+        run.deployment.master_port = port
+        await run.meter.begin(run.deployment.masters())
+        if not kill:
+            sentinels.proxy.forward()
+    return act
+
+
+# -- Cluster --------------------------------------------------------------------
+
+
+def _held_key(run, rng) -> str:
+    """A contended key that a worker holds now (else any of them)."""
+    held = [start["key"] for w in run.live() for start in w.open.values() if "key" in start]
+    return rng.choice(held or run.deployment.keys)
+
+
+async def cluster_kill_master(run, rng) -> None:
+    """SIGKILL the master serving a held key's slot, once per window; its replica takes over."""
+    cluster = run.deployment
+    await asyncio.sleep(run.window / 4)
+    port = await cluster.owner(_held_key(run, rng))
+    await run.meter.pause(f"redis://127.0.0.1:{port}/0")
+    cluster.set.kill(port)
+    await cluster.set.failed_over(port)
+    cluster.master_ports = sorted(set((await cluster.slot_owners()).values()))
+    await run.meter.begin(cluster.masters())
+
+
+async def cluster_migrate(run, rng) -> None:
+    """Move a held key's slot (its keys with it) to another master every 0.3-0.6 L, as a reshard does."""
+    cluster = run.deployment
+    while True:
+        await asyncio.sleep(rng.uniform(0.3, 0.6) * run.profile.lease)
+        key = _held_key(run, rng)
+        source = await cluster.owner(key)
+        target = rng.choice([p for p in cluster.master_ports if p != source])
+        await cluster.set.migrate_slot(key_slot(key.encode()), target)
+
+
+# -- RedLock --------------------------------------------------------------------
+
+
+def redlock_master(restart: bool):
+    """SIGKILL one master of the quorum (the same one each time): kept down, or back empty 0.2 s later, twice."""
+    async def act(run, rng) -> None:
+        server = run.deployment.servers[0]
+        for _ in range(2 if restart else 1):
+            await asyncio.sleep(run.window / 3)
+            await run.meter.pause(server.url)
+            server.crash()
+            if restart:
+                await asyncio.sleep(0.2)
+                await asyncio.to_thread(server.start)
+                await run.meter.begin([server.url])
+    return act
 
 
 FAULTS = {f.name: f for f in [
@@ -180,17 +271,47 @@ FAULTS = {f.name: f for f in [
     Fault("sigkill-waiter", "SIGKILL a process that holds nothing every 0.4-0.8 L (a new one starts)",
           act=sigkill(False)),
     Fault("restart-aof", "crash (SIGKILL) and restart Redis with AOF (fsync always) twice, 0.2 s down",
-          act=restart, aof=True),
+          act=restart, aof=True, where=("single",)),
     Fault("restart-noaof", "crash (SIGKILL) and restart Redis without persistence twice, 0.2 s down", act=restart,
-          forgets=True),
+          forgets=True, where=("single",)),
     Fault("proxy-stall-short", "stall the holder's TCP proxy 0.25-0.55 L", act=proxy_stall(SHORT), proxy=True,
-          short=True),
-    Fault("proxy-stall-long", "stall the holder's TCP proxy 1.3-1.6 L", act=proxy_stall(LONG), proxy=True, long=True),
+          short=True, where=("single",)),
+    Fault("proxy-stall-long", "stall the holder's TCP proxy 1.3-1.6 L", act=proxy_stall(LONG), proxy=True, long=True,
+          where=("single",)),
     Fault("proxy-cut", "cut the holder's connections every 0.15-0.3 L, refused for 0.1 s", act=proxy_cut,
-          proxy=True),
-    Fault("client-kill", "CLIENT KILL TYPE normal and TYPE pubsub every 0.2-0.4 s", act=client_kill),
+          proxy=True, where=("single",)),
+    Fault("client-kill", "CLIENT KILL TYPE normal and TYPE pubsub on every master every 0.2-0.4 s",
+          act=client_kill),
+    Fault("failover-kill", "stall replication, then SIGKILL the master: Sentinel promotes the replica",
+          act=sentinel_failover(kill=True), forgets=True, where=("sentinel",), min_window=FAILOVER_WINDOW),
+    Fault("failover-kill-wait", "the same, the workers with wait_replicas=1", act=sentinel_failover(kill=True),
+          options={"wait_replicas": 1}, where=("sentinel",), min_window=FAILOVER_WINDOW),
+    Fault("failover-demote", "stall replication, then SENTINEL FAILOVER: the old master lives on, demoted",
+          act=sentinel_failover(kill=False), forgets=True, where=("sentinel",), min_window=FAILOVER_WINDOW),
+    Fault("cluster-kill-master", "SIGKILL the master of a held key's slot: its replica is promoted",
+          act=cluster_kill_master, forgets=True, replicas=True, where=("cluster",), min_window=FAILOVER_WINDOW),
+    Fault("cluster-migrate", "migrate a held key's slot to another master every 0.3-0.6 L",
+          act=cluster_migrate, where=("cluster",)),
+    Fault("redlock-kill-one", "SIGKILL one of the three masters, kept down", act=redlock_master(restart=False),
+          where=("redlock",)),
+    Fault("redlock-restart-empty", "SIGKILL one master and restart it empty (no persistence) 0.2 s later, twice",
+          act=redlock_master(restart=True), where=("redlock",)),
 ]}
 
 QUICK_SET = ["none", "stall-hold-short", "stall-hold-long", "stall-wait-long", "sigstop-short", "sigstop-long",
              "sigkill-holder", "sigkill-waiter", "restart-aof", "restart-noaof", "proxy-stall-long", "proxy-cut",
              "client-kill"]
+
+# Per deployment: the quick set (CI for single and cluster) and the full set (`--full --deployment ...`).
+QUICK_SETS = {
+    "single": QUICK_SET,
+    "sentinel": ["none", "sigstop-long", "failover-kill", "failover-kill-wait"],
+    "cluster": ["none", "sigstop-long", "cluster-kill-master", "cluster-migrate"],
+    "redlock": ["none", "sigstop-long", "redlock-kill-one", "redlock-restart-empty"],
+}
+FULL_SETS = {
+    "single": [f.name for f in FAULTS.values() if "single" in f.where],
+    "sentinel": QUICK_SETS["sentinel"] + ["stall-hold-long", "sigstop-short", "sigkill-holder", "failover-demote"],
+    "cluster": QUICK_SETS["cluster"] + ["stall-hold-long", "sigstop-short", "sigkill-holder", "client-kill"],
+    "redlock": QUICK_SETS["redlock"] + ["stall-hold-long", "sigstop-short", "sigkill-holder", "client-kill"],
+}

@@ -35,6 +35,6 @@ async def check(libs: list[str], faults: list[str], profile: Profile, say=print,
             r = rows[-1]
             say(f"{deployment:8} {lib:18} {fault_name:21} holds={r['holds']:5} overlaps={r['overlaps']:4} "
                 f"told={r['told']:4} fenced={r['fenced']:4} UNSAFE={r['unsafe']:4} overrun={r['overrun_ms']}ms "
-                f"cmds/handoff={r['commands_per_handoff']} failed={r['failed']} hung={r['hung']}")
+                f"cmds/handoff={r['commands_per_handoff']} failed={r['failed']} hung={r['hung']} injected={r['injected']}")
     judge(rows, FAULTS)
     return rows

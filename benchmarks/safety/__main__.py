@@ -17,7 +17,7 @@ from pathlib import Path
 from benchmarks._report import update_docs
 
 from . import DEPLOYMENTS, FAULTS, FULL, FULL_SETS, QUICK, QUICK_SETS, check
-from ._faults import FAILOVER_WINDOW, LONG, SHORT
+from ._faults import FAILOVER_LEASE, FAILOVER_WINDOW, LONG, SHORT
 from ._libs import ANY_DEPLOYMENT, COMPARED, LIBS
 from ._report import judge, markdown
 
@@ -37,7 +37,9 @@ def write_docs(run: dict, block: str = "safety") -> None:
     """Put a run's table into docs/safety.md between the block's markers, labelled with commit and set-up."""
     p = run["profile"]
     several = any(r.get("deployment", "single") != "single" for r in run["rows"])
-    failover = f" ({FAILOVER_WINDOW:g} s for a failover)" if several else ""
+    failover = (f" (a failover run: L = {FAILOVER_LEASE:g} s, {FAILOVER_WINDOW:g} s, 3 keys, 40% of the holds "
+                f"0.5–0.9 L)"
+                if several else "")
     header = (f"otel-lock at commit `{run['commit']}` (the last commit that changed `otel_lock/`), {run['date']}: "
               f"{p['procs']} processes x {p['tasks']} tasks, lease L = {p['lease']} s, wait {p['wait']} s, "
               f"{p['window']} s per run{failover}; short stalls {'–'.join(map(str, run['stalls']['short']))} L, "

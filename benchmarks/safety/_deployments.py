@@ -21,7 +21,7 @@ from redis.crc import key_slot
 
 from benchmarks._cluster_set import ClusterSet
 from benchmarks._sentinel_set import SentinelSet
-from otel_lock.cli._redis_server import RedisServer
+from otel_lock.cli._redis_server import RedisServer, free_port
 
 from ._libs import KEY
 
@@ -48,6 +48,30 @@ class Server(RedisServer):
         shutil.rmtree(self.data, ignore_errors=True)
 
 
+def cluster_port() -> int:
+    """A free port whose cluster bus port (port + 10000) is a valid port and free too.
+
+    ClusterSet takes any free port, and a kernel pick above 55535 leaves no bus
+    port: that node exits at start.
+    """
+    import socket
+
+    while True:
+        port = free_port()
+        if port + 10000 > 65535:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        return port
+
+
+def _keys(fault) -> list[str]:
+    return [KEY] if fault.keys == 1 else [f"{KEY}-{i}" for i in range(fault.keys)]
+
+
 def _url(port: int) -> str:
     return f"redis://127.0.0.1:{port}/0"
 
@@ -59,7 +83,7 @@ class Single:
 
     def __init__(self, fault) -> None:
         self.server = Server(aof=fault.aof)
-        self.keys = [KEY]
+        self.keys = _keys(fault)
 
     @property
     def url(self) -> str:
@@ -87,7 +111,7 @@ class Sentinel:
 
     def __init__(self, fault) -> None:
         self.set = SentinelSet(proxy=True)
-        self.keys = [KEY]
+        self.keys = _keys(fault)
         self.master_port = 0  # the master of the moment; a failover fault moves it
 
     @property
@@ -116,6 +140,8 @@ class Cluster:
 
     def __init__(self, fault) -> None:
         self.set = ClusterSet(masters=3, replicas=1 if fault.replicas else 0)
+        for node in self.set.nodes:
+            node.port = cluster_port()
         self.keys: list[str] = []
         self.master_ports: list[int] = []
 
@@ -163,7 +189,7 @@ class RedLock:
 
     def __init__(self, fault) -> None:
         self.servers = [Server() for _ in range(3)]
-        self.keys = [KEY]
+        self.keys = _keys(fault)
 
     @property
     def url(self) -> list[str]:

@@ -27,7 +27,12 @@ from redis.crc import key_slot
 SHORT = (0.25, 0.55)  # x lease: under lease - renewal interval (2/3 L), with room for a round trip
 LONG = (1.3, 1.6)  # x lease: past the lease
 ANYWHERE = ("single", "sentinel", "cluster", "redlock")
-FAILOVER_WINDOW = 7.0  # s: a Sentinel or Cluster failover (~1-3 s here) inside the window, and load after it
+# A failover here takes ~2.5-3 s. The lease outlasts it, and 40% of the holds last 0.5-0.9 L, so that holders
+# ride through the failover and a lock lost in it is still believed held when the new master grants it again.
+FAILOVER_WINDOW = 10.0  # s: the failover inside the window, and load after it
+FAILOVER_LEASE = 6.0  # s
+RIDE_THROUGH = (0.4, 0.5, 0.9)
+FAILOVER_KEYS = 3  # long holds on one key would starve the waiters: three keys, as a service has
 
 
 @dataclass
@@ -47,21 +52,25 @@ class Fault:
     options: dict | None = None  # manager options of the workers (e.g. wait_replicas)
     replicas: bool = False  # a Cluster with a replica per master
     min_window: float = 0.0  # s: the run's window is at least this long
+    min_lease: float = 0.0  # s: the run's lease is at least this long
+    long_hold: tuple = (0.05, 0.2, 0.5)  # (probability per hold, shortest, longest) in x lease: slow async work
+    keys: int = 1  # contended keys (a Cluster run always has one per master)
 
     @property
     def may_overlap(self) -> bool:
         """Only a stall past the lease or a Redis that forgot the lock may let two holders overlap."""
         return self.long or self.forgets
 
-    def worker(self, profile) -> dict:
-        # every run: 5% of holds are long (0.2-0.5 L of async work), so a fault can land inside a hold
-        config: dict = {"long_hold": [0.05, 0.2 * profile.lease, 0.5 * profile.lease]}
+    def worker(self, lease: float) -> dict:
+        # every run: some holds are long (by default 5%, 0.2-0.5 L of async work), so a fault can land inside one
+        p, a, b = self.long_hold
+        config: dict = {"long_hold": [p, a * lease, b * lease]}
         if self.hold_stall:
             p, a, b = self.hold_stall
-            config["hold_stall"] = [p, a * profile.lease, b * profile.lease]
+            config["hold_stall"] = [p, a * lease, b * lease]
         if self.wait_stall:
             p, a, b = self.wait_stall
-            config["wait_stall"] = [p, a * profile.lease, b * profile.lease]
+            config["wait_stall"] = [p, a * lease, b * lease]
         return config
 
     async def inject(self, run) -> None:
@@ -96,14 +105,14 @@ async def _next_holder(run, rng, timeout: float = 2.0):
 def sigstop(bounds):
     async def act(run, rng) -> None:
         while True:
-            await asyncio.sleep(rng.uniform(0.2, 0.5) * run.profile.lease)
+            await asyncio.sleep(rng.uniform(0.2, 0.5) * run.lease)
             worker = await _next_holder(run, rng)
             if worker is None:
                 continue
             begin = time.monotonic()
             worker.proc.send_signal(signal.SIGSTOP)
             try:
-                await asyncio.sleep(_span(rng, run.profile.lease, bounds))
+                await asyncio.sleep(_span(rng, run.lease, bounds))
             finally:
                 worker.proc.send_signal(signal.SIGCONT)
                 run.pause(worker, begin, time.monotonic())
@@ -113,7 +122,7 @@ def sigstop(bounds):
 def sigkill(holder: bool):
     async def act(run, rng) -> None:
         while True:
-            await asyncio.sleep(rng.uniform(0.4, 0.8) * run.profile.lease)
+            await asyncio.sleep(rng.uniform(0.4, 0.8) * run.lease)
             if holder:
                 worker = await _next_holder(run, rng)
             else:
@@ -140,13 +149,13 @@ async def restart(run, rng) -> None:
 def proxy_stall(bounds):
     async def act(run, rng) -> None:
         while True:
-            await asyncio.sleep(rng.uniform(0.2, 0.5) * run.profile.lease)
+            await asyncio.sleep(rng.uniform(0.2, 0.5) * run.lease)
             worker = await _next_holder(run, rng)
             if worker is None:
                 continue
             worker.proxy.stall()
             try:
-                await asyncio.sleep(_span(rng, run.profile.lease, bounds))
+                await asyncio.sleep(_span(rng, run.lease, bounds))
             finally:
                 worker.proxy.forward()
     return act
@@ -154,7 +163,7 @@ def proxy_stall(bounds):
 
 async def proxy_cut(run, rng) -> None:
     while True:
-        await asyncio.sleep(rng.uniform(0.15, 0.3) * run.profile.lease)
+        await asyncio.sleep(rng.uniform(0.15, 0.3) * run.lease)
         worker = await _next_holder(run, rng)
         if worker is None:
             continue
@@ -180,17 +189,20 @@ async def client_kill(run, rng) -> None:
 
 
 def sentinel_failover(kill: bool):
-    """Stall replication, let the master grant for 0.3-0.5 L, then kill (or demote) it; once per window.
+    """Stall replication until the master grants a long hold (at most 3 s), then kill (or demote) it; once.
 
     The replica misses what the master granted during the stall, as an
     asynchronous replica does under load: that is the failover that can lose
-    an acknowledged lock (and that `wait_replicas` must not let happen).
+    an acknowledged lock (and that `wait_replicas` must not let happen). The
+    killed master then comes back empty as a replica of the new one, as an
+    operator brings it back, so that `wait_replicas=1` can be met again.
     """
     async def act(run, rng) -> None:
         sentinels = run.deployment.set
-        await asyncio.sleep(run.window / 4)
+        await asyncio.sleep(run.window / 5)
         sentinels.proxy.stall()
-        await asyncio.sleep(rng.uniform(0.3, 0.5) * run.profile.lease)
+        # kill once a hold granted during the stall will outlast the failover (none comes with wait_replicas)
+        await _long_hold_since(run, time.monotonic(), timeout=3.0)
         old = run.deployment.masters()[0]
         await run.meter.pause(old)
         if kill:
@@ -199,13 +211,28 @@ def sentinel_failover(kill: bool):
         else:
             port = await sentinels.demote_master()
         run.deployment.master_port = port
+        run.injected += 1
         await run.meter.begin(run.deployment.masters())
-        if not kill:
+        if kill:
+            await sentinels.bring_back_old_master()
+        else:
             sentinels.proxy.forward()
     return act
 
 
 # -- Cluster --------------------------------------------------------------------
+
+
+async def _long_hold_since(run, since: float, timeout: float) -> str | None:
+    """The key of a hold that started after `since` and plans to run past a failover (~3 s); None at timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for worker in run.live():
+            for start in worker.open.values():
+                if start["start"] >= since and start.get("plan", 0) >= 0.5 * run.lease:
+                    return start["key"]
+        await asyncio.sleep(0.005)
+    return None
 
 
 def _held_key(run, rng) -> str:
@@ -215,14 +242,16 @@ def _held_key(run, rng) -> str:
 
 
 async def cluster_kill_master(run, rng) -> None:
-    """SIGKILL the master serving a held key's slot, once per window; its replica takes over."""
+    """SIGKILL the master serving the slot of a long hold that just began, once; its replica takes over."""
     cluster = run.deployment
-    await asyncio.sleep(run.window / 4)
-    port = await cluster.owner(_held_key(run, rng))
+    await asyncio.sleep(run.window / 5)
+    key = await _long_hold_since(run, time.monotonic(), timeout=3.0) or _held_key(run, rng)
+    port = await cluster.owner(key)
     await run.meter.pause(f"redis://127.0.0.1:{port}/0")
     cluster.set.kill(port)
     await cluster.set.failed_over(port)
     cluster.master_ports = sorted(set((await cluster.slot_owners()).values()))
+    run.injected += 1
     await run.meter.begin(cluster.masters())
 
 
@@ -230,11 +259,12 @@ async def cluster_migrate(run, rng) -> None:
     """Move a held key's slot (its keys with it) to another master every 0.3-0.6 L, as a reshard does."""
     cluster = run.deployment
     while True:
-        await asyncio.sleep(rng.uniform(0.3, 0.6) * run.profile.lease)
+        await asyncio.sleep(rng.uniform(0.3, 0.6) * run.lease)
         key = _held_key(run, rng)
         source = await cluster.owner(key)
         target = rng.choice([p for p in cluster.master_ports if p != source])
         await cluster.set.migrate_slot(key_slot(key.encode()), target)
+        run.injected += 1
 
 
 # -- RedLock --------------------------------------------------------------------
@@ -248,12 +278,16 @@ def redlock_master(restart: bool):
             await asyncio.sleep(run.window / 3)
             await run.meter.pause(server.url)
             server.crash()
+            run.injected += 1
             if restart:
                 await asyncio.sleep(0.2)
                 await asyncio.to_thread(server.start)
                 await run.meter.begin([server.url])
     return act
 
+
+FAILOVER = {"min_window": FAILOVER_WINDOW, "min_lease": FAILOVER_LEASE, "long_hold": RIDE_THROUGH,
+            "keys": FAILOVER_KEYS}
 
 FAULTS = {f.name: f for f in [
     Fault("none", "no fault"),
@@ -283,13 +317,11 @@ FAULTS = {f.name: f for f in [
     Fault("client-kill", "CLIENT KILL TYPE normal and TYPE pubsub on every master every 0.2-0.4 s",
           act=client_kill),
     Fault("failover-kill", "stall replication, then SIGKILL the master: Sentinel promotes the replica",
-          act=sentinel_failover(kill=True), forgets=True, where=("sentinel",), min_window=FAILOVER_WINDOW),
+          act=sentinel_failover(kill=True), forgets=True, where=("sentinel",), **FAILOVER),
     Fault("failover-kill-wait", "the same, the workers with wait_replicas=1", act=sentinel_failover(kill=True),
-          options={"wait_replicas": 1}, where=("sentinel",), min_window=FAILOVER_WINDOW),
-    Fault("failover-demote", "stall replication, then SENTINEL FAILOVER: the old master lives on, demoted",
-          act=sentinel_failover(kill=False), forgets=True, where=("sentinel",), min_window=FAILOVER_WINDOW),
+          options={"wait_replicas": 1}, where=("sentinel",), **FAILOVER),
     Fault("cluster-kill-master", "SIGKILL the master of a held key's slot: its replica is promoted",
-          act=cluster_kill_master, forgets=True, replicas=True, where=("cluster",), min_window=FAILOVER_WINDOW),
+          act=cluster_kill_master, forgets=True, replicas=True, where=("cluster",), **FAILOVER),
     Fault("cluster-migrate", "migrate a held key's slot to another master every 0.3-0.6 L",
           act=cluster_migrate, where=("cluster",)),
     Fault("redlock-kill-one", "SIGKILL one of the three masters, kept down", act=redlock_master(restart=False),
@@ -311,7 +343,7 @@ QUICK_SETS = {
 }
 FULL_SETS = {
     "single": [f.name for f in FAULTS.values() if "single" in f.where],
-    "sentinel": QUICK_SETS["sentinel"] + ["stall-hold-long", "sigstop-short", "sigkill-holder", "failover-demote"],
+    "sentinel": QUICK_SETS["sentinel"] + ["stall-hold-long", "sigstop-short", "sigkill-holder", "client-kill"],
     "cluster": QUICK_SETS["cluster"] + ["stall-hold-long", "sigstop-short", "sigkill-holder", "client-kill"],
     "redlock": QUICK_SETS["redlock"] + ["stall-hold-long", "sigstop-short", "sigkill-holder", "client-kill"],
 }

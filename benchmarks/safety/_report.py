@@ -38,6 +38,8 @@ def row(run) -> dict:
         "timeouts": timeouts, "errors": len(errors), "error_types": sorted(set(errors)),
         "failed": f"{timeouts} / {len(errors)}",
         "hung": run.hung,
+        "injected": run.injected,
+        "processes": len({h.proc for h in run.holds}),  # processes that held the lock at least once
         "release_false": sum(h.release is False for h in run.holds),
     }
 

@@ -107,6 +107,7 @@ class Run:
         self.deployment = DEPLOYMENTS[deployment](fault)
         # a failover must fit in the window, with time to work on after it
         self.window = max(profile.window, fault.min_window)
+        self.lease = max(profile.lease, fault.min_lease)
         self.workers: list[WorkerProc] = []
         self.holds: list[Hold] = []
         self.attempts: list[dict] = []
@@ -114,6 +115,8 @@ class Run:
         self.readers: list[asyncio.Task] = []
         self.stop = 0.0
         self.hung = 0
+        self._spawned = 0
+        self.injected = 0  # failovers, migrations, master kills the fault carried out (what it claims happened)
         self.meter: Meter | None = None
         self._background: set[asyncio.Task] = set()
 
@@ -148,11 +151,14 @@ class Run:
         await worker.proc.wait()
 
     async def spawn(self, go: bool = True) -> WorkerProc:
-        index = len(self.workers)
+        # taken before the first await: spawns run concurrently, and each process needs its own index
+        # (holds of one (process, task) are never compared with each other)
+        index = self._spawned
+        self._spawned += 1
         proxy = await Proxy("127.0.0.1", self.server.port).start() if self.fault.proxy else None
         config = {"lib": self.lib, "url": proxy.url if proxy else self.deployment.url, "keys": self.deployment.keys,
-                  "tasks": self.profile.tasks, "lease": self.profile.lease, "wait": self.profile.wait,
-                  "options": self.fault.options or {}, **self.fault.worker(self.profile)}
+                  "tasks": self.profile.tasks, "lease": self.lease, "wait": self.profile.wait,
+                  "options": self.fault.options or {}, **self.fault.worker(self.lease)}
         stderr = tempfile.TemporaryFile()  # the libraries log every lost lease; shown only if a worker crashes
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         proc = await asyncio.create_subprocess_exec(
@@ -234,7 +240,7 @@ class Run:
 
     async def _drain(self) -> None:
         """Workers finish their last attempt (bounded by wait); one still running after that is hung."""
-        bound = self.profile.wait + self.profile.lease + 5.0
+        bound = self.profile.wait + self.lease + 5.0
         procs = [w for w in self.workers if w.killed_at is None]
         done, pending = await asyncio.wait([asyncio.create_task(w.proc.wait()) for w in procs], timeout=bound)
         for task in pending:

@@ -105,7 +105,9 @@ class Worker:
 
     async def hold_async(self, task: int, key: str, held, req: float, start: float) -> None:
         self.holding += 1
-        emit("start", task=task, key=key, req=req, start=start, token=held.token)
+        steps = self.body_steps()
+        # `plan`: how long the body will run, so that a fault can wait for a hold that will outlast it
+        emit("start", task=task, key=key, req=req, start=start, token=held.token, plan=sum(steps))
         lost_at: list[float] = []
         watcher = None
         if held.lost is not None:
@@ -115,7 +117,7 @@ class Worker:
         stall = self.stall_after_acquire()
         if stall:
             self.block(stall)
-        for step in self.body_steps():
+        for step in steps:
             await asyncio.sleep(step)
             marks.append((time.monotonic(), bool(held.lost is not None and held.lost.is_set())))
         end = time.monotonic()

@@ -57,6 +57,11 @@ class Fault:
     keys: int = 1  # contended keys (a Cluster run always has one per master)
 
     @property
+    def baseline_load(self) -> bool:
+        """The no-fault run's load (lease, hold lengths, keys): only then are its commands per handoff comparable."""
+        return not self.min_lease and self.long_hold == Fault.long_hold and self.keys == 1
+
+    @property
     def may_overlap(self) -> bool:
         """Only a stall past the lease or a Redis that forgot the lock may let two holders overlap."""
         return self.long or self.forgets

@@ -60,7 +60,7 @@ def misses(row: dict, fault, baseline: dict | None) -> list[str]:
     if row["overrun_ms"] > (SOCKET_TIMEOUT + ROUND_TRIP) * 1000:
         missed.append("wait")
     cph, base = row["commands_per_handoff"], (baseline or {}).get("commands_per_handoff")
-    if cph is not None and base and cph > FLAT * base:
+    if cph is not None and base and cph > FLAT * base and fault.baseline_load:
         missed.append("commands")
     if row["hung"]:
         missed.append("hung")

@@ -19,8 +19,6 @@ import tempfile
 import redis.asyncio as aioredis
 from redis.crc import key_slot
 
-from benchmarks._cluster_set import ClusterSet
-from benchmarks._sentinel_set import SentinelSet
 from otel_lock.cli._redis_server import RedisServer, free_port
 
 from ._libs import KEY
@@ -110,6 +108,8 @@ class Sentinel:
     name = "sentinel"
 
     def __init__(self, fault) -> None:
+        from benchmarks._sentinel_set import SentinelSet  # here: it imports this package's proxy
+
         self.set = SentinelSet(proxy=True)
         self.keys = _keys(fault)
         self.master_port = 0  # the master of the moment; a failover fault moves it
@@ -139,6 +139,8 @@ class Cluster:
     name = "cluster"
 
     def __init__(self, fault) -> None:
+        from benchmarks._cluster_set import ClusterSet  # here: it imports _sentinel_set, which imports this package
+
         self.set = ClusterSet(masters=3, replicas=1 if fault.replicas else 0)
         for node in self.set.nodes:
             node.port = cluster_port()

@@ -47,7 +47,7 @@ class Fault:
     act: object = None  # async fn(run, rng) injecting the fault until cancelled
     short: bool = False  # stalls under lease - renewal interval
     long: bool = False  # stalls past the lease: overlaps expected, each stale holder fenced and told at its next await
-    forgets: bool = False  # Redis loses the lock (restart without persistence): overlaps expected, each fenced
+    forgets: bool = False  # Redis loses the lock (restart without persistence, failover): overlaps may come, fenced
     where: tuple = ANYWHERE  # the deployments it applies to
     options: dict | None = None  # manager options of the workers (e.g. wait_replicas)
     replicas: bool = False  # a Cluster with a replica per master
@@ -63,7 +63,7 @@ class Fault:
 
     @property
     def may_overlap(self) -> bool:
-        """Only a stall past the lease or a Redis that forgot the lock may let two holders overlap."""
+        """Only a stall past the lease or a Redis (or failover) that forgot the lock may let two holders overlap."""
         return self.long or self.forgets
 
     def worker(self, lease: float) -> dict:
@@ -178,14 +178,22 @@ async def proxy_cut(run, rng) -> None:
 
 
 async def client_kill(run, rng) -> None:
-    """CLIENT KILL every normal and pub/sub connection (but ours) on every master every ~0.3 s."""
+    """Kill every client connection (commands and pub/sub, but ours) on every master every ~0.3 s.
+
+    The sentinels' own links are spared (and replication links, which are not
+    clients): cutting them every 0.3 s makes the sentinels judge a live master
+    down and fail over, which is `partition-sentinels`' fault, not this one's.
+    """
     while True:
         await asyncio.sleep(rng.uniform(0.2, 0.4))
         for url in run.deployment.masters():
             client = aioredis.Redis.from_url(url, socket_timeout=5)
             try:
-                await client.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
-                await client.execute_command("CLIENT", "KILL", "TYPE", "pubsub", "SKIPME", "yes")
+                mine = await client.client_id()
+                for conn in await client.client_list():
+                    if int(conn["id"]) != mine and not conn.get("name", "").startswith("sentinel-") \
+                            and not set(conn.get("flags", "")) & {"S", "M"}:
+                        await client.execute_command("CLIENT", "KILL", "ID", conn["id"])
             finally:
                 await client.aclose()
 
@@ -193,8 +201,8 @@ async def client_kill(run, rng) -> None:
 # -- Sentinel -------------------------------------------------------------------
 
 
-def sentinel_failover(kill: bool):
-    """Stall replication until the master grants a long hold (at most 3 s), then kill (or demote) it; once.
+async def sentinel_kill(run, rng) -> None:
+    """Stall replication until the master grants a long hold (at most 3 s), then SIGKILL the master; once.
 
     The replica misses what the master granted during the stall, as an
     asynchronous replica does under load: that is the failover that can lose
@@ -202,27 +210,41 @@ def sentinel_failover(kill: bool):
     killed master then comes back empty as a replica of the new one, as an
     operator brings it back, so that `wait_replicas=1` can be met again.
     """
-    async def act(run, rng) -> None:
-        sentinels = run.deployment.set
-        await asyncio.sleep(run.window / 5)
-        sentinels.proxy.stall()
-        # kill once a hold granted during the stall will outlast the failover (none comes with wait_replicas)
-        await _long_hold_since(run, time.monotonic(), timeout=3.0)
-        old = run.deployment.masters()[0]
+    sentinels = run.deployment.set
+    await asyncio.sleep(run.window / 5)
+    sentinels.proxy.stall()
+    # kill once a hold granted during the stall will outlast the failover (none comes with wait_replicas)
+    await _long_hold_since(run, time.monotonic(), timeout=3.0)
+    await run.meter.pause(run.deployment.masters()[0])
+    sentinels.kill_master()
+    run.deployment.master_port = await sentinels.failed_over()
+    run.injected += 1
+    await run.meter.begin(run.deployment.masters())
+    await sentinels.bring_back_old_master()
+
+
+async def sentinel_partition(run, rng) -> None:
+    """Cut the sentinels off the master (their connections killed every 0.1 s) until they fail it over; once.
+
+    The workers still reach the old master, as in a partition that isolates
+    the sentinels, and it grants on until the sentinels demote it.
+    """
+    sentinels = run.deployment.set
+    await asyncio.sleep(run.window / 5)
+    old = run.deployment.masters()[0]
+    client = aioredis.Redis.from_url(old, socket_timeout=5)
+    try:
+        while await sentinels.master_port() == run.deployment.master_port:
+            for conn in await client.client_list():
+                if conn.get("name", "").startswith("sentinel-"):
+                    await client.execute_command("CLIENT", "KILL", "ID", conn["id"])
+            await asyncio.sleep(0.1)
         await run.meter.pause(old)
-        if kill:
-            sentinels.kill_master()
-            port = await sentinels.failed_over()
-        else:
-            port = await sentinels.demote_master()
-        run.deployment.master_port = port
-        run.injected += 1
-        await run.meter.begin(run.deployment.masters())
-        if kill:
-            await sentinels.bring_back_old_master()
-        else:
-            sentinels.proxy.forward()
-    return act
+    finally:
+        await client.aclose()
+    run.deployment.master_port = await sentinels.failed_over()
+    run.injected += 1
+    await run.meter.begin(run.deployment.masters())
 
 
 # -- Cluster --------------------------------------------------------------------
@@ -322,9 +344,11 @@ FAULTS = {f.name: f for f in [
     Fault("client-kill", "CLIENT KILL TYPE normal and TYPE pubsub on every master every 0.2-0.4 s",
           act=client_kill),
     Fault("failover-kill", "stall replication, then SIGKILL the master: Sentinel promotes the replica",
-          act=sentinel_failover(kill=True), forgets=True, where=("sentinel",), **FAILOVER),
-    Fault("failover-kill-wait", "the same, the workers with wait_replicas=1", act=sentinel_failover(kill=True),
+          act=sentinel_kill, forgets=True, where=("sentinel",), **FAILOVER),
+    Fault("failover-kill-wait", "the same, the workers with wait_replicas=1", act=sentinel_kill,
           options={"wait_replicas": 1}, where=("sentinel",), **FAILOVER),
+    Fault("partition-sentinels", "cut the sentinels off the live master until they fail it over",
+          act=sentinel_partition, forgets=True, where=("sentinel",), **FAILOVER),
     Fault("cluster-kill-master", "SIGKILL the master of a held key's slot: its replica is promoted",
           act=cluster_kill_master, forgets=True, replicas=True, where=("cluster",), **FAILOVER),
     Fault("cluster-migrate", "migrate a held key's slot to another master every 0.3-0.6 L",
@@ -348,7 +372,8 @@ QUICK_SETS = {
 }
 FULL_SETS = {
     "single": [f.name for f in FAULTS.values() if "single" in f.where],
-    "sentinel": QUICK_SETS["sentinel"] + ["stall-hold-long", "sigstop-short", "sigkill-holder", "client-kill"],
+    "sentinel": QUICK_SETS["sentinel"] + ["partition-sentinels", "stall-hold-long", "sigstop-short", "sigkill-holder",
+                                          "client-kill"],
     "cluster": QUICK_SETS["cluster"] + ["stall-hold-long", "sigstop-short", "sigkill-holder", "client-kill"],
     "redlock": QUICK_SETS["redlock"] + ["stall-hold-long", "sigstop-short", "sigkill-holder", "client-kill"],
 }

@@ -1,34 +1,40 @@
-"""The lock safety checker: N processes x M tasks on one key, real faults, every overlap classified.
+"""The lock safety checker: N processes x M tasks on shared keys, real faults, every overlap classified.
 
-    python -m benchmarks.safety --quick   # otel-lock, the CI fault set, ~1 minute
+    python -m benchmarks.safety --quick   # otel-lock on one Redis, the CI fault set, ~1 minute
     python -m benchmarks.safety --full    # every fault, otel-lock and its peers; rewrites docs/safety.md
+    python -m benchmarks.safety --full --deployment all   # otel-lock on single, Sentinel, Cluster, RedLock(3)
 
 See docs/safety.md for what each column means.
 """
 
-from ._faults import FAULTS, QUICK_SET
+from ._deployments import DEPLOYMENTS
+from ._faults import FAULTS, FULL_SETS, QUICK_SET, QUICK_SETS
 from ._run import FULL, QUICK, Profile, Run
 
-__all__ = ["FAULTS", "FULL", "QUICK", "QUICK_SET", "Profile", "Run", "check"]
+__all__ = ["DEPLOYMENTS", "FAULTS", "FULL", "FULL_SETS", "QUICK", "QUICK_SET", "QUICK_SETS", "Profile", "Run",
+           "check"]
 
 
-async def check(libs: list[str], faults: list[str], profile: Profile, say=print) -> list[dict]:
-    """Run every (library, fault) pair, one after the other; one row each."""
+async def check(libs: list[str], faults: list[str], profile: Profile, say=print,
+                deployment: str = "single") -> list[dict]:
+    """Run every (library, fault) pair on one deployment, one after the other; one row each."""
     from ._libs import LIBS
     from ._report import judge, row
 
     rows = []
     for fault_name in faults:
         fault = FAULTS[fault_name]
+        if deployment not in fault.where:
+            continue
         for lib in libs:
             if LIBS[lib].sync and not fault.sync_ok:
                 continue
-            run = Run(lib, profile, fault)
+            run = Run(lib, profile, fault, deployment)
             await run.execute()
             rows.append(row(run))
             r = rows[-1]
-            say(f"{lib:18} {fault_name:18} holds={r['holds']:5} overlaps={r['overlaps']:4} told={r['told']:4} "
-                f"fenced={r['fenced']:4} UNSAFE={r['unsafe']:4} overrun={r['overrun_ms']}ms "
-                f"cmds/handoff={r['commands_per_handoff']} failed={r['failed']} hung={r['hung']}")
+            say(f"{deployment:8} {lib:18} {fault_name:21} holds={r['holds']:5} overlaps={r['overlaps']:4} "
+                f"told={r['told']:4} fenced={r['fenced']:4} UNSAFE={r['unsafe']:4} overrun={r['overrun_ms']}ms "
+                f"cmds/handoff={r['commands_per_handoff']} failed={r['failed']} hung={r['hung']} injected={r['injected']}")
     judge(rows, FAULTS)
     return rows

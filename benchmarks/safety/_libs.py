@@ -6,13 +6,18 @@ lease (`lease=None`, manager lease `L`); python-redis-lock renews it too
 no renewal, so its holds are bounded by `L`, as its users write them. Only
 otel-lock has a fencing token and a `lost` signal; for the peers those are
 None and every overlap they show is untold and unfenced.
+
+`url` is what the deployment gives (benchmarks/safety/_deployments.py): one
+Redis URL (`redis://`, `redis+sentinel://`, `redis+cluster://`), or a list of
+them for a RedLock quorum, which only otel-lock takes. `options` are the
+fault's manager options (e.g. `wait_replicas`).
 """
 
 from __future__ import annotations
 
 import math
 
-KEY = "safety"
+KEY = "safety"  # the contended key of one-key runs; a Cluster run spreads several (Deployment.keys)
 
 
 class Held:
@@ -28,15 +33,18 @@ class OtelLock:
     name = "otel-lock"
     sync = False
 
-    def __init__(self, url: str, lease: float) -> None:
-        from otel_lock import LockManager, LockTimeout
+    def __init__(self, url: str | list[str], lease: float, **options) -> None:
+        from otel_lock import LockManager, LockTimeout, RedLockManager
 
         self.timeout = LockTimeout
-        self.manager = LockManager.from_url(url, namespace="safety", lease=lease)
+        if isinstance(url, list):
+            self.manager = RedLockManager.from_urls(url, namespace="safety", lease=lease, **options)
+        else:
+            self.manager = LockManager.from_url(url, namespace="safety", lease=lease, **options)
 
-    async def acquire(self, wait: float) -> Held | None:
+    async def acquire(self, wait: float, key: str = KEY) -> Held | None:
         try:
-            held = await self.manager.acquire(KEY, wait=wait, name="safety")
+            held = await self.manager.acquire(key, wait=wait, name="safety")
         except self.timeout:
             return None
         return Held(held, held.token, held.lost)
@@ -54,14 +62,14 @@ class RedisPy:
     name = "redis-py Lock"
     sync = False
 
-    def __init__(self, url: str, lease: float) -> None:
+    def __init__(self, url: str, lease: float, **options) -> None:
         import redis.asyncio as aioredis
 
         self.client = aioredis.Redis.from_url(url, max_connections=1000)
         self.lease = lease
 
-    async def acquire(self, wait: float) -> Held | None:
-        lock = self.client.lock(KEY, timeout=self.lease, blocking_timeout=wait)
+    async def acquire(self, wait: float, key: str = KEY) -> Held | None:
+        lock = self.client.lock(key, timeout=self.lease, blocking_timeout=wait)
         return Held(lock) if await lock.acquire() else None
 
     async def release(self, held: Held) -> bool:
@@ -83,16 +91,16 @@ class PythonRedisLock:
     name = "python-redis-lock"
     sync = True
 
-    def __init__(self, url: str, lease: float) -> None:
+    def __init__(self, url: str, lease: float, **options) -> None:
         import redis
 
         self.client = redis.Redis.from_url(url, max_connections=1000)
         self.expire = max(1, round(lease))
 
-    def acquire(self, wait: float) -> Held | None:
+    def acquire(self, wait: float, key: str = KEY) -> Held | None:
         import redis_lock
 
-        lock = redis_lock.Lock(self.client, KEY, expire=self.expire, auto_renewal=True)
+        lock = redis_lock.Lock(self.client, key, expire=self.expire, auto_renewal=True)
         # its timeout is whole seconds and 0 means "forever"
         return Held(lock) if lock.acquire(timeout=max(1, math.ceil(wait))) else None
 
@@ -115,10 +123,10 @@ class Unlocked:
     name = "unlocked"
     sync = False
 
-    def __init__(self, url: str, lease: float) -> None:
+    def __init__(self, url: str | list[str], lease: float, **options) -> None:
         pass
 
-    async def acquire(self, wait: float) -> Held:
+    async def acquire(self, wait: float, key: str = KEY) -> Held:
         return Held(None)
 
     async def release(self, held: Held) -> bool:
@@ -129,4 +137,5 @@ class Unlocked:
 
 
 LIBS = {"otel-lock": OtelLock, "redis-py": RedisPy, "python-redis-lock": PythonRedisLock, "unlocked": Unlocked}
-COMPARED = ["otel-lock", "redis-py", "python-redis-lock"]  # what --full runs
+COMPARED = ["otel-lock", "redis-py", "python-redis-lock"]  # what --full runs on a single Redis
+ANY_DEPLOYMENT = ["otel-lock", "unlocked"]  # the peers run on a single Redis only

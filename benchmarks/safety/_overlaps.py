@@ -1,7 +1,9 @@
 """The checker's arithmetic: which holds overlapped, and was each overlap told or fenced.
 
 Everything here is a pure function of the records the workers sent, so it is
-unit-tested on hand-made intervals (tests/test_safety_checker.py).
+unit-tested on hand-made intervals (tests/test_safety_checker.py). Holds of
+different keys (a Cluster run spreads its keys over nodes) never overlap:
+every count below is taken per key and summed (or the largest taken).
 
 For two holds that intersect, the *stale* holder is the one that was granted
 first: the smaller fencing token when both have one (the token is minted in
@@ -35,6 +37,7 @@ class Hold:
     marks: list[tuple[float, bool]] = field(default_factory=list)  # (t, lost set?) after each await of the body
     stall: float = 0.0  # seconds the body blocked its loop right after acquiring
     requested: float | None = None  # when its acquire was called
+    key: str = ""  # which contended key (one per run, except where the deployment spreads them)
 
     @property
     def who(self) -> tuple[int, int]:
@@ -85,7 +88,7 @@ def overlaps(holds: list[Hold]) -> list[Overlap]:
     for hold in sorted(holds, key=lambda h: h.start):
         active = [h for h in active if h.end > hold.start]
         for other in active:
-            if other.who != hold.who and hold.end > hold.start:
+            if other.who != hold.who and other.key == hold.key and hold.end > hold.start:
                 found.append(Overlap(*_granted_first(other, hold)))
         active.append(hold)
     return found
@@ -106,8 +109,17 @@ def told_by_next_await(overlap: Overlap) -> bool:
     return overlap.stale.release is False
 
 
+def _by_key(holds: list[Hold]) -> list[list[Hold]]:
+    keys: dict[str, list[Hold]] = {}
+    for hold in holds:
+        keys.setdefault(hold.key, []).append(hold)
+    return list(keys.values())
+
+
 def token_regressions(holds: list[Hold]) -> int:
-    """Holds, in order of start, whose token is not larger than an earlier, non-overlapping hold's."""
+    """Holds, in order of start, whose token is not larger than an earlier, non-overlapping hold's of its key."""
+    if len({h.key for h in holds}) > 1:
+        return sum(token_regressions(group) for group in _by_key(holds))
     regressions = 0
     done_max = None  # the largest token of holds that ended before this one started
     ended = sorted((h for h in holds if h.token is not None), key=lambda h: h.end)
@@ -122,7 +134,9 @@ def token_regressions(holds: list[Hold]) -> int:
 
 
 def handoffs(holds: list[Hold]) -> int:
-    """Acquisitions that moved the lock to another caller (the first one counts)."""
+    """Acquisitions that moved a lock to another caller (the first one of each key counts)."""
+    if len({h.key for h in holds}) > 1:
+        return sum(handoffs(group) for group in _by_key(holds))
     count, last = 0, None
     for hold in sorted(holds, key=lambda h: h.start):
         if hold.who != last:
@@ -136,6 +150,8 @@ def max_idle(holds: list[Hold]) -> float:
 
     Dead or stopped waiters, grants nobody reads and slow wake-ups all show here.
     """
+    if len({h.key for h in holds}) > 1:
+        return max(max_idle(group) for group in _by_key(holds))
     longest, busy_until = 0.0, None
     for hold in sorted(holds, key=lambda h: h.start):
         if busy_until is not None and hold.start > busy_until and hold.requested is not None \

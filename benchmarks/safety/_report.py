@@ -22,12 +22,13 @@ COLUMNS = [
 
 def row(run) -> dict:
     summary = summarise(run.holds)
+    deployment = run.deployment.name
     overruns = [wait_overrun(a["req"], a["ret"], a["wait"], run.pauses.get(a["proc"], [])) for a in run.attempts]
     timeouts = sum(a["outcome"] == "timeout" for a in run.attempts)
     errors = [a["outcome"] for a in run.attempts if a["outcome"] not in ("acquired", "timeout")]
     has_tokens = any(h.token is not None for h in run.holds)
     return {
-        "library": run.lib, "fault": run.fault.name, **summary,
+        "deployment": deployment, "library": run.lib, "fault": run.fault.name, **summary,
         "next_await": f"{summary['stale_told_next']}/{summary['stale_holders']}" if has_tokens else "n/a",
         "max_overlap_ms": round(summary["max_overlap"] * 1000),
         "max_idle_ms": round(summary["max_idle"] * 1000),
@@ -37,6 +38,8 @@ def row(run) -> dict:
         "timeouts": timeouts, "errors": len(errors), "error_types": sorted(set(errors)),
         "failed": f"{timeouts} / {len(errors)}",
         "hung": run.hung,
+        "injected": run.injected,
+        "processes": len({h.proc for h in run.holds}),  # processes that held the lock at least once
         "release_false": sum(h.release is False for h in run.holds),
     }
 
@@ -57,7 +60,7 @@ def misses(row: dict, fault, baseline: dict | None) -> list[str]:
     if row["overrun_ms"] > (SOCKET_TIMEOUT + ROUND_TRIP) * 1000:
         missed.append("wait")
     cph, base = row["commands_per_handoff"], (baseline or {}).get("commands_per_handoff")
-    if cph is not None and base and cph > FLAT * base:
+    if cph is not None and base and cph > FLAT * base and fault.baseline_load:
         missed.append("commands")
     if row["hung"]:
         missed.append("hung")
@@ -65,18 +68,23 @@ def misses(row: dict, fault, baseline: dict | None) -> list[str]:
 
 
 def judge(rows: list[dict], faults: dict) -> None:
-    """Fill in each row's `misses`, against the same library's no-fault row when the run has one."""
-    baselines = {r["library"]: r for r in rows if r["fault"] == "none"}
+    """Fill in each row's `misses`, against the same library's no-fault row on its deployment when there is one."""
+    def where(r: dict) -> tuple[str, str]:
+        return r.get("deployment", "single"), r["library"]
+
+    baselines = {where(r): r for r in rows if r["fault"] == "none"}
     for r in rows:
-        r["misses"] = ", ".join(misses(r, faults[r["fault"]], baselines.get(r["library"]))) or "none"
+        r["misses"] = ", ".join(misses(r, faults[r["fault"]], baselines.get(where(r)))) or "none"
 
 
-def markdown(rows: list[dict]) -> str:
-    lines = ["| " + " | ".join(title for _, title in COLUMNS) + " |",
-             "|" + "---|" * len(COLUMNS)]
+def markdown(rows: list[dict], deployments: bool = False) -> str:
+    """The table; with `deployments`, a first column names each row's deployment."""
+    columns = [("deployment", "deployment")] * deployments + COLUMNS
+    lines = ["| " + " | ".join(title for _, title in columns) + " |",
+             "|" + "---|" * len(columns)]
     for r in rows:
         cells = []
-        for key, _ in COLUMNS:
+        for key, _ in columns:
             value = r.get(key)
             if key == "unsafe" and value:
                 value = f"**{value}**"

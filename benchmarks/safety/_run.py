@@ -1,6 +1,6 @@
-"""One checker run: a Redis, N worker processes on one key, one fault, then the records and Redis's counters.
+"""One checker run: a deployment, N worker processes on its keys, one fault, then the records and Redis's counters.
 
-Everything the run starts (redis-server, workers, proxies) it stops by pid or
+Everything the run starts (redis-servers, sentinels, workers, proxies) it stops by pid or
 handle before it returns, whatever happened.
 """
 
@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import json
 import os
-import shutil
 import signal
 import sys
 import tempfile
@@ -20,8 +19,7 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 
-from otel_lock.cli._redis_server import RedisServer
-
+from ._deployments import DEPLOYMENTS, Server  # noqa: F401 - Server: where it used to be
 from ._overlaps import Hold
 from ._proxy import Proxy
 
@@ -43,59 +41,46 @@ QUICK = Profile("quick", procs=3, tasks=3, lease=1.0, wait=2.0, window=3.0)
 FULL = Profile("full", procs=4, tasks=4, lease=2.0, wait=3.0, window=8.0)
 
 
-class Server(RedisServer):
-    """redis-server on a fixed port and data directory, so a crash and restart keeps (or not) its AOF."""
-
-    def __init__(self, aof: bool) -> None:
-        self.data = tempfile.mkdtemp(prefix="otel-lock-safety-")
-        persistence = ("--appendonly", "yes", "--appendfsync", "always") if aof else ()
-        super().__init__(extra_args=("--dir", self.data, *persistence))
-
-    def crash(self) -> None:
-        """SIGKILL by pid: no shutdown, no final save."""
-        if self.process is not None:
-            os.kill(self.process.pid, signal.SIGKILL)
-            self.process.wait()
-            self.process = None
-            # start() makes a fresh (unused: --dir points at self.data) directory each time
-            shutil.rmtree(getattr(self, "_dir", ""), ignore_errors=True)
-
-    def stop(self) -> None:
-        super().stop()
-        shutil.rmtree(self.data, ignore_errors=True)
-
-
 class Meter:
-    """Redis commands over the run from INFO commandstats, summed over restarts of the server."""
+    """Redis commands over the run from INFO commandstats of every master, summed over restarts and failovers.
 
-    def __init__(self, url: str) -> None:
-        self.url = url
+    A fault that takes a master away banks its count first (`pause(url)`), and
+    starts counting the one that replaces it (`begin([url])`); a replica is
+    never counted, as it replays its master's writes.
+    """
+
+    def __init__(self, masters) -> None:
+        self.masters = masters  # () -> the URLs of the masters now
         self.total = 0
-        self._base: int | None = None
+        self._base: dict[str, int] = {}
 
-    async def _calls(self) -> int:
-        client = aioredis.Redis.from_url(self.url, socket_timeout=5)
+    @staticmethod
+    async def _calls(url: str) -> int:
+        client = aioredis.Redis.from_url(url, socket_timeout=5)
         try:
             stats = await client.info("commandstats")
         finally:
             await client.aclose()
-        # our own INFO/CONFIG/CLIENT calls are not the locks' work
+        # our own INFO/CONFIG/CLIENT/CLUSTER calls are not the locks' work
         return sum(v["calls"] for k, v in stats.items()
-                   if not k.removeprefix("cmdstat_").startswith(("info", "config", "client|kill")))
+                   if not k.removeprefix("cmdstat_").startswith(("info", "config", "client|kill", "cluster")))
 
-    async def begin(self) -> None:
-        self._base = await self._calls()
+    async def begin(self, urls: list[str] | None = None) -> None:
+        """Start counting these masters (all of them now, without URLs); one counted already is left alone."""
+        for url in self.masters() if urls is None else urls:
+            if url not in self._base:
+                self._base[url] = await self._calls(url)
 
-    async def pause(self) -> None:
-        """Before the server goes away: bank what it counted."""
-        with contextlib.suppress(Exception):
-            self.total += await self._calls() - self._base
-        self._base = None
+    async def pause(self, url: str | None = None) -> None:
+        """Before a master goes away: bank what it counted (every master's, without a URL)."""
+        for u in list(self._base) if url is None else [url]:
+            base = self._base.pop(u, None)
+            if base is not None:
+                with contextlib.suppress(Exception):
+                    self.total += await self._calls(u) - base
 
     async def end(self) -> None:
-        if self._base is not None:
-            self.total += await self._calls() - self._base
-            self._base = None
+        await self.pause()
 
 
 @dataclass
@@ -117,9 +102,12 @@ class WorkerProc:
 class Run:
     """The state one fault injector acts on, and the records the workers send."""
 
-    def __init__(self, lib: str, profile: Profile, fault) -> None:
+    def __init__(self, lib: str, profile: Profile, fault, deployment: str = "single") -> None:
         self.lib, self.profile, self.fault = lib, profile, fault
-        self.server = Server(aof=fault.aof)
+        self.deployment = DEPLOYMENTS[deployment](fault)
+        # a failover must fit in the window, with time to work on after it
+        self.window = max(profile.window, fault.min_window)
+        self.lease = max(profile.lease, fault.min_lease)
         self.workers: list[WorkerProc] = []
         self.holds: list[Hold] = []
         self.attempts: list[dict] = []
@@ -127,10 +115,17 @@ class Run:
         self.readers: list[asyncio.Task] = []
         self.stop = 0.0
         self.hung = 0
+        self._spawned = 0
+        self.injected = 0  # failovers, migrations, master kills the fault carried out (what it claims happened)
         self.meter: Meter | None = None
         self._background: set[asyncio.Task] = set()
 
     # -- what injectors use ------------------------------------------------------
+
+    @property
+    def server(self) -> Server:
+        """The one Redis of a single-Redis run (the faults that crash it or proxy to it)."""
+        return self.deployment.server
 
     def live(self) -> list[WorkerProc]:
         return [w for w in self.workers if w.killed_at is None and not w.done]
@@ -156,10 +151,14 @@ class Run:
         await worker.proc.wait()
 
     async def spawn(self, go: bool = True) -> WorkerProc:
-        index = len(self.workers)
+        # taken before the first await: spawns run concurrently, and each process needs its own index
+        # (holds of one (process, task) are never compared with each other)
+        index = self._spawned
+        self._spawned += 1
         proxy = await Proxy("127.0.0.1", self.server.port).start() if self.fault.proxy else None
-        config = {"lib": self.lib, "url": proxy.url if proxy else self.server.url, "tasks": self.profile.tasks,
-                  "lease": self.profile.lease, "wait": self.profile.wait, **self.fault.worker(self.profile)}
+        config = {"lib": self.lib, "url": proxy.url if proxy else self.deployment.url, "keys": self.deployment.keys,
+                  "tasks": self.profile.tasks, "lease": self.lease, "wait": self.profile.wait,
+                  "options": self.fault.options or {}, **self.fault.worker(self.lease)}
         stderr = tempfile.TemporaryFile()  # the libraries log every lost lease; shown only if a worker crashes
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         proc = await asyncio.create_subprocess_exec(
@@ -194,7 +193,7 @@ class Run:
             worker.open.pop(event["task"], None)
             self.holds.append(Hold(worker.index, event["task"], event["start"], event["end"], event["token"],
                                    event["lost_at"], event["release"], [tuple(m) for m in event["marks"]],
-                                   event["stall"], event["req"]))
+                                   event["stall"], event["req"], event.get("key", "")))
             self.attempts.append({"proc": worker.index, "req": event["req"], "ret": event["start"],
                                   "wait": self.profile.wait, "outcome": "acquired"})
         elif kind == "attempt":
@@ -210,20 +209,20 @@ class Run:
             end = worker.killed_at or time.monotonic()
             for task, start in worker.open.items():
                 self.holds.append(Hold(worker.index, task, start["start"], end, start["token"], None, "killed",
-                                       requested=start.get("req")))
+                                       requested=start.get("req"), key=start.get("key", "")))
             worker.open.clear()
 
     # -- the run -------------------------------------------------------------------
 
     async def execute(self) -> None:
-        await asyncio.to_thread(self.server.start)
         try:
-            self.meter = Meter(self.server.url)
+            await self.deployment.start()
+            self.meter = Meter(self.deployment.masters)
             self.stop = float("inf")  # set before "go"
             await asyncio.gather(*(self.spawn(go=False) for _ in range(self.profile.procs)))
             await self.meter.begin()
             begin = time.monotonic() + 0.1
-            self.stop = begin + self.profile.window
+            self.stop = begin + self.window
             for worker in self.workers:
                 self.go(worker)
             await asyncio.sleep(0.1)
@@ -241,7 +240,7 @@ class Run:
 
     async def _drain(self) -> None:
         """Workers finish their last attempt (bounded by wait); one still running after that is hung."""
-        bound = self.profile.wait + self.profile.lease + 5.0
+        bound = self.profile.wait + self.lease + 5.0
         procs = [w for w in self.workers if w.killed_at is None]
         done, pending = await asyncio.wait([asyncio.create_task(w.proc.wait()) for w in procs], timeout=bound)
         for task in pending:
@@ -271,4 +270,4 @@ class Run:
         for task in self.readers:
             task.cancel()
         await asyncio.gather(*self.readers, return_exceptions=True)
-        await asyncio.to_thread(self.server.stop)
+        await self.deployment.stop()

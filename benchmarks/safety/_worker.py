@@ -1,6 +1,6 @@
 """One contending process: M tasks (threads for a sync library) take the key in a loop and report every hold.
 
-    python -m benchmarks.safety._worker '{"lib": "otel-lock", "url": ..., "tasks": 4, ...}'
+    python -m benchmarks.safety._worker '{"lib": "otel-lock", "url": ..., "keys": ["safety"], "tasks": 4, ...}'
 
 It prints "ready", waits for a "go" line with the monotonic stop time, then
 writes one JSON event per line: `start` the moment a task holds the lock (so the
@@ -44,6 +44,13 @@ class Worker:
         self.holding = 0  # tasks of this process holding the lock right now
         self.rng = random.Random()
 
+    def make_lib(self):
+        return LIBS[self.config["lib"]](self.config["url"], self.config["lease"], **self.config.get("options", {}))
+
+    def pick_key(self) -> str:
+        """The key of this attempt: the run's one key, or one of the keys a Cluster run spreads over its nodes."""
+        return self.rng.choice(self.config["keys"])
+
     def stall_after_acquire(self) -> float:
         stall = self.config.get("hold_stall")  # [probability, shortest, longest]
         if stall and self.rng.random() < stall[0]:
@@ -70,7 +77,7 @@ class Worker:
     # -- async libraries -------------------------------------------------------
 
     async def run_async(self) -> None:
-        self.lib = LIBS[self.config["lib"]](self.config["url"], self.config["lease"])
+        self.lib = self.make_lib()
         tasks = [asyncio.create_task(self.contend_async(i)) for i in range(self.config["tasks"])]
         if self.config.get("wait_stall"):
             staller = asyncio.create_task(self.stall_while_waiting())
@@ -82,9 +89,10 @@ class Worker:
     async def contend_async(self, task: int) -> None:
         wait = self.config["wait"]
         while time.monotonic() < self.stop:
+            key = self.pick_key()
             req = time.monotonic()
             try:
-                held = await self.lib.acquire(wait)
+                held = await self.lib.acquire(wait, key)
             except Exception as exc:  # noqa: BLE001 - every failure is a recorded outcome
                 emit("attempt", task=task, req=req, ret=time.monotonic(), wait=wait, outcome=type(exc).__name__)
                 await asyncio.sleep(RETRY_AFTER_ERROR)
@@ -93,11 +101,13 @@ class Worker:
             if held is None:
                 emit("attempt", task=task, req=req, ret=ret, wait=wait, outcome="timeout")
                 continue
-            await self.hold_async(task, held, req, ret)
+            await self.hold_async(task, key, held, req, ret)
 
-    async def hold_async(self, task: int, held, req: float, start: float) -> None:
+    async def hold_async(self, task: int, key: str, held, req: float, start: float) -> None:
         self.holding += 1
-        emit("start", task=task, req=req, start=start, token=held.token)
+        steps = self.body_steps()
+        # `plan`: how long the body will run, so that a fault can wait for a hold that will outlast it
+        emit("start", task=task, key=key, req=req, start=start, token=held.token, plan=sum(steps))
         lost_at: list[float] = []
         watcher = None
         if held.lost is not None:
@@ -107,7 +117,7 @@ class Worker:
         stall = self.stall_after_acquire()
         if stall:
             self.block(stall)
-        for step in self.body_steps():
+        for step in steps:
             await asyncio.sleep(step)
             marks.append((time.monotonic(), bool(held.lost is not None and held.lost.is_set())))
         end = time.monotonic()
@@ -120,7 +130,7 @@ class Worker:
             if not lost_at and held.lost.is_set():
                 await asyncio.sleep(0)  # let the watcher note the time it saw the loss
             watcher.cancel()
-        emit("hold", task=task, req=req, start=start, end=end, token=held.token,
+        emit("hold", task=task, key=key, req=req, start=start, end=end, token=held.token,
              lost_at=lost_at[0] if lost_at else None, release=release, marks=marks, stall=stall)
 
     async def stall_while_waiting(self) -> None:
@@ -134,7 +144,7 @@ class Worker:
     # -- sync libraries (one thread per task) -----------------------------------
 
     def run_sync(self) -> None:
-        self.lib = LIBS[self.config["lib"]](self.config["url"], self.config["lease"])
+        self.lib = self.make_lib()
         threads = [threading.Thread(target=self.contend_sync, args=(i,)) for i in range(self.config["tasks"])]
         for thread in threads:
             thread.start()
@@ -145,9 +155,10 @@ class Worker:
     def contend_sync(self, task: int) -> None:
         wait = self.config["wait"]
         while time.monotonic() < self.stop:
+            key = self.pick_key()
             req = time.monotonic()
             try:
-                held = self.lib.acquire(wait)
+                held = self.lib.acquire(wait, key)
             except Exception as exc:  # noqa: BLE001
                 emit("attempt", task=task, req=req, ret=time.monotonic(), wait=wait, outcome=type(exc).__name__)
                 time.sleep(RETRY_AFTER_ERROR)
@@ -156,7 +167,7 @@ class Worker:
             if held is None:
                 emit("attempt", task=task, req=req, ret=start, wait=wait, outcome="timeout")
                 continue
-            emit("start", task=task, req=req, start=start, token=None)
+            emit("start", task=task, key=key, req=req, start=start, token=None)
             stall = self.stall_after_acquire()
             if stall:
                 self.block(stall)
@@ -169,7 +180,7 @@ class Worker:
                 release = self.lib.release(held)
             except Exception as exc:  # noqa: BLE001
                 release = type(exc).__name__
-            emit("hold", task=task, req=req, start=start, end=end, token=None, lost_at=None, release=release,
+            emit("hold", task=task, key=key, req=req, start=start, end=end, token=None, lost_at=None, release=release,
                  marks=marks, stall=stall)
 
 

@@ -19,7 +19,7 @@ import tempfile
 import redis.asyncio as aioredis
 from redis.crc import key_slot
 
-from otel_lock.cli._redis_server import RedisServer, free_port
+from otel_lock.cli._redis_server import RedisServer
 
 from ._libs import KEY
 
@@ -44,26 +44,6 @@ class Server(RedisServer):
     def stop(self) -> None:
         super().stop()
         shutil.rmtree(self.data, ignore_errors=True)
-
-
-def cluster_port() -> int:
-    """A free port whose cluster bus port (port + 10000) is a valid port and free too.
-
-    ClusterSet takes any free port, and a kernel pick above 55535 leaves no bus
-    port: that node exits at start.
-    """
-    import socket
-
-    while True:
-        port = free_port()
-        if port + 10000 > 65535:
-            continue
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind(("127.0.0.1", port + 10000))
-            except OSError:
-                continue
-        return port
 
 
 def _keys(fault) -> list[str]:
@@ -141,9 +121,7 @@ class Cluster:
     def __init__(self, fault) -> None:
         from benchmarks._cluster_set import ClusterSet  # here: it imports _sentinel_set, which imports this package
 
-        self.set = ClusterSet(masters=3, replicas=1 if fault.replicas else 0)
-        for node in self.set.nodes:
-            node.port = cluster_port()
+        self.set = ClusterSet(masters=3, replicas=1 if fault.replicas else 0)  # ports with a valid bus port
         self.keys: list[str] = []
         self.master_ports: list[int] = []
 

@@ -19,7 +19,7 @@ from otel_lock import (HeldLock, LockError, LockLost, LockMiddleware, LockTimeou
                        idempotent, locked)
 from otel_lock.cli._redis_server import RedisServer
 
-from _proc_helpers import assert_one_holder_at_a_time, run_holders
+from _proc_helpers import TcpProxy, assert_one_holder_at_a_time, run_holders, until
 
 BOUND = 20.0  # turns a hang into a failure; not a timing
 
@@ -162,6 +162,55 @@ async def test_mutual_exclusion_across_processes(masters):
     holds = await run_holders({"urls": urls(masters), "keys": ["shared"], "count": 8, "tasks": 2}, 3, BOUND)
     assert len(holds) == 3 * 2 * 8
     assert_one_holder_at_a_time(holds)
+
+
+async def test_undoing_a_failed_round_never_undoes_a_later_grant(masters):
+    """A reply that came too late is undone in the background; the round that then won must keep its quorum."""
+    a, b, c = masters
+    proxy = await TcpProxy("127.0.0.1", b.port).start()
+    try:
+        async with RedLockManager.from_urls([a.url, proxy.url, c.url], lease=2.0, master_timeout=0.1,
+                                            wait=BOUND) as locks:
+            async with locks.lock("warm-up"):
+                pass
+            with redis.Redis(port=c.port) as other:  # C is busy with somebody else for a moment
+                other.hset("otel-lock:{job}", mapping={"owner": "somebody", "depth": 1, "token": 1})
+                other.pexpire("otel-lock:{job}", 600)
+            proxy.stall_replies()  # B runs the first round's ACQUIRE, its answer comes too late
+            taking = asyncio.create_task(locks.acquire("job"))
+            await until(lambda: _has(b, "otel-lock:{job}"), "the first round to reach B")
+            first_round = _owner(b, "otel-lock:{job}")
+            await until(lambda: _undo_pending(locks), "the first round to fail (A and B only, B silent)")
+            proxy.forward()
+            held = await asyncio.wait_for(taking, BOUND)
+            # Each round has an owner of its own, so the undo of a lost round (by owner) can never
+            # release a later round's grant on the same master.
+            assert held.owner != first_round
+            await until(lambda: _none_pending(locks), "the background undo of the first round")
+            owners = [_owner(server, "otel-lock:{job}") for server in masters]
+            assert owners.count(held.owner) >= 2, owners  # still held by a quorum: nobody else can enter
+            assert await held.release() is True
+    finally:
+        await proxy.aclose()
+
+
+async def _has(server: RedisServer, key: str) -> bool:
+    with redis.Redis(port=server.port) as client:
+        return bool(client.exists(key))
+
+
+async def _none_pending(locks: RedLockManager) -> bool:
+    return locks._cleanup.pending() == 0
+
+
+async def _undo_pending(locks: RedLockManager) -> bool:
+    return locks._cleanup.pending() > 0
+
+
+def _owner(server: RedisServer, key: str) -> str | None:
+    with redis.Redis(port=server.port) as client:
+        owner = client.hget(key, "owner")
+    return owner.decode() if owner else None
 
 
 # -- masters failing --------------------------------------------------------------

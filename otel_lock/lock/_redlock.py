@@ -179,7 +179,7 @@ class RedLockManager(HoldEnds, CommonOptions):
         start = loop.time()
         deadline = start + wait
         keys = self._keys(key)
-        owner = f"{self.id}:{next(self._ids)}"
+        owner = ""
         outcome, error_type, contended, rounds, probe = "error", None, False, 0, 0
         found, sent_at = Round(), start
         with self.telemetry.acquire_span(name) as span:
@@ -188,6 +188,9 @@ class RedLockManager(HoldEnds, CommonOptions):
                 await self._let_others_first(key, deadline)
                 while True:
                     rounds += 1
+                    # An owner per round: a failed round is undone by owner (in the background on a
+                    # master that did not answer), which must never release a later round's grant.
+                    owner = f"{self.id}:{next(self._ids)}"
                     sent_at = loop.time()
                     found = await self._round(keys, owner, lease, name)
                     self._breaker.record(found.answered >= self.quorum

@@ -101,6 +101,18 @@ class ClusterSet:
                     return int(master[1])
         raise AssertionError(f"no master serves slot {slot}")
 
+    async def keys_per_master(self, per_master: int, prefix: str = "item") -> dict[int, list[str]]:
+        """`per_master` keys `prefix:N` whose slots each master serves, by master port."""
+        chosen: dict[int, list[str]] = {}
+        i = 0
+        while len(chosen) < self.masters or any(len(v) < per_master for v in chosen.values()):
+            key = f"{prefix}:{i}"
+            i += 1
+            keys = chosen.setdefault(await self.owner(key), [])
+            if len(keys) < per_master:
+                keys.append(key)
+        return chosen
+
     async def node_id(self, port: int) -> str:
         async with aioredis.Redis(port=port) as client:
             node_id = await client.execute_command("CLUSTER", "MYID")

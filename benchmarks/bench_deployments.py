@@ -132,16 +132,9 @@ async def _spread_keys(cluster: ClusterSet) -> list[dict]:
     """KEYS_PER_MASTER lock keys on each Cluster master (a lock's slot is its key's: the hash tag is {key})."""
     from redis.crc import key_slot
 
-    per_master: dict[int, list[dict]] = {}
-    i = 0
-    while len(per_master) < cluster.masters or any(len(v) < KEYS_PER_MASTER for v in per_master.values()):
-        key = f"bench:hot:{i}"
-        i += 1
-        port = await cluster.owner(key)
-        chosen = per_master.setdefault(port, [])
-        if len(chosen) < KEYS_PER_MASTER:
-            chosen.append({"key": key, "slot": key_slot(key.encode()), "cluster_master_port": port})
-    return [k for port in sorted(per_master) for k in per_master[port]]
+    per_master = await cluster.keys_per_master(KEYS_PER_MASTER, prefix="bench:hot")
+    return [{"key": key, "slot": key_slot(key.encode()), "cluster_master_port": port}
+            for port in sorted(per_master) for key in per_master[port]]
 
 
 def _attempt(out: dict, table: str, what: str, common: dict, fn, *args, **kwargs) -> None:

@@ -43,15 +43,7 @@ async def flushed(cluster):
 
 async def keys_on_every_master(cluster: ClusterSet, per_master: int = 2) -> list[str]:
     """Lock keys whose slots belong to each of the masters, `per_master` each."""
-    chosen: dict[int, list[str]] = {}
-    i = 0
-    while len(chosen) < cluster.masters or any(len(v) < per_master for v in chosen.values()):
-        key = f"item:{i}"
-        i += 1
-        owner = await cluster.owner(key)
-        if len(chosen.setdefault(owner, [])) < per_master:
-            chosen[owner].append(key)
-    return [k for keys in chosen.values() for k in keys]
+    return [k for keys in (await cluster.keys_per_master(per_master)).values() for k in keys]
 
 
 async def command_calls(port: int, command: str) -> int:

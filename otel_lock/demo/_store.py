@@ -56,6 +56,12 @@ if stock < quantity then return {0, stock} end
 return {1, redis.call('HINCRBY', KEYS[1], 'stock', -quantity)}
 """
 
+# KEYS[1] the job's run list; ARGV[1] one run (JSON); ARGV[2] how many runs to keep.
+RECORD_RUN = """
+redis.call('RPUSH', KEYS[1], ARGV[1])
+redis.call('LTRIM', KEYS[1], -tonumber(ARGV[2]), -1)
+"""
+
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 MAX_RUNS = 1000
 
@@ -71,6 +77,7 @@ class Store:
         self.prefix = f"{namespace}:demo"
         self._set = redis.register_script(FENCED_SET)
         self._deduct = redis.register_script(ATOMIC_DEDUCT)
+        self._record = redis.register_script(RECORD_RUN)
 
     def _product(self, product_id: str) -> str:
         return f"{self.prefix}:stock:{product_id}"
@@ -111,11 +118,9 @@ class Store:
         return [json.loads(raw) for raw in await self.redis.lrange(self._orders(user), 0, -1)]
 
     async def record_run(self, tick: int, replica: str) -> None:
-        # One key: the transaction is valid on a Cluster too (one slot).
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.rpush(f"{self.prefix}:jobs", json.dumps({"tick": tick, "replica": replica}))
-            pipe.ltrim(f"{self.prefix}:jobs", -MAX_RUNS, -1)
-            await pipe.execute()
+        # A script, not MULTI: redis-py's cluster client takes no transaction before 6.0.
+        await self._record(keys=[f"{self.prefix}:jobs"], args=[json.dumps({"tick": tick, "replica": replica}),
+                                                               MAX_RUNS])
 
     async def runs(self) -> list[dict[str, Any]]:
         return [json.loads(raw) for raw in await self.redis.lrange(f"{self.prefix}:jobs", 0, -1)]

@@ -448,7 +448,9 @@ async def test_master_killed_under_load_without_wait_every_overlap_is_told_and_f
 
 @pytest.mark.failover
 async def test_master_killed_under_load_with_wait_loses_no_acknowledged_lock(sentinels):
-    survivor_manager = LockManager.from_url(sentinels.url, lease=8.0, wait_replicas=1, wait_replicas_timeout=0.2)
+    # Its renewals are refused (too few replicas) from the kill until the old master is back as a
+    # replica, which under a loaded CI machine took longer than 8 s once: 30 s of lease covers that.
+    survivor_manager = LockManager.from_url(sentinels.url, lease=30.0, wait_replicas=1, wait_replicas_timeout=0.2)
     try:
         survivor = await survivor_manager.acquire("job:long")  # held across the failover
         log, after = await _run_load_through_failover(sentinels, lease=8.0, wait_replicas=1,

@@ -92,18 +92,10 @@ class Ending(HoldEnds):
 
         def _background_task(self, coro: Coroutine[Any, Any, Any]) -> None: ...
 
-    @staticmethod
-    def _unhold(lease: Lease, child: bool) -> None:
-        lease.depth -= 1
-        if child:
-            lease.child_holds -= 1
-            if lease.child_holds == 0:
-                lease.children_done.set()
-
     async def _release(self, held: HeldLock) -> bool:
         lease = held._lease
         if held._child:
-            self._unhold(lease, child=True)
+            lease.unnest(child=True)
         elif held._outer and lease.child_holds > 0:
             lease.closing = True  # no new child may enter; those inside finish first
             await lease.children_done.wait()

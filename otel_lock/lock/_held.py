@@ -18,7 +18,7 @@ from typing import Awaitable, Callable, Mapping, Protocol
 
 from opentelemetry import trace
 
-from ._errors import LockLost, RedisUnavailable
+from ._errors import LockError, LockLost, RedisUnavailable
 
 log = logging.getLogger("otel_lock")
 
@@ -115,6 +115,26 @@ class Lease:
         if not self.ended and not self.lost_reason and self._loop.time() >= self.expires_at:
             reason = "no renewal confirmed the lease in time" if self.renew else "the fixed lease ran out"
             self.manager._lose(self, reason)
+
+    def nest(self, *, child: bool) -> None:
+        """One more hold inside this one (the acquiring task's, or a child's it shares with)."""
+        if self.lost.is_set():
+            raise LockLost(f"lease of {self.key} was lost: {self.lost_reason}", key=self.key)
+        if self.closing:
+            raise LockError(f"lock {self.key} is being released: a spawned task cannot re-enter it now",
+                            key=self.key)
+        self.depth += 1
+        if child:
+            self.child_holds += 1
+            self.children_done.clear()
+
+    def unnest(self, *, child: bool) -> None:
+        """A nested hold ended (or never got its Redis confirmation)."""
+        self.depth -= 1
+        if child:
+            self.child_holds -= 1
+            if self.child_holds == 0:
+                self.children_done.set()
 
     def confirmed(self, sent_at: float) -> None:
         """A renewal sent at `sent_at` (loop time) succeeded: valid for a full lease from then."""

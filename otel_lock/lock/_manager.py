@@ -319,15 +319,7 @@ class LockManager(Ending, CommonOptions):
 
     async def _reenter(self, lease: Lease, *, child: bool) -> HeldLock:
         """A nested hold: counted locally before Redis is asked, so a final release cannot miss it."""
-        if lease.lost.is_set():
-            raise LockLost(f"lease of {lease.key} was lost: {lease.lost_reason}", key=lease.key)
-        if lease.closing:
-            raise LockError(f"lock {lease.key} is being released: a spawned task cannot re-enter it now",
-                            key=lease.key)
-        lease.depth += 1
-        if child:
-            lease.child_holds += 1
-            lease.children_done.clear()
+        lease.nest(child=child)
         held = False
         try:
             with self.telemetry.acquire_span(lease.name) as span:
@@ -345,7 +337,7 @@ class LockManager(Ending, CommonOptions):
                                                           "lock.contended": False})
         finally:
             if not held:
-                self._unhold(lease, child)
+                lease.unnest(child=child)
         return HeldLock(lease, int(res[2]), child=child)
 
     async def _reenter_call(self, lease: Lease) -> Any:

@@ -28,10 +28,10 @@ from opentelemetry.metrics import MeterProvider
 from . import _redlock_scripts as scripts
 from ._redlock_cleanup import Cleanup
 from ._redlock_rounds import Round, grant, keep
-from ._errors import LockError, LockLost, LockTimeout, RedisUnavailable
+from ._errors import LockError, LockTimeout, RedisUnavailable
 from ._background import Background
 from ._held import HELD, NEVER, HeldLock, Lease, LockContext
-from ._ending import Ending, HoldEnds
+from ._ending import HoldEnds
 from ._manager import LockManager, _Busy
 from ._options import CommonOptions, _check_seconds, default_name
 from ..telemetry._instruments import LockCounts, Telemetry, get_telemetry
@@ -294,15 +294,7 @@ class RedLockManager(HoldEnds, CommonOptions):
 
     def _reenter(self, hold: Lease, *, child: bool) -> HeldLock:
         """A nested hold (of the task that acquired, or a child it shares with): counted locally."""
-        if hold.lost.is_set():
-            raise LockLost(f"lease of {hold.key} was lost: {hold.lost_reason}", key=hold.key)
-        if hold.closing:
-            raise LockError(f"lock {hold.key} is being released: a spawned task cannot re-enter it now",
-                            key=hold.key)
-        hold.depth += 1
-        if child:
-            hold.child_holds += 1
-            hold.children_done.clear()
+        hold.nest(child=child)
         self.telemetry.wait_duration.record(0.0, {"lock.name": hold.name, "lock.outcome": "acquired",
                                                   "lock.contended": False})
         return HeldLock(hold, hold.depth, child=child)
@@ -312,7 +304,7 @@ class RedLockManager(HoldEnds, CommonOptions):
     async def _release(self, held: HeldLock) -> bool:
         hold = held._lease
         if held._child:
-            Ending._unhold(hold, child=True)
+            hold.unnest(child=True)
             return not hold.ended and not hold.lost.is_set()
         if held._outer and hold.child_holds > 0:
             hold.closing = True  # no new child may enter; those inside finish first

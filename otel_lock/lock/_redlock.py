@@ -41,6 +41,15 @@ _OPTIONS = ("namespace", "lease", "wait", "cancel_on_lost", "fence_ttl", "poll_c
 MIN_MASTERS = 3
 
 
+def _check_masters(given: object, name: str, kind: str, alternative: str) -> None:
+    """A list (not one string) of at least MIN_MASTERS masters."""
+    if isinstance(given, (str, bytes)) or not isinstance(given, Sequence):
+        raise ValueError(f"{name} must be a list of {kind}, not {given!r}")
+    if len(given) < MIN_MASTERS:
+        raise ValueError(f"RedLock needs at least {MIN_MASTERS} independent masters, got {len(given)} {kind}: "
+                         f"with fewer, one failure stops all locking (use {alternative} for one Redis)")
+
+
 class RedLockManager(HoldEnds, CommonOptions):
     """Hands out locks held by a majority of N independent Redis masters."""
 
@@ -50,12 +59,7 @@ class RedLockManager(HoldEnds, CommonOptions):
                  tracer_provider: trace.TracerProvider | None = None,
                  meter_provider: MeterProvider | None = None, breaker_failures: int = 5,
                  breaker_cooldown: float = 1.0) -> None:
-        given: object = clients
-        if isinstance(given, (str, bytes)) or not isinstance(given, Sequence):
-            raise ValueError(f"clients must be a list of redis.asyncio clients, not {clients!r}")
-        if len(clients) < MIN_MASTERS:
-            raise ValueError(f"RedLock needs at least {MIN_MASTERS} independent masters, got {len(clients)}: "
-                             "with fewer, one failure stops all locking (use LockManager for one Redis)")
+        _check_masters(clients, "clients", "redis.asyncio clients", "LockManager")
         if len({id(c) for c in clients}) != len(clients):
             raise ValueError("the same client is given twice: each master must be a different Redis")
         self._set_common_options(namespace, lease, renew_interval, wait, cancel_on_lost, fence_ttl, poll_cap)
@@ -89,12 +93,7 @@ class RedLockManager(HoldEnds, CommonOptions):
     @classmethod
     def from_urls(cls, urls: Sequence[str], **options: Any) -> "RedLockManager":
         """A manager with one client per URL; redis-py options (socket_timeout, ...) apply to every one."""
-        given: object = urls
-        if isinstance(given, (str, bytes)) or not isinstance(given, Sequence):
-            raise ValueError(f"urls must be a list of Redis URLs, not {urls!r}")
-        if len(urls) < MIN_MASTERS:
-            raise ValueError(f"RedLock needs at least {MIN_MASTERS} independent masters, got {len(urls)} URLs: "
-                             "with fewer, one failure stops all locking (use LockManager.from_url for one Redis)")
+        _check_masters(urls, "urls", "Redis URLs", "LockManager.from_url")
         seen = set()
         for url in urls:
             parts = urlsplit(url) if isinstance(url, str) else None

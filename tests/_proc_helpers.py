@@ -19,6 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks._sentinel_set import until as _until
 from benchmarks.safety._proxy import TcpProxy  # noqa: F401  (tests import it from here)
 
 HERE = Path(__file__).resolve()
@@ -145,14 +146,7 @@ class Agents:
 
 async def until(predicate, what: str, timeout: float = DEADLINE, every: float = 0.005):
     """Poll an async predicate (Redis state) until it holds; fail instead of hanging."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = await predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(every)
+    return await _until(predicate, what, timeout, every)
 
 
 # -- a TCP proxy that can stall or cut -------------------------------------------

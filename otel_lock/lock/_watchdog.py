@@ -106,18 +106,16 @@ class Watchdog:
                 results = await self._send(chunks)
         except (RedisError, OSError) as exc:
             results = [exc] * len(chunks)
-        seconds = time.perf_counter() - began
+        self._record(chunks, results, time.perf_counter() - began)
         for chunk, answers in zip(chunks, results):
             if isinstance(answers, BaseException):
                 if not isinstance(answers, (RedisError, OSError)):
                     raise answers
-                self._record(chunk, seconds, answers)
                 for lease in chunk:
                     # retry soon, and well before the lease runs out even with a short lease
                     lease.renew_at = min(lease.expires_at, sent_at + min(RETRY_AFTER_ERROR, lease.renew_every / 2))
                     manager._count_renewal(lease, "error", answers)
                 continue
-            self._record(chunk, seconds, None)
             for lease, ok in zip(chunk, answers):
                 if lease not in self._leases:
                     continue  # released while the renewal was in flight
@@ -137,12 +135,18 @@ class Watchdog:
             groups = list(by_slot.values())
         return [group[i:i + BATCH] for group in groups for i in range(0, len(group), BATCH)]
 
-    def _record(self, leases: list[Lease], seconds: float, error: BaseException | None) -> None:
-        """One batched round trip: its time, once per lock name it renewed."""
-        for name in {lease.name for lease in leases}:
+    def _record(self, chunks: list[list[Lease]], results: list[Any], seconds: float) -> None:
+        """One batched round trip: its time, once per lock name (and outcome) it renewed."""
+        outcomes: dict[tuple[str, str], None] = {}
+        for chunk, answers in zip(chunks, results):
+            error = ""
+            if isinstance(answers, BaseException):
+                error = "redis_unavailable" if is_unavailable(answers) else "redis_error"
+            outcomes.update(((lease.name, error), None) for lease in chunk)
+        for name, error in outcomes:
             attributes = {"lock.name": name, "lock.operation": "renew"}
-            if error is not None:
-                attributes["error.type"] = "redis_unavailable" if is_unavailable(error) else "redis_error"
+            if error:
+                attributes["error.type"] = error
             self._manager.telemetry.redis_duration.record(seconds, attributes)
 
     async def _send(self, chunks: Sequence[list[Lease]]) -> list[Any]:

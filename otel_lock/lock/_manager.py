@@ -31,7 +31,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from . import _scripts
-from ._attempt import Attempt, _cancelling
+from ._attempt import Attempt
 from ._background import Background
 from ._cluster import SCHEME as CLUSTER_SCHEME
 from ._cluster import cluster_client, is_cluster

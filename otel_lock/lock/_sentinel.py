@@ -30,7 +30,7 @@ from redis.exceptions import ReadOnlyError, RedisError
 
 from ._connection import Connection
 
-from ._url_hosts import UrlForm, redact
+from ._url_hosts import UrlForm
 
 SCHEME = "redis+sentinel"
 DEFAULT_PORT = 26379
@@ -172,16 +172,16 @@ class MasterConnection(Connection):
         try:
             return await super().execute(*args)
         except ReadOnlyError:
-            await self._demoted()
+            self._demoted()
             raise
 
     async def execute_many(self, commands: list[tuple[Any, ...]]) -> list[Any]:
         results = await super().execute_many(commands)
         if any(isinstance(r, ReadOnlyError) for r in results):
-            await self._demoted()
+            self._demoted()
         return results
 
-    async def _demoted(self) -> None:
+    def _demoted(self) -> None:
         self._watch.recheck()
         self.drop()
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 from typing import Any, Callable
 
@@ -52,15 +51,13 @@ class ShardedWaiting(Waiting):
         self._nodes: dict[tuple[str, int], _Node] = {}
         self._subscriptions: dict[str, asyncio.Future[None]] = {}  # channel -> done once subscribed
         self._connecting = asyncio.Lock()
+        self._slot_channels: dict[int, str] = {}
 
     def channel_for(self, key: str) -> str:
-        return self._channels_by_slot(slot_of(key))
-
-    @functools.cached_property
-    def _channels_by_slot(self) -> Callable[[int], str]:
-        @functools.lru_cache(maxsize=None)  # at most one per slot
-        def channel(slot: int) -> str:
-            return f"{self.channel}:{{{slot_tag(slot)}}}"
+        slot = slot_of(key)
+        channel = self._slot_channels.get(slot)
+        if channel is None:  # at most one per slot
+            channel = self._slot_channels[slot] = f"{self.channel}:{{{slot_tag(slot)}}}"
         return channel
 
     def ready_for(self, key: str) -> bool:

@@ -119,6 +119,16 @@ async def test_a_cluster_client_built_by_the_user_works_the_same(flushed, protoc
         await client.aclose()
 
 
+async def test_the_connection_gauges_count_the_lean_connection_of_every_master_used(flushed):
+    keys = await keys_on_every_master(flushed, 1)
+    async with LockManager.from_url(flushed.url) as locks:
+        held = [await locks.acquire(key) for key in keys]
+        used, pending = locks._connection_figures()  # what otel_lock.redis.connection.* report
+        assert used == len(flushed.ports) and pending == 0
+        for hold in held:
+            await hold.release()
+
+
 async def test_one_holder_at_a_time_across_processes_on_keys_over_every_master(flushed):
     keys = await keys_on_every_master(flushed)
     holds = await run_holders({"url": flushed.url, "keys": keys, "count": 4, "tasks": 2}, 3, BOUND * 2)

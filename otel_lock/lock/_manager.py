@@ -370,7 +370,7 @@ class LockManager(Ending, CommonOptions):
         """(connections in use, replies awaited): read by a metrics reader, on its own thread."""
         redis = self.redis
         if self._routed is not None:
-            return self._routed.connected, self._routed.in_flight
+            return self._routed.open_connections, self._routed.in_flight
         if isinstance(redis, RedisCluster):  # each node keeps its own connections
             return sum(len(getattr(n, "_connections", ())) - len(getattr(n, "_free", ()))
                        for n in redis.get_nodes()), 0

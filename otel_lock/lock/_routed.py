@@ -60,7 +60,7 @@ class RoutedConnections:
         return sum(c.in_flight for c in self._nodes.values())
 
     @property
-    def connected(self) -> int:
+    def open_connections(self) -> int:
         return sum(1 for c in self._nodes.values() if c.connected)
 
     def _connection(self, address: Address) -> Connection:

@@ -2,18 +2,22 @@
 
 __version__ = "0.1.0"
 
-from .lock import HeldLock, LockError, LockInfo, LockLost, LockManager, LockTimeout, RedisUnavailable, RedLockManager
+from .lock import (HeldLock, LockBusy, LockError, LockInfo, LockLost, LockManager, Locks, LockTimeout, RedisMisconfigured,
+                   RedisUnavailable, RedLockManager)
 from .asgi import LockMiddleware, idempotent, locked
 
 __all__ = [
     "HeldLock",
+    "LockBusy",
     "LockError",
     "LockInfo",
     "LockLost",
     "LockManager",
     "LockMiddleware",
     "LockTimeout",
+    "Locks",
     "RedLockManager",
+    "RedisMisconfigured",
     "RedisUnavailable",
     "__version__",
     "idempotent",

@@ -3,10 +3,11 @@
 It imports no Starlette; telemetry is reached through `otel_lock.telemetry._instruments`.
 """
 
-from ._errors import LockError, LockLost, LockTimeout, RedisUnavailable
+from ._errors import LockBusy, LockError, LockLost, LockTimeout, RedisMisconfigured, RedisUnavailable
 from ._held import HeldLock, LockInfo
 from ._manager import LockManager
+from ._protocol import Locks
 from ._redlock import RedLockManager
 
-__all__ = ["HeldLock", "LockError", "LockInfo", "LockLost", "LockManager", "LockTimeout", "RedLockManager",
-           "RedisUnavailable"]
+__all__ = ["HeldLock", "LockBusy", "LockError", "LockInfo", "LockLost", "LockManager", "LockTimeout", "Locks",
+           "RedLockManager", "RedisMisconfigured", "RedisUnavailable"]

@@ -36,7 +36,7 @@ from ._background import Background
 from ._cluster import SCHEME as CLUSTER_SCHEME
 from ._cluster import cluster_client, is_cluster
 from ._connection import Connection
-from ._errors import LockError, LockLost, LockTimeout, RedisUnavailable, is_unavailable
+from ._errors import LockBusy, LockError, LockLost, LockTimeout, RedisUnavailable, is_unavailable
 from ._ending import Ending, _error_type
 from ._options import (MAX_KEY_LENGTH, _MANAGER_OPTIONS, CommonOptions, _check_seconds, _glob_escape, _text,
                        default_name)
@@ -151,7 +151,7 @@ class LockManager(Ending, CommonOptions):
         try:
             return await self.acquire(key, wait=0, lease=lease, owner=owner, name=name,
                                       cancel_on_lost=cancel_on_lost, share_with_children=share_with_children)
-        except _Busy:
+        except LockBusy:
             return None
 
     async def acquire(self, key: str, *, wait: float | None = None, lease: float | None = None,
@@ -269,9 +269,9 @@ class LockManager(Ending, CommonOptions):
                 reply = await self._breaker.guard(attempt.run() if wait > 0 else attempt.try_once())
                 if reply is None:
                     outcome = "busy"  # a try_lock miss: an answer, not an error
-                    raise _Busy(f"lock {keys[0]} is held by another owner", key=keys[0])
+                    raise LockBusy(f"lock {keys[0]} is held by another owner", key=keys[0])
                 outcome = "acquired"
-            except _Busy:
+            except LockBusy:
                 raise
             except LockTimeout:
                 outcome, error_type = "timeout", "timeout"
@@ -410,10 +410,6 @@ class LockManager(Ending, CommonOptions):
             if error_type == "redis_unavailable":
                 raise RedisUnavailable(f"Redis is unavailable ({operation} {keys[0]}): {exc}", key=keys[0]) from exc
             raise LockError(f"Redis refused {operation} of {keys[0]}: {exc}", key=keys[0]) from exc
-
-
-class _Busy(LockTimeout):
-    """A `wait=0` attempt found the lock held (a LockTimeout to `acquire(wait=0)` callers)."""
 
 
 def _lock_keys(redis_key: str) -> tuple[str, str, str, str]:

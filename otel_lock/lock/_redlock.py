@@ -28,11 +28,11 @@ from opentelemetry.metrics import MeterProvider
 from . import _redlock_scripts as scripts
 from ._redlock_cleanup import Cleanup
 from ._redlock_rounds import Round, grant, keep
-from ._errors import LockError, LockTimeout, RedisUnavailable
+from ._errors import LockBusy, LockError, LockTimeout, RedisUnavailable
 from ._background import Background
 from ._held import HELD, NEVER, HeldLock, Lease, LockContext
 from ._ending import HoldEnds
-from ._manager import LockManager, _Busy
+from ._manager import LockManager
 from ._options import CommonOptions, _check_seconds, default_name
 from ..telemetry._instruments import LockCounts, Telemetry, get_telemetry
 
@@ -125,7 +125,7 @@ class RedLockManager(HoldEnds, CommonOptions):
         try:
             return await self.acquire(key, wait=0, lease=lease, name=name, cancel_on_lost=cancel_on_lost,
                                       share_with_children=share_with_children)
-        except _Busy:
+        except LockBusy:
             return None
 
     async def acquire(self, key: str, *, wait: float | None = None, lease: float | None = None,
@@ -203,7 +203,7 @@ class RedLockManager(HoldEnds, CommonOptions):
                     now = loop.time()
                     if wait == 0:
                         outcome = "busy"
-                        raise _Busy(f"lock {keys[0]} is held by another owner on a quorum", key=keys[0])
+                        raise LockBusy(f"lock {keys[0]} is held by another owner on a quorum", key=keys[0])
                     if now >= deadline:
                         outcome, error_type = "timeout", "timeout"
                         raise LockTimeout(f"lock {keys[0]} not acquired within {wait} s", key=keys[0])

@@ -18,8 +18,8 @@ CODE_SPAN = re.compile(r"(?<!`)(`+)(?!`)(?P<code>.+?)(?<!`)\1(?!`)")
 
 
 def doc_files() -> list[Path]:
-    """README.md, then docs/*.md in name order: the pages a reader pastes from."""
-    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    """README.md, docs/*.md in name order, CONTRIBUTING.md: the pages a reader pastes from."""
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "CONTRIBUTING.md"]
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,15 @@
-"""Find the annotated routes once, at start-up; match rules for plain ASGI apps.
+"""Routing, all of it: which routes are protected, and the hook the router calls after its one match.
 
-LockMiddleware does not route requests itself: `plan()` walks the app's
-routes (Mounts, Hosts, FastAPI's included routers) when the app starts and
-returns one `RoutePlan` per route that carries an annotation or a rule, so
-the middleware can wrap that route's own `handle`, which the router calls
-after its one match. Annotation mistakes found on the way (a websocket
-route, an unknown path parameter, an annotation hidden by a wrapper) are
-returned as `Problem`s naming the route.
+LockMiddleware does not route requests itself. At start-up `plan()` walks
+the app's Starlette routes (Mounts, Hosts, FastAPI's included routers) and
+returns one `RoutePlan` per route that carries an annotation or a rule;
+the middleware then replaces that route's `handle` with a `RouteHandle`,
+which the router calls after its one match and which hands the request to
+`_request.ProtectedRequest`. Annotation mistakes found on the way (a
+websocket route, an unknown path parameter, an annotation hidden by a
+wrapper) are `Problem`s naming the route; a route with one is given a
+`Refuse` handle. An app without Starlette routes (plain ASGI, Litestar,
+Quart) gets its rules matched in front of it by `RuleMatcher`.
 """
 
 from __future__ import annotations
@@ -14,13 +17,19 @@ from __future__ import annotations
 import re
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 from starlette.convertors import Convertor
-from starlette.routing import Host, Mount, Route, WebSocketRoute, compile_path
+from starlette.routing import BaseRoute, Host, Mount, Route, WebSocketRoute, compile_path
 
 from ._annotations import ATTR, Idempotent, Locked, annotations_of
-from ._types import Scope
+from ._guard import Mark, marked
+from ._problem import send_problem
+from ._types import ASGIApp, Receive, Scope, Send
+
+if TYPE_CHECKING:
+    from ._middleware import LockMiddleware
+    from ._request import Protection
 
 ALL_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
 # LockMiddleware(rules=...): `{"POST /api/x/{id}": locked(...)}`, or a list/tuple of annotations per route.
@@ -41,8 +50,7 @@ class RouteMatch:
 
     route: str
     path_params: dict[str, Any]
-    locked: Locked | None
-    idempotent: Idempotent | None
+    rule: _Rule
 
 
 @dataclass(frozen=True)
@@ -50,6 +58,7 @@ class Problem:
     route: str
     message: str
     target: Any = None                # the route object to refuse requests on, if any
+    type_name: str = "lock-annotation-invalid"   # what the refused route answers (no lifespan)
 
     def __str__(self) -> str:
         return f"route {self.route}: {self.message}"
@@ -63,6 +72,7 @@ class RoutePlan:
     template: str
     methods: dict[str, Annotated] = field(default_factory=dict)
     contexts: list[Any] = field(default_factory=list)   # FastAPI inclusions of an APIRoute
+    templates: dict[int, str] = field(default_factory=dict)   # id(context) -> its full template
 
 
 @dataclass(frozen=True)
@@ -113,7 +123,11 @@ class RuleMatcher:
         self.rules = rules
 
     def resolve(self, scope: Scope) -> RouteMatch | None:
-        """The first rule matching the request's method and path (below root_path), or None."""
+        """The first rule matching the request's method and path (below root_path), or None.
+
+        The path is what the client sent, percent-decoded by the server: it is
+        the path the framework behind us routes on too.
+        """
         path = scope["path"]
         root = scope.get("root_path", "")
         if root and path.startswith(root):
@@ -124,21 +138,29 @@ class RuleMatcher:
             m = rule.regex.match(path)
             if m:
                 params = {k: rule.convertors[k].convert(v) for k, v in m.groupdict().items()}
-                return RouteMatch(rule.path_format, params,
-                                  rule.annotations.get("locked"), rule.annotations.get("idempotent"))
+                return RouteMatch(rule.path_format, params, rule)
         return None
 
 
 def find_routes(app: Any) -> list[Any] | None:
-    """The routes list of the wrapped app: walk `.app` down to a router; None for a plain ASGI app."""
+    """The Starlette routes of the wrapped app: walk `.app` down to a router; None for other ASGI apps.
+
+    Only Starlette routes count: Litestar's `.routes`, say, is a list of its
+    own route objects, whose handlers LockMiddleware cannot wrap.
+    """
     node, seen = app, 0
     while node is not None and seen < 32:
         routes = getattr(node, "routes", None)
-        if isinstance(routes, list):
+        if is_starlette_routes(routes):
+            assert isinstance(routes, list)
             return routes
         node = getattr(node, "app", None)
         seen += 1
     return None
+
+
+def is_starlette_routes(routes: Any) -> bool:
+    return isinstance(routes, list) and all(isinstance(r, BaseRoute) for r in routes)
 
 
 def plan(routes: list[Any], rules: list[_Rule]) -> tuple[list[RoutePlan], list[Problem]]:
@@ -200,6 +222,7 @@ def _visit(route: Any, template: str, params: frozenset[str], context: Any, rule
         existing = plans[id(target)] = RoutePlan(target, template, found)
     if context is not None:
         existing.contexts.append(context)
+        existing.templates[id(context)] = template
 
 
 def _hidden_annotation(endpoint: Any) -> str | None:
@@ -268,3 +291,66 @@ def effective_context(scope: Scope, route: Any) -> Any:
         return None
     context = getter(scope)
     return context if context is not None and getattr(context, "original_route", None) is route else None
+
+
+# -- the hooks installed on protected routes ------------------------------------------
+
+
+class RouteHandle:
+    """Replaces a protected route's `handle`: the router has matched, the handler has not run yet."""
+
+    def __init__(self, mw: LockMiddleware, route_plan: RoutePlan, original: ASGIApp,
+                 protections: dict[tuple[int, str], Protection]) -> None:
+        self.mw, self.plan, self.original, self.protections = mw, route_plan, original, protections
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        method = scope.get("method", "") if scope["type"] == "http" else ""
+        context = effective_context(scope, self.plan.route) if self.plan.contexts else None
+        protection = self.protections.get((id(context) if context is not None else 0, method))
+        if protection is None:
+            await self.original(scope, receive, send)   # websocket, 405, or an unannotated method
+            return
+        # Starlette >= 1.7 sets it itself; older ones do not, and HTTP instrumentations
+        # read the route template from it (also for the middleware's own answers).
+        scope.setdefault("route", RouteTemplate(protection.route))
+        if not self.mw.enabled:
+            with marked(Mark.unlocked(protection.guards)):
+                await self.original(scope, receive, send)
+            return
+        from ._request import ProtectedRequest
+
+        await ProtectedRequest(self.mw, protection, self.original, scope, receive, send).run()
+
+
+class Refuse:
+    """A route with a mistake found on first use (no lifespan): refuse, naming the mistake."""
+
+    def __init__(self, problem: Problem, original: ASGIApp) -> None:
+        self.problem, self.original = problem, original
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            await send_problem(send, 500, self.problem.type_name, f"otel-lock: {self.problem}")
+        elif scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1011, "reason": "otel-lock: annotation error"})
+        else:
+            await self.original(scope, receive, send)
+
+
+def original_handle(route: Any) -> ASGIApp:
+    current = route.__dict__.get("handle")
+    if isinstance(current, (RouteHandle, Refuse)):
+        return current.original   # a route shared with an earlier app: wrap its real handle again
+    handle: ASGIApp = route.handle
+    return handle
+
+
+def install(route: Any, handle: ASGIApp) -> None:
+    route.handle = handle
+
+
+@dataclass(frozen=True)
+class RouteTemplate:
+    """What a router sets as `scope["route"]`, for HTTP instrumentations."""
+
+    path_format: str

@@ -499,8 +499,8 @@ async def _form(scope: Scope, body: bytes) -> Any:
 
     async def receive() -> Message:
         nonlocal sent
-        sent = True
-        return {"type": "http.request", "body": body if not sent else b"", "more_body": False}
+        chunk, sent = (b"" if sent else body), True
+        return {"type": "http.request", "body": chunk, "more_body": False}
 
     return await Request(scope, receive).form()
 

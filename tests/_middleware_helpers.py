@@ -134,3 +134,19 @@ async def run_lifespan(app) -> list:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
     return sent
+
+
+async def until(predicate, what: str = "the condition", timeout: float = 10.0) -> None:
+    """Poll a (sync) predicate until it holds; fail naming `what` instead of hanging."""
+    try:
+        async with asyncio.timeout(timeout):
+            while not predicate():
+                await asyncio.sleep(0.005)
+    except TimeoutError:
+        raise AssertionError(f"timed out waiting for {what}") from None
+
+
+def waiting(reader: InMemoryMetricReader, lock_name: str) -> int:
+    """How many callers wait for `lock_name` now (the `otel_lock.pending` up-down counter)."""
+    return sum(v for attrs, v in counter_points(reader, "otel_lock.pending").items()
+               if dict(attrs).get("lock.name") == lock_name)

@@ -14,6 +14,7 @@ Quart) gets its rules matched in front of it by `RuleMatcher`.
 
 from __future__ import annotations
 
+import inspect
 import re
 import sys
 from dataclasses import dataclass, field
@@ -226,11 +227,16 @@ def _visit(route: Any, template: str, params: frozenset[str], context: Any, rule
 
 
 def _hidden_annotation(endpoint: Any) -> str | None:
-    """A wrapper without functools.wraps: an annotated function sits in its closure."""
+    """A wrapper without functools.wraps: an annotated function sits in its closure.
+
+    Only a pass-through wrapper (`*args, **kwargs`) counts: a handler that
+    merely calls another, annotated handler has it in its closure too, and
+    that is a direct call, which the guard holds under its own lock.
+    """
     stack, seen = [(endpoint, 0)], set()
     while stack:
         fn, depth = stack.pop()
-        if id(fn) in seen or depth > 4:
+        if id(fn) in seen or depth > 4 or not _passes_everything_on(fn):
             continue
         seen.add(id(fn))
         for cell in getattr(fn, "__closure__", None) or ():
@@ -243,6 +249,11 @@ def _hidden_annotation(endpoint: Any) -> str | None:
             if callable(inner):
                 stack.append((inner, depth + 1))
     return None
+
+
+def _passes_everything_on(fn: Any) -> bool:
+    code = getattr(fn, "__code__", None)
+    return code is not None and bool(code.co_flags & inspect.CO_VARARGS) and bool(code.co_flags & inspect.CO_VARKEYWORDS)
 
 
 def _walk(routes: list[Any], prefix: str, params: frozenset[str]) -> Iterator[tuple[Any, str, frozenset[str], Any]]:

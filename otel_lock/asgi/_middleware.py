@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, TypeAlias
 
 from ..lock import Locks
 from ._annotations import MIB, Locked
@@ -36,7 +36,7 @@ log = logging.getLogger("otel_lock.middleware")
 
 STATE_NAME = "locks"   # app.state.locks, or the lifespan state's "locks"
 # A manager, a zero-argument factory of one (called once, on the serving loop), or None: app.state.locks.
-ManagerSource = Locks | Callable[[], Locks] | None
+ManagerSource: TypeAlias = "Locks | Callable[[], Locks] | None"
 
 
 class StartupFailed(RuntimeError):

@@ -29,7 +29,7 @@ from ._keys import resolve_secret
 from ._openapi import document
 from ._request import Protection, ProtectedRequest
 from ._routing import (Annotated, Problem, Refuse, RouteHandle, RoutePlan, RouteTemplate, RuleMatcher, Rules, _Rule,
-                       find_routes, install, is_starlette_routes, original_handle, parse_rules, plan)
+                       find_routes, foreign_annotated, install, is_starlette_routes, original_handle, parse_rules, plan)
 from ._types import ASGIApp, Message, Receive, Scope, Send
 
 log = logging.getLogger("otel_lock.middleware")
@@ -222,7 +222,7 @@ class LockMiddleware:
     def _prepare_plain(self) -> list[Problem]:
         """No Starlette routes: the rules' own paths are matched in front of the app."""
         self.plain = RuleMatcher(self.rules)
-        problems: list[Problem] = []
+        problems: list[Problem] = foreign_annotated(self.app)
         for rule in self.rules:
             annotated = Annotated(rule.annotations.get("locked"), rule.annotations.get("idempotent"))
             try:

@@ -160,6 +160,35 @@ def find_routes(app: Any) -> list[Any] | None:
     return None
 
 
+def foreign_annotated(app: Any) -> list[Problem]:
+    """Annotated handlers of an app whose routes LockMiddleware cannot hook (Litestar, Quart/Flask).
+
+    Their decorators would never be read: a start-up error says to name the
+    route in `rules=` instead (the guard would otherwise refuse every call).
+    """
+    found: list[Problem] = []
+    node, seen = app, 0
+    while node is not None and seen < 32:
+        kind = type(node).__name__
+        for route in getattr(node, "routes", None) or () if isinstance(getattr(node, "routes", None), list) else ():
+            for handler in getattr(route, "route_handlers", None) or ():   # Litestar
+                if annotations_of(getattr(handler, "fn", None)):
+                    found.append(_foreign(str(getattr(route, "path", "?")), kind))
+        views = getattr(node, "view_functions", None)                    # Quart (and Flask)
+        if isinstance(views, dict):
+            found += [_foreign(name, kind) for name, fn in views.items() if annotations_of(fn)]
+        node = getattr(node, "app", None)
+        seen += 1
+    return found
+
+
+def _foreign(route: str, framework: str) -> Problem:
+    return Problem(route, f"@locked/@idempotent on a {framework} handler is not read: LockMiddleware hooks Starlette "
+                          f"and FastAPI routes only; on {framework}, remove the decorator and name the route in "
+                          f"LockMiddleware(rules={{\"POST /path/{{param}}\": locked(...)}}) (see docs/middleware.md, "
+                          f"Supported frameworks)")
+
+
 def is_starlette_routes(routes: Any) -> bool:
     return isinstance(routes, list) and all(isinstance(r, BaseRoute) for r in routes)
 

@@ -345,29 +345,36 @@ def _check_path(annotation: Any, steps: tuple[str, ...], part: Part) -> None:
 
 
 def _child(node: Any, step: str, part: Part, before: tuple[str, ...]) -> Any:
-    from starlette.datastructures import UploadFile
-
+    """The declared type of `node`'s member `step`; _MISSING where only the request can tell."""
     where = ".".join((part.field.split(".")[0], *before)) if before else "the field"
     model = _model_of(node)
     if model is not None:
-        name = _model_field(model, step)
-        if name is None:
-            if model.model_config.get("extra") == "allow":
-                return _MISSING
-            known = ", ".join(_describe(n, i) for n, i in model.model_fields.items())
-            raise Unbindable(f"{part.text}: {model.__name__} has no field {step!r} (its fields: {known})")
-        info = model.model_fields[name]
-        _check_optional(name, info, part)
-        return _strip(info.annotation)
+        return _model_child(model, step, part)
     if dataclasses.is_dataclass(node) and isinstance(node, type):
         hints = typing.get_type_hints(node)
         if step not in hints:
             raise Unbindable(f"{part.text}: {node.__name__} has no field {step!r}")
         return _strip(hints[step])
-    if isinstance(node, type) and issubclass(node, UploadFile):
+    if _is_upload(node):
         if step not in FILE_ATTRS:
             raise Unbindable(f"{part.text}: an uploaded file has {', '.join(FILE_ATTRS)}, not {step!r}")
         return {"filename": str, "content_type": str, "size": int}[step]
+    return _container_child(node, step, part, where)
+
+
+def _model_child(model: type[Any], step: str, part: Part) -> Any:
+    name = _model_field(model, step)
+    if name is None:
+        if model.model_config.get("extra") == "allow":
+            return _MISSING
+        known = ", ".join(_describe(n, i) for n, i in model.model_fields.items())
+        raise Unbindable(f"{part.text}: {model.__name__} has no field {step!r} (its fields: {known})")
+    info = model.model_fields[name]
+    _check_optional(name, info, part)
+    return _strip(info.annotation)
+
+
+def _container_child(node: Any, step: str, part: Part, where: str) -> Any:
     origin = typing.get_origin(node) or node
     if origin in (list, tuple, set, frozenset) or _is_sequence(origin):
         if not step.isdigit():
@@ -377,15 +384,19 @@ def _child(node: Any, step: str, part: Part, before: tuple[str, ...]) -> Any:
     if origin in (dict, typing.Mapping) or _is_mapping(origin):
         pair = typing.get_args(node)
         return _strip(pair[1]) if len(pair) == 2 else _MISSING
-    if node in (str, int, float, bool, bytes, decimal.Decimal, uuid.UUID) or _is_scalar_type(node):
+    if node in (bytes, decimal.Decimal, uuid.UUID) or _is_scalar_type(node):
         raise Unbindable(f"{part.text}: {where} is a single value, it has no field {step!r}")
     return _MISSING
 
 
-def _check_leaf(node: Any, part: Part) -> None:
+def _is_upload(node: Any) -> bool:
     from starlette.datastructures import UploadFile
 
-    if isinstance(node, type) and issubclass(node, UploadFile):
+    return isinstance(node, type) and issubclass(node, UploadFile)
+
+
+def _check_leaf(node: Any, part: Part) -> None:
+    if _is_upload(node):
         raise Unbindable(f"{part.text} names an uploaded file: key on its metadata, "
                          f"{{{part.source}.{part.field}.filename}}, .content_type or .size")
     if node is bytes:

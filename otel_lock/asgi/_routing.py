@@ -217,11 +217,33 @@ def _visit(route: Any, template: str, params: frozenset[str], context: Any, rule
             problems.append(Problem(template, "@locked/@idempotent cannot protect a websocket route "
                                               "(take the lock inside the handler with manager.lock(...))", route))
         return
+    found = _annotated_methods(route, context, endpoint, template, rules, used_rules)
+    if not found:
+        hidden = _hidden_annotation(endpoint)
+        if hidden is not None:
+            problems.append(Problem(template, f"the handler is wrapped by {hidden}, which hides its "
+                                              f"@locked/@idempotent annotation: decorate the wrapper with "
+                                              f"functools.wraps, or put @locked right below @app.<method>", route))
+        return
+    problem = _unknown_path_parameter(found, template, params, route)
+    if problem is not None:
+        problems.append(problem)
+        return
+    existing = plans.get(id(route))
+    if existing is None:
+        existing = plans[id(route)] = RoutePlan(route, template, found)
+    if context is not None:
+        existing.contexts.append(context)
+        existing.templates[id(context)] = template
+
+
+def _annotated_methods(route: Any, context: Any, endpoint: Any, template: str, rules: list[_Rule],
+                       used_rules: set[int]) -> dict[str, Annotated]:
+    """Per method, the route's annotations: its decorators, a matching rule winning over them."""
     methods = getattr(context, "methods", None) or getattr(route, "methods", None)
-    methods = sorted(methods) if methods else list(ALL_METHODS)
     found: dict[str, Annotated] = {}
     fmt = path_format(template)
-    for method in methods:
+    for method in sorted(methods) if methods else list(ALL_METHODS):
         annotations = annotations_of(endpoint, method)
         for i, rule in enumerate(rules):
             if rule.path_format == fmt and (rule.methods is None or method in rule.methods):
@@ -230,29 +252,20 @@ def _visit(route: Any, template: str, params: frozenset[str], context: Any, rule
                 break
         if annotations:
             found[method] = Annotated(annotations.get("locked"), annotations.get("idempotent"))
-    if not found:
-        hidden = _hidden_annotation(endpoint)
-        if hidden is not None:
-            problems.append(Problem(template, f"the handler is wrapped by {hidden}, which hides its "
-                                              f"@locked/@idempotent annotation: decorate the wrapper with "
-                                              f"functools.wraps, or put @locked right below @app.<method>", route))
-        return
+    return found
+
+
+def _unknown_path_parameter(found: dict[str, Annotated], template: str, params: frozenset[str],
+                            route: Any) -> Problem | None:
     for annotated in found.values():
-        if annotated.locked is not None:
-            for part in annotated.locked.template.parts:
-                if part.source == "path" and part.field not in params:
-                    problems.append(Problem(template, f"lock key template {annotated.locked.template.template!r} "
-                                                      f"names {part.text}, but the route has no path parameter "
-                                                      f"{part.field!r} (it has: {', '.join(sorted(params)) or 'none'})",
-                                            route))
-                    return
-    target = route
-    existing = plans.get(id(target))
-    if existing is None:
-        existing = plans[id(target)] = RoutePlan(target, template, found)
-    if context is not None:
-        existing.contexts.append(context)
-        existing.templates[id(context)] = template
+        if annotated.locked is None:
+            continue
+        for part in annotated.locked.template.parts:
+            if part.source == "path" and part.field not in params:
+                return Problem(template, f"lock key template {annotated.locked.template.template!r} names "
+                                         f"{part.text}, but the route has no path parameter {part.field!r} "
+                                         f"(it has: {', '.join(sorted(params)) or 'none'})", route)
+    return None
 
 
 def _hidden_annotation(endpoint: Any) -> str | None:

@@ -66,7 +66,7 @@ async def test_a_waiter_whose_client_hangs_up_stops_waiting_takes_no_lock_and_ne
     assert await redis_client.exists(lock_key("stock:1")) == 0
 
 
-async def test_a_hung_up_waiter_under_asgi_transport_never_runs(redis_url, redis_client):
+async def test_a_waiter_its_host_cancels_never_runs_and_leaves_no_lock(redis_url, redis_client):
     ran: list = []
     provider, reader = metered()
     async with make_manager(redis_url, meter_provider=provider) as manager, make_manager(redis_url) as other:
@@ -75,7 +75,7 @@ async def test_a_hung_up_waiter_under_asgi_transport_never_runs(redis_url, redis
         async with client_for(app) as client:
             request = asyncio.ensure_future(client.post("/stock/1/buy"))
             await until(lambda: waiting(reader, "stock:{path.pid}") == 1, "the request to wait for the lock")
-            request.cancel()   # httpx's ASGITransport tells the app http.disconnect
+            request.cancel()   # httpx's ASGITransport runs the app in the caller's task: this cancels it
             await asyncio.gather(request, return_exceptions=True)
             await until(lambda: waiting(reader, "stock:{path.pid}") == 0, "the waiter to stop waiting")
         await held.release()
@@ -192,3 +192,38 @@ async def test_body_limits_are_per_route_and_the_idle_timeout_restarts_at_each_c
     assert fits.status_code == 200 and over_default.status_code == 413
     assert slow_but_alive == 200
     assert stalled == 408 and b"connection: close" in head.lower()
+
+
+async def test_an_idempotent_waiter_that_hangs_up_leaves_its_key_free_for_the_retry(redis_url):
+    ran: list = []
+    provider, reader = metered()
+    async with make_manager(redis_url, meter_provider=provider) as manager, make_manager(redis_url) as other:
+        from otel_lock import idempotent
+
+        app = FastAPI()
+
+        @app.post("/orders/{pid}")
+        @idempotent(shared_scope=True)
+        @locked("stock:{path.pid}", wait=30)
+        async def order(pid: int):
+            ran.append(pid)
+            return {"order": len(ran)}
+
+        app.add_middleware(LockMiddleware, manager=manager)
+        held = await other.try_lock("stock:1")
+        async with serving(app) as (host, port):
+            _, writer = await asyncio.open_connection(host, port)
+            writer.write(b'POST /orders/1 HTTP/1.1\r\nHost: shop\r\nIdempotency-Key: "retry-me"\r\n'
+                         b"Content-Length: 0\r\n\r\n")
+            await writer.drain()
+            await until(lambda: waiting(reader, "stock:{path.pid}") == 1, "the request to wait for the lock")
+            writer.close()
+            await writer.wait_closed()
+            await until(lambda: waiting(reader, "stock:{path.pid}") == 0, "the waiter to stop waiting")
+            await held.release()
+            import httpx
+
+            async with httpx.AsyncClient(base_url=f"http://{host}:{port}") as client:
+                retry = await client.post("/orders/1", headers={"idempotency-key": '"retry-me"'})
+    # Nothing ran for the client that left, so its key is not "outcome unknown": the retry runs it once.
+    assert retry.status_code == 200 and retry.json() == {"order": 1} and ran == [1], retry.text

@@ -83,14 +83,15 @@ class Client:
         self.body = body
         self._receive = receive
         self._replayed = False
-        self._disconnect: Message | None = None   # heard while waiting for the lock
+        self._heard: Message | None = None   # what the server sent while we waited for the lock
 
     async def receive(self) -> Message:
         if not self._replayed:
             self._replayed = True
             return {"type": "http.request", "body": self.body, "more_body": False}
-        if self._disconnect is not None:
-            return self._disconnect
+        if self._heard is not None:
+            message, self._heard = self._heard, None
+            return message
         return await self._receive()  # disconnects still reach the app
 
     def cancel_on_disconnect(self) -> DisconnectWatch:
@@ -99,8 +100,8 @@ class Client:
 
     async def _listen(self, watch: DisconnectWatch) -> None:
         message = await self._receive()
+        self._heard = message   # the app gets it next, whatever it is
         if message["type"] == "http.disconnect":
-            self._disconnect = message
             watch.client_left()
 
 
@@ -126,7 +127,8 @@ class DisconnectWatch:
             self.task.cancel()
 
     async def __aenter__(self) -> None:
-        if self.client._disconnect is not None:
+        heard = self.client._heard
+        if heard is not None and heard["type"] == "http.disconnect":
             raise ClientGone()
         self.task = asyncio.current_task()
         self.waiting = True

@@ -397,3 +397,19 @@ async def test_a_value_fastapi_rejects_is_counted_nowhere_and_takes_no_lock(redi
     data = reader.get_metrics_data()
     names = {m.name for rm in (data.resource_metrics if data else []) for sm in rm.scope_metrics for m in sm.metrics}
     assert "otel_lock.wait.duration" not in names
+
+
+def list_param(app):
+    @app.get("/items")
+    @locked("items:{query.tag}")
+    async def items(tag: Annotated[list[str], Query()]):
+        return {}
+
+
+async def test_a_placeholder_naming_a_list_parameter_fails_the_start_up(redis_url):
+    async with make_manager(redis_url) as manager:
+        app = _mistake(list_param)
+        app.add_middleware(LockMiddleware, manager=manager)
+        messages = await run_lifespan(app)
+    assert messages[0]["type"] == "lifespan.startup.failed"
+    assert "route /items" in messages[0]["message"] and "not one value" in messages[0]["message"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import inspect
 import logging
 import sys
+import types
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, TypeVar
 
@@ -55,8 +56,9 @@ def _fail_closed_if_registered(fn: Any, kind: str, frame: Any) -> None:
     """
     from ._guard import fail_closed_route
 
+    # Apps and routers only: no attribute look-up on modules or classes (a module's __getattr__ may warn).
     holders = [v for v in (*frame.f_locals.values(), *frame.f_globals.values())
-               if isinstance(getattr(v, "routes", None), list)]
+               if not isinstance(v, (types.ModuleType, type)) and isinstance(getattr(v, "routes", None), list)]
     for holder in holders:
         for route in holder.routes:
             if getattr(route, "endpoint", None) is fn and fail_closed_route(route):

@@ -230,6 +230,7 @@ def _bind_param(part: Part, declared: _Declared, own: _Declared | None) -> Bound
         elif part.field in _param_names(field, part.source):
             steps = ()
             _check_optional(field.name, field.field_info, part)
+            _check_path(_annotation(field), steps, part)   # one value, not a list of them
         else:
             continue
         argument = field.name if own is not None and any(f is field for f in own.params[part.source]) else None

@@ -20,7 +20,8 @@ from typing import Any, Callable, TypeAlias
 
 from ..lock import Locks
 from ._annotations import MIB, Locked
-from ._binding import RouteBinding, Unbindable
+from ._binding import RouteBinding
+from ._declared import Unbindable
 from ._body import BodyLimits
 from ._guard import DirectCalls, Hold, guard_functions, install_direct_calls
 from ._idem_principal import Principal, check_callable

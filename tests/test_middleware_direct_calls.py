@@ -230,3 +230,23 @@ async def test_locked_above_the_route_decorator_still_works_with_the_middleware(
         async with client_for(app) as client:
             response = await client.post("/stock/07", headers={"idempotency-key": '"k1"'})
     assert response.status_code == 200 and response.json() == {"key": lock_key("stock:7")}
+
+
+def test_locked_above_an_included_routers_decorator_fails_closed_too():
+    from fastapi import APIRouter
+    from fastapi.testclient import TestClient
+
+    ran = []
+    router = APIRouter(prefix="/shop")
+
+    @locked("stock:{path.pid}")
+    @router.post("/stock/{pid}")
+    async def deduct(pid: int):
+        ran.append(pid)
+
+    app = FastAPI()
+    app.include_router(router, prefix="/api")
+    with TestClient(app) as client:
+        response = client.post("/api/shop/stock/1")
+    assert response.status_code == 500 and ran == []
+    assert problem(response)["type"] == "lock-middleware-missing"

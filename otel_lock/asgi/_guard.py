@@ -362,12 +362,16 @@ class _FailClosedRoute:
 
 
 def fail_closed_route(route: Any) -> bool:
-    """Make `route` refuse requests no LockMiddleware marked; False if it already does."""
-    app = getattr(route, "app", None)
-    if app is None or isinstance(app, _FailClosedRoute):
+    """Make `route` refuse requests no LockMiddleware marked; False if it already does.
+
+    Its `handle` is wrapped (the router calls it, also through FastAPI's
+    included routers); LockMiddleware's own hook then wraps this one.
+    """
+    handle = getattr(route, "handle", None)
+    if handle is None or isinstance(route.__dict__.get("handle"), _FailClosedRoute):
         return False
     name = _name(getattr(route, "endpoint", route))
-    route.app = _FailClosedRoute(app, f"{name} is annotated with @locked/@idempotent written above the route "
+    route.handle = _FailClosedRoute(handle, f"{name} is annotated with @locked/@idempotent written above the route "
                                       f"decorator, and no LockMiddleware protects it: put the annotation right "
                                       f"below @app.<method>(...), and add app.add_middleware(LockMiddleware, "
                                       f"manager=...) to the app")

@@ -108,10 +108,12 @@ def _refusal(fn: Callable[..., Any]) -> Any:
     problem = _problem(fn)
     if problem is None:
         return None
-    from starlette.responses import JSONResponse
+    from starlette.responses import Response
 
-    return JSONResponse({"type": "lock-middleware-missing", "title": "Internal Server Error", "status": 500,
-                         "detail": problem}, status_code=500, media_type="application/problem+json")
+    from ._problem import CONTENT_TYPE, problem_body
+
+    return Response(problem_body(500, "lock-middleware-missing", problem), status_code=500,
+                    media_type=CONTENT_TYPE.decode())
 
 
 def _raise_if_unprotected(fn: Callable[..., Any]) -> None:

@@ -20,8 +20,7 @@ from ..lock import LockManager
 from ._annotations import MIB
 from ._flow import Flow
 from ._guard import PROTECTED, ROUTE_STATE
-from ._idem_principal import Principal
-from ._idempotency import IdempotencyGate
+from .idempotency import IdempotencyGate, IdempotencyStore, Principal
 from ._keys import resolve_secret
 from ._openapi import document
 from ._problem import send_problem
@@ -39,7 +38,8 @@ class LockMiddleware:
     def __init__(self, app: ASGIApp, manager: LockManager, rules: Rules | None = None,
                  hash_secret: str | bytes | None = None, max_body: int = MIB,
                  principal: Principal | None = None,
-                 body_timeout: float = 5.0, send_timeout: float = 10.0, enabled: bool = True) -> None:
+                 body_timeout: float = 5.0, send_timeout: float = 10.0, enabled: bool = True,
+                 idempotency_store: IdempotencyStore | None = None) -> None:
         if manager is None:
             raise ValueError("LockMiddleware needs manager=LockManager(...)")
         if not isinstance(max_body, int) or max_body < 0:
@@ -57,7 +57,8 @@ class LockMiddleware:
         self.body_timeout: float = float(body_timeout)
         self.send_timeout: float = float(send_timeout)
         # principal: whose Idempotency-Keys these are, for @idempotent routes that don't say.
-        self.gate: IdempotencyGate = IdempotencyGate(manager, self.secret, principal)
+        # idempotency_store: where @idempotent records live and their caps (default: next to the locks).
+        self.gate: IdempotencyGate = IdempotencyGate(manager, self.secret, principal, idempotency_store)
         # enabled=False: a deliberate switch (demos, load tests) that runs annotated
         # handlers without their locks instead of refusing them; logged at start-up.
         self.enabled: bool = bool(enabled)

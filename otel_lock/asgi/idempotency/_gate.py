@@ -39,7 +39,7 @@ from ._fingerprint import fingerprint
 from ._key import IdempotencyKeyError, parse_key
 from ._options import Idempotent
 from ._principal import SHARED_PRINCIPAL, Principal, PrincipalProblem, check_callable, choose, missing_setting, resolve
-from ._store import Claim, IdempotencyStore, Record, RecordId, Written
+from ._store import Claim, IdempotencyStore, Record, RecordId, Written, answer_bound
 from ._store_errors import RecordStoreMisconfigured, RecordStoreUnavailable
 
 if TYPE_CHECKING:
@@ -248,7 +248,8 @@ class IdempotentRequest:
         # Look again only if there was something to see: a claim finds a record itself.
         record = await self.store.load(self.rid) if self.seen is not None else None
         if record is None:
-            claim = await self.store.claim(self.rid, self._record(STARTED), self.idem.ttl)
+            claim = await self.store.claim(self.rid, self._record(STARTED), self.idem.ttl,
+                                           answer_bound(self.idem.max_stored_response))
             if claim.refused:
                 return await self._refuse(claim)
             if claim.record is None:

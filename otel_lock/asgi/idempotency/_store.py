@@ -89,12 +89,13 @@ local function release(usage, buckets, b, records, bytes)
   if b > 0 and redis.call('ZSCORE', buckets, b) then change(usage, buckets, b, -records, -bytes) end
 end
 
--- milliseconds until the oldest bucket is purged when adding would pass a cap (0 = unlimited); else nil
-local function over(usage, buckets, records, bytes, max_records, max_bytes)
+-- milliseconds until the oldest bucket is purged when adding would pass a cap (0 = unlimited),
+-- keeping `headroom` bytes free (at most half the cap) for the answer still to come; else nil
+local function over(usage, buckets, records, bytes, headroom, max_records, max_bytes)
   local f = redis.call('HMGET', usage, 'records', 'bytes')
   local r, n = tonumber(f[1]) or 0, tonumber(f[2]) or 0
   if (max_records > 0 and records > 0 and r + records > max_records)
-      or (max_bytes > 0 and bytes > 0 and n + bytes > max_bytes) then
+      or (max_bytes > 0 and bytes > 0 and n + bytes + math.min(headroom, math.floor(max_bytes / 2)) > max_bytes) then
     local first = redis.call('ZRANGE', buckets, 0, 0)[1]
     return math.max((first and tonumber(first) * width or now + width) - now, 1000)
   end
@@ -104,7 +105,7 @@ end
 
 # KEYS: total usage, total buckets.
 # ARGV: added bucket, records, bytes; released bucket (0: none), records, bytes; max records, max bytes
-#       (0: none); check (1/0: refuse a net growth past a cap).
+#       (0: none); check (1/0: refuse a net growth past a cap); headroom bytes.
 # Returns {0} when applied, {1, retry after ms} when a cap refused it (nothing changed).
 TOTAL_LUA = _USAGE_LUA + """
 purge(KEYS[1], KEYS[2])
@@ -112,7 +113,8 @@ local b, records, bytes = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]
 local rb, rr, rn = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 if not (rb > 0 and redis.call('ZSCORE', KEYS[2], rb)) then rr, rn = 0, 0 end
 if ARGV[9] == '1' then
-  local wait = over(KEYS[1], KEYS[2], records - rr, bytes - rn, tonumber(ARGV[7]), tonumber(ARGV[8]))
+  local wait = over(KEYS[1], KEYS[2], records - rr, bytes - rn, tonumber(ARGV[10]), tonumber(ARGV[7]),
+                    tonumber(ARGV[8]))
   if wait then return {1, wait} end
 end
 change(KEYS[1], KEYS[2], b, records, bytes)
@@ -122,7 +124,7 @@ return {0}
 
 # KEYS: record, principal usage, principal buckets.
 # ARGV: mode ('claim': only if absent; 'replace'; 'delete'), JSON, bytes, ttl ms, max records, max bytes
-#       (0: none), check (1/0: refuse a growth past a cap).
+#       (0: none), check (1/0: refuse a growth past a cap), headroom bytes.
 # Returns {0, bucket, old bytes, old bucket} when written (or deleted), {1, JSON} when a claim found
 # a record, {2, retry after ms} when a cap refused it.
 RECORD_LUA = _USAGE_LUA + """
@@ -142,7 +144,8 @@ end
 local bytes = tonumber(ARGV[3])
 local b = math.ceil((now + tonumber(ARGV[4])) / width)
 if ARGV[7] == '1' then
-  local wait = over(KEYS[2], KEYS[3], 1 - existed, bytes - old_bytes, tonumber(ARGV[5]), tonumber(ARGV[6]))
+  local wait = over(KEYS[2], KEYS[3], 1 - existed, bytes - old_bytes, tonumber(ARGV[8]), tonumber(ARGV[5]),
+                    tonumber(ARGV[6]))
   if wait then return {2, wait} end
 end
 redis.call('HSET', KEYS[1], 'd', ARGV[2], 'n', bytes, 'e', b)
@@ -276,18 +279,23 @@ class IdempotencyStore:
         current, legacy = await self._call(both)
         return _parse(current if current is not None else legacy)
 
-    async def claim(self, rid: RecordId, record: Record, ttl: float) -> Claim:
-        """Write `record` unless a record exists; refuse when a cap would be passed."""
+    async def claim(self, rid: RecordId, record: Record, ttl: float, answer_bound: int = 0) -> Claim:
+        """Write `record` unless a record exists; refuse when a cap would be passed.
+
+        `answer_bound`: the largest record the answer may need (its stored-response
+        limit): a claim is refused while less room than that is left (at most half a
+        cap), so the handler runs only if its answer can be stored.
+        """
         await self._prepare()
         data = _dump(record)
         size = len(data) + RECORD_OVERHEAD
-        answer = await self._run_record(rid, "claim", data, size, ttl, check=True)
+        answer = await self._run_record(rid, "claim", data, size, ttl, check=True, headroom=answer_bound)
         if answer[0] == 1:
             return Claim(record=_parse(answer[1]) or {})
         if answer[0] == 2:
             return Claim(refused="principal", retry_after=int(answer[1]) / 1000)
         written = Written(size, int(answer[1]))
-        refused = await self._run_total(added=(written.bucket, 1, size), check=True)
+        refused = await self._run_total(added=(written.bucket, 1, size), check=True, headroom=answer_bound)
         if refused is not None:
             await self._run_record(rid, "delete", "", 0, 0, check=False)   # the total never counted it
             return Claim(refused="total", retry_after=refused)
@@ -328,23 +336,23 @@ class IdempotencyStore:
     # -- Redis --------------------------------------------------------------------------
 
     async def _run_total(self, *, added: tuple[int, int, int] = (0, 0, 0),
-                         released: tuple[int, int, int] = (0, 0, 0), check: bool) -> float | None:
+                         released: tuple[int, int, int] = (0, 0, 0), check: bool, headroom: int = 0) -> float | None:
         """Apply (bucket, records, bytes) changes to the total; seconds to wait if a cap refused them."""
         caps = self.caps
         if not (caps.records or caps.bytes) or self._total is None:
             return None
         script = self._total
-        args = [*added, *released, caps.records, caps.bytes, int(check), self._bucket_ms]
+        args = [*added, *released, caps.records, caps.bytes, int(check), headroom, self._bucket_ms]
         answer = await self._call(lambda: script(keys=self._total_keys(), args=args))
         return int(answer[1]) / 1000 if answer[0] == 1 else None
 
     async def _run_record(self, rid: RecordId, mode: str, data: str, size: int, ttl: float, *,
-                          check: bool) -> list[Any]:
+                          check: bool, headroom: int = 0) -> list[Any]:
         assert self._record is not None
         script = self._record
         caps = self.caps if rid.capped else _NO_CAPS
         args: list[str | int] = [mode, data, size, int(ttl * 1000), caps.records_per_principal,
-                                 caps.bytes_per_principal, int(check), self._bucket_ms]
+                                 caps.bytes_per_principal, int(check), headroom, self._bucket_ms]
         return list(await self._call(lambda: script(keys=self._keys(rid), args=args)))
 
     async def _prepare(self) -> None:
@@ -399,6 +407,11 @@ def _memory_settings(info: Any) -> tuple[int, str]:
     except (TypeError, ValueError):
         maxmemory = 0
     return maxmemory, str(info.get("maxmemory_policy", "") or "")
+
+
+def answer_bound(max_stored_response: int) -> int:
+    """The bytes of the largest record an answer of up to `max_stored_response` bytes makes (base64, headers)."""
+    return 4 * -(-max_stored_response // 3) + 1024 + RECORD_OVERHEAD
 
 
 def _dump(record: Record) -> str:

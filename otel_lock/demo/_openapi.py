@@ -19,12 +19,13 @@ PROBLEM = {"application/problem+json": {"schema": PROBLEM_SCHEMA}}
 ID = {"type": "string", "pattern": ID_PATTERN}
 STOCK = {"type": "object", "required": ["product_id", "stock"],
          "properties": {"product_id": {"type": "string"}, "stock": {"type": "integer", "minimum": 0}}}
-ORDER = {"type": "object", "required": ["order_id", "user", "product_id", "quantity", "replica"],
-         "properties": {"order_id": {"type": "string"}, "user": {"type": "string"}, "product_id": {"type": "string"},
-                        "quantity": {"type": "integer"}, "replica": {"type": "string"}}}
+_ORDER_FIELDS: dict[str, Any] = {"order_id": {"type": "string"}, "user": {"type": "string"},
+                                 "product_id": {"type": "string"}, "quantity": {"type": "integer"},
+                                 "replica": {"type": "string"}}
+ORDER = {"type": "object", "required": list(_ORDER_FIELDS), "properties": _ORDER_FIELDS}
 # The answer to an order: the order, and the stock left after it.
-CREATED = {**ORDER, "required": [*ORDER["required"], "stock_left"],
-           "properties": {**ORDER["properties"], "stock_left": {"type": "integer", "minimum": 0}}}
+CREATED = {"type": "object", "required": [*_ORDER_FIELDS, "stock_left"],
+           "properties": {**_ORDER_FIELDS, "stock_left": {"type": "integer", "minimum": 0}}}
 
 
 def _json(schema: dict[str, Any], description: str, **headers: dict[str, Any]) -> dict[str, Any]:

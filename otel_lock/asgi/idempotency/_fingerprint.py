@@ -19,11 +19,8 @@ from urllib.parse import parse_qsl
 
 from .._types import Scope
 
-_DEFAULT_PORTS = {"http": "80", "ws": "80", "https": "443", "wss": "443"}
-
-
 def fingerprint(secret: bytes, scope: Scope, route: str, body: bytes) -> str:
-    """HMAC-SHA256 over method, authority, route template, concrete path, query and canonical body."""
+    """HMAC-SHA256 over method, scheme and host, route template, concrete path, query and canonical body."""
     path, query = canonical_target(scope)
     pieces = (scope["method"].encode(), authority(scope), route.encode("utf-8", "surrogatepass"), path, query,
               canonical_body(body, _header(scope, b"content-type")))
@@ -35,30 +32,30 @@ def fingerprint(secret: bytes, scope: Scope, route: str, body: bytes) -> str:
 
 
 def authority(scope: Scope) -> bytes:
-    """`scheme://host[:port]` of the target URI, normalised (RFC 3986 6.2.2-6.2.3).
+    """`scheme://host` of the target URI, normalised (RFC 3986 6.2.2-6.2.3).
 
     The host is the request's Host header (HTTP/2's :authority, as servers
-    pass it), else the server address; case, a trailing dot and the
-    scheme's default port do not make another authority.
+    pass it), else the server address; its case and a trailing dot do not
+    make another host. The port is left out: replicas of one service reached
+    on different ports (a balancer that passes the backend's port, replicas
+    addressed one by one) serve one set of resources; tenants are told
+    apart by their host names.
     """
     scheme = str(scope.get("scheme") or "http").lower()
     host = _header(scope, b"host").lower()
     if not host:
         server = scope.get("server")
-        host = f"{server[0]}:{server[1]}" if server and server[1] is not None else str(server[0]) if server else ""
-    name, port = _split_port(host)
-    if port == _DEFAULT_PORTS.get(scheme):
-        port = ""
+        host = str(server[0]) if server else ""
+    name = _without_port(host)
     name = name.rstrip(".") if not name.endswith("]") else name
-    return f"{scheme}://{name}{':' + port if port else ''}".encode("latin-1", "replace")
+    return f"{scheme}://{name}".encode("latin-1", "replace")
 
 
-def _split_port(host: str) -> tuple[str, str]:
+def _without_port(host: str) -> str:
     if host.startswith("["):  # an IPv6 literal: the port comes after the bracket
-        literal, _, rest = host.partition("]")
-        return literal + "]", rest[1:] if rest.startswith(":") else ""
+        return host.partition("]")[0] + "]"
     name, sep, port = host.rpartition(":")
-    return (name, port) if sep and port.isdigit() else (host, "")
+    return name if sep and port.isdigit() else host
 
 
 def canonical_target(scope: Scope) -> tuple[bytes, bytes]:

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from starlette.requests import ClientDisconnect, Request
 
-from ...lock import LockTimeout, RedisMisconfigured, RedisUnavailable
+from ...lock import LockError, LockTimeout, RedisMisconfigured, RedisUnavailable
 from .._problem import send_problem
 from .._types import Message, Receive, ResponseEnd, Scope, Send
 from ._answer import FREE, STORE, Capture, replay_messages
@@ -53,6 +53,8 @@ _UNKNOWN_CAUSES = {
     "interrupted": "was interrupted (client gone, lock lost or replica died)",
 }
 _REDIS_ERRORS = (RedisUnavailable, RedisMisconfigured)
+# Any other error of the lock core before the handler ran (an unexpected reply): still an answer.
+_LOCK_ERRORS = (*_REDIS_ERRORS, LockError)
 
 # Runs the business lock and the app; returns whether the handler was entered.
 Inner = Callable[[Scope, Receive, Send], Awaitable[bool]]
@@ -147,7 +149,7 @@ class IdempotentRequest:
         try:
             self.store = self.gate.records()
             await self._gate(inner)
-        except _REDIS_ERRORS as error:
+        except _LOCK_ERRORS as error:
             if self.response_started or self.handler_called:
                 raise  # the app's own (its own locks, say), not the gate's
             await self._store_failed(error)
@@ -162,7 +164,7 @@ class IdempotentRequest:
         self.rid = RecordId(owner, scope_id, capped=principal != SHARED_PRINCIPAL)
         self.fp = fingerprint(secret, self.scope, self.route, body)
 
-    async def _store_failed(self, error: RedisUnavailable | RedisMisconfigured) -> None:
+    async def _store_failed(self, error: LockError) -> None:
         ours = isinstance(error, (RecordStoreUnavailable, RecordStoreMisconfigured))
         kind = "redis_unavailable" if isinstance(error, RedisUnavailable) else "redis_misconfigured"
         if ours:  # the manager counts the errors of its own calls
@@ -175,7 +177,8 @@ class IdempotentRequest:
                                retry_after=retry)
             return
         self.gate.report_once(self.route, "misconfigured", "otel-lock: idempotency of %s: %s", self.route, error)
-        await send_problem(self.send, 500, "redis-misconfigured", str(error))
+        await send_problem(self.send, 500, "redis-misconfigured" if isinstance(error, RedisMisconfigured)
+                           else "redis-error", str(error))
 
     async def _gate(self, inner: Inner) -> None:
         self.seen = record = await self.store.load(self.rid)
@@ -327,19 +330,8 @@ class IdempotentRequest:
         # A client that went away (disconnect message, or the server's send
         # raising) is not a failure of the handler: 409, like a crash.
         gone = isinstance(error, (OSError, ClientDisconnect))
-        if capture.status and not interrupted and (error is None or gone):
-            verdict = capture.verdict()
-            if verdict == FREE:
-                # The answer asks for a retry or rejects the caller: it says nothing
-                # about the operation, so the retry must run the handler.
-                await self._forget()
-                self.gate.count(self.route, "not_stored")
-                return
-            if verdict == STORE and capture.finished and error is None:
-                await self._store_answer(capture)
-                capture.stored = True
-                self.gate.count(self.route, "stored")
-                return
+        if capture.status and not interrupted and (error is None or gone) and await self._write_answer(capture, error):
+            return
         failed = not (gone or interrupted) and (
             isinstance(error, Exception) or (capture.finished and capture.status >= 500))
         if failed and self.idem.retry_on_5xx:
@@ -348,6 +340,22 @@ class IdempotentRequest:
             return
         await self._write({**self._record(UNKNOWN), "cause": "failed" if failed else "interrupted"})
         self.gate.count(self.route, "stored")
+
+    async def _write_answer(self, capture: Capture, error: BaseException | None) -> bool:
+        """Free the key or store the answer, as its verdict says; False: the outcome is unknown."""
+        verdict = capture.verdict()
+        if verdict == FREE:
+            # The answer asks for a retry or rejects the caller: it says nothing
+            # about the operation, so the retry must run the handler.
+            await self._forget()
+            self.gate.count(self.route, "not_stored")
+            return True
+        if verdict == STORE and capture.finished and error is None:
+            await self._store_answer(capture)
+            capture.stored = True
+            self.gate.count(self.route, "stored")
+            return True
+        return False
 
     async def _unsettle(self, held: HeldLock) -> None:
         if held.lost.is_set():

@@ -209,12 +209,11 @@ class IdempotencyStore:
                  max_records: int | None = MAX_RECORDS, max_bytes: int | None = MAX_BYTES,
                  max_records_per_principal: int | None = MAX_RECORDS_PER_PRINCIPAL,
                  max_bytes_per_principal: int | None = MAX_BYTES_PER_PRINCIPAL) -> None:
-        for name, value in (("max_records", max_records), ("max_bytes", max_bytes),
-                            ("max_records_per_principal", max_records_per_principal),
-                            ("max_bytes_per_principal", max_bytes_per_principal)):
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(f"IdempotencyStore({name}=...) must be a positive whole number or None, "
-                                 f"got {value!r}")
+        caps = {"max_records": max_records, "max_bytes": max_bytes,
+                "max_records_per_principal": max_records_per_principal,
+                "max_bytes_per_principal": max_bytes_per_principal}
+        for name, value in caps.items():
+            _check_cap(name, value)
         if namespace is not None and (not isinstance(namespace, str) or not namespace or "{" in namespace):
             raise ValueError(f"IdempotencyStore(namespace=...) must be a non-empty string without braces, "
                              f"got {namespace!r}")
@@ -394,19 +393,24 @@ class IdempotencyStore:
             raise translated from error
 
 
+def _check_cap(name: str, value: Any) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ValueError(f"IdempotencyStore({name}=...) must be a positive whole number or None, got {value!r}")
+
+
 def _memory_settings(info: Any) -> tuple[int, str]:
-    """maxmemory and maxmemory_policy from INFO (a Cluster client answers per node: the smallest)."""
-    if isinstance(info, dict) and "maxmemory" not in info and info and all(isinstance(v, dict) for v in info.values()):
+    """maxmemory and maxmemory_policy from INFO (a Cluster client answers per node: the smallest limit)."""
+    if not isinstance(info, dict):
+        return 0, ""
+    if "maxmemory" not in info and info and all(isinstance(v, dict) for v in info.values()):
         nodes = [_memory_settings(v) for v in info.values()]
         limited = [m for m, _ in nodes if m > 0]
         return (min(limited) if limited else 0), next((p for _, p in nodes if p), "")
-    if not isinstance(info, dict):
-        return 0, ""
     try:
-        maxmemory = int(info.get("maxmemory", 0) or 0)
+        maxmemory = int(info.get("maxmemory") or 0)
     except (TypeError, ValueError):
         maxmemory = 0
-    return maxmemory, str(info.get("maxmemory_policy", "") or "")
+    return maxmemory, str(info.get("maxmemory_policy") or "")
 
 
 def answer_bound(max_stored_response: int) -> int:

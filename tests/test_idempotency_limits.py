@@ -391,3 +391,33 @@ async def test_a_misconfigured_record_store_is_a_500_that_names_the_fix(redis_ur
     assert expected in body["detail"] and "s3cret" not in body["detail"] and "retry-after" not in answer.headers
     assert stock.status_code == 200 and shop.runs == {}
     assert any("misconfigured" in r.getMessage() or expected in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("fault", ["oom", "no-password"])
+async def test_the_shared_redis_failing_is_a_problem_answer_never_text_plain(fault):
+    # Records next to the locks (the default store): whichever call fails first, the
+    # record's or the in-flight lock's, the answer is problem+json (503 when it is transient).
+    shop = Shop()
+    args = ("--maxmemory", "8mb", "--maxmemory-policy", "noeviction") if fault == "oom" else ()
+    with RedisServer(extra_args=args) as server:
+        admin = aioredis.Redis.from_url(server.url)
+        url = server.url
+        try:
+            if fault == "oom":
+                with pytest.raises(Exception, match="OOM|maxmemory"):
+                    for i in range(1000):
+                        await admin.set(f"other-app:{i}", b"x" * 100_000)
+            else:
+                await admin.config_set("requirepass", "s3cret")
+            async with make_manager(url) as manager:
+                async with client_for(shop.app(manager)) as client:
+                    answer = await client.post("/orders", json={}, headers=headers("alice", "k"))
+        finally:
+            await admin.aclose()
+    body = problem(answer)
+    if fault == "oom":
+        assert answer.status_code == 503 and answer.headers["retry-after"], body
+    else:
+        assert answer.status_code in (500, 503) and body["type"] in ("redis-misconfigured", "redis-error",
+                                                                      "redis-unavailable"), body
+    assert shop.runs == {}

@@ -40,7 +40,7 @@ from ._key import IdempotencyKeyError, parse_key
 from ._options import Idempotent
 from ._principal import SHARED_PRINCIPAL, Principal, PrincipalProblem, check_callable, choose, missing_setting, resolve
 from ._store import Claim, IdempotencyStore, Record, RecordId, Written, answer_bound
-from ._store_errors import RecordStoreMisconfigured, RecordStoreUnavailable
+from ._store_errors import RecordStoreMisconfigured, RecordStoreUnavailable, translate
 
 if TYPE_CHECKING:
     from ...lock import HeldLock
@@ -166,13 +166,15 @@ class IdempotentRequest:
 
     async def _store_failed(self, error: LockError) -> None:
         ours = isinstance(error, (RecordStoreUnavailable, RecordStoreMisconfigured))
-        kind = "redis_unavailable" if isinstance(error, RedisUnavailable) else "redis_misconfigured"
+        transient = isinstance(error, RedisUnavailable) or _transient_cause(error)
+        kind = "redis_unavailable" if transient else "redis_misconfigured"
         if ours:  # the manager counts the errors of its own calls
             self.gate.manager.telemetry.errors.add(1, {
                 "lock.name": f"idempotency {self.route}", "lock.operation": "acquire", "error.type": kind})
-        if isinstance(error, RedisUnavailable):
+        if transient:
             log.warning("otel-lock: idempotency of %s unavailable: %s", self.route, error)
-            retry = error.retry_after if error.retry_after is not None else self.idem.retry_after
+            retry = getattr(error, "retry_after", None)
+            retry = retry if retry is not None else self.idem.retry_after
             await send_problem(self.send, 503, "redis-unavailable", "the idempotency store is unavailable",
                                retry_after=retry)
             return
@@ -387,6 +389,11 @@ class IdempotentRequest:
 
     def _record(self, state: str) -> Record:
         return {"state": state, "fp": self.fp, "route": self.route}
+
+
+def _transient_cause(error: LockError) -> bool:
+    """A plain LockError of the core whose cause is transient (out of memory, say): wait, not fix."""
+    return isinstance(translate(error.__cause__ or error), RecordStoreUnavailable)
 
 
 def _business_lock_lost(scope: Scope) -> bool:

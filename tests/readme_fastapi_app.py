@@ -29,10 +29,16 @@ def caller(request: Request) -> str | None:
 app.add_middleware(LockMiddleware, manager=locks, principal=caller)
 
 
+class BearerUser(SimpleUser):  # added: older Starlette (0.40) gives SimpleUser no `identity`
+    @property
+    def identity(self) -> str:
+        return self.username
+
+
 class BearerUsers(AuthenticationBackend):  # added: `Authorization: Bearer <user>` stands for a real verifier
     async def authenticate(self, conn):
         scheme, _, user = conn.headers.get("authorization", "").partition(" ")
-        return (AuthCredentials(["authenticated"]), SimpleUser(user)) if scheme == "Bearer" and user else None
+        return (AuthCredentials(["authenticated"]), BearerUser(user)) if scheme == "Bearer" and user else None
 
 
 app.add_middleware(AuthenticationMiddleware, backend=BearerUsers())  # added: outside LockMiddleware

@@ -77,7 +77,7 @@ class IdempotencyGate:
         self.manager = manager
         self.secret = secret
         self.principal = principal
-        self.store = store if store is not None else IdempotencyStore()
+        self.store: IdempotencyStore = store if store is not None else IdempotencyStore()
         self._reported: set[tuple[str, str]] = set()
 
     async def __call__(self, idem: Idempotent, route: str, scope: Scope, receive: Receive, send: Send,

@@ -219,10 +219,10 @@ class IdempotencyStore:
                              f"got {namespace!r}")
         self.redis: Any = redis          # a redis.asyncio Redis or RedisCluster
         self.namespace: str | None = namespace
-        self.configured = Caps(max_records or 0, max_bytes or 0, max_records_per_principal or 0,
-                               max_bytes_per_principal or 0)
-        self.caps = self.configured
-        self.shares_lock_redis = redis is None
+        self.configured: Caps = Caps(max_records or 0, max_bytes or 0, max_records_per_principal or 0,
+                                     max_bytes_per_principal or 0)
+        self.caps: Caps = self.configured        # in force: held below half of maxmemory at first use
+        self.shares_lock_redis: bool = redis is None
         self._owns_client = False
         self._probed = False
         self._bucket_ms = BUCKET_MS    # how finely expiries are counted (tests shorten it)

@@ -104,7 +104,7 @@ def multipart_parts(body: bytes, content_type: str) -> bytes | None:
     colon) is fingerprinted as raw bytes instead: then only a byte-identical
     retry replays, never a different upload.
     """
-    boundary = _params(content_type).get("boundary")
+    boundary = next((v for k, v in _params(content_type) if k == "boundary"), None)
     if not boundary or len(boundary) > 70:
         return None
     delimiter = b"--" + boundary.encode("latin-1")
@@ -141,19 +141,19 @@ def _part(section: bytes) -> list[bytes] | None:
         key, text = name.decode("latin-1").lower(), value.decode("latin-1").strip(" \t")
         if key in ("content-disposition", "content-type"):
             main = text.split(";", 1)[0].strip().lower()
-            text = json.dumps([main, sorted(_params(text).items())], ensure_ascii=True)
+            text = json.dumps([main, sorted(_params(text))], ensure_ascii=True)
         headers.append(f"{key}:{text}")
     headers.sort()
     return [json.dumps(headers, ensure_ascii=True).encode(), content]
 
 
-def _params(value: str) -> dict[str, str]:
-    """MIME parameters of a header value (quoted or not, RFC 2231 too), names lower-cased."""
+def _params(value: str) -> list[tuple[str, str]]:
+    """MIME parameters of a header value (quoted or not, RFC 2231 too), names lower-cased, repeats kept."""
     header = MimeHeader()
     header["content-type"] = value
-    found: dict[str, str] = {}
+    found = []
     for name, param in header.get_params(header="content-type", failobj=[])[1:]:
-        found[name.lower()] = param if isinstance(param, str) else str(param[2])
+        found.append((name.lower(), param if isinstance(param, str) else str(param[2])))
     return found
 
 

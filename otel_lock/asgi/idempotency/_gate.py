@@ -90,9 +90,13 @@ class IdempotencyGate:
             raise ValueError(missing_setting(route))
 
     def records(self) -> IdempotencyStore:
-        """The record store, bound at first use to the manager's Redis and namespace where not given."""
+        """The record store, bound to the manager's Redis and namespace where not given.
+
+        Bound again on every request when it shares the manager's Redis: a manager may
+        serve several event loops with a client each.
+        """
         store = self.store
-        if store.redis is None or store.namespace is None:
+        if store.shares_lock_redis or store.namespace is None:
             store.bind(getattr(self.manager, "redis", None), self.manager.namespace)
             if store.redis is None:
                 raise RecordStoreMisconfigured("this lock manager has no single Redis for idempotency records: "

@@ -228,6 +228,7 @@ class IdempotencyStore:
         self._bucket_ms = BUCKET_MS    # how finely expiries are counted (tests shorten it)
         self._total: AsyncScript | None = None
         self._record: AsyncScript | None = None
+        self._scripts_client: Any = None
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> "IdempotencyStore":
@@ -239,8 +240,8 @@ class IdempotencyStore:
         return store
 
     def bind(self, redis: Any, namespace: str) -> None:
-        """Fill in what was not given: the lock manager's Redis and namespace (once, at first use)."""
-        if self.redis is None:
+        """Fill in what was not given: the lock manager's Redis (its current client) and namespace."""
+        if self.shares_lock_redis:
             self.redis = redis
         if self.namespace is None:
             self.namespace = namespace
@@ -355,9 +356,10 @@ class IdempotencyStore:
         return list(await self._call(lambda: script(keys=self._keys(rid), args=args)))
 
     async def _prepare(self) -> None:
-        if self._record is None:
+        if self._scripts_client is not self.redis:   # scripts are registered with one client
             self._record = self.redis.register_script(RECORD_LUA)
             self._total = self.redis.register_script(TOTAL_LUA)
+            self._scripts_client = self.redis
         if not self._probed:
             await self._probe()
 

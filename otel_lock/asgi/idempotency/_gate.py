@@ -121,6 +121,7 @@ class IdempotentRequest:
                  receive: Receive, send: Send) -> None:
         self.gate, self.idem, self.route = gate, idem, route
         self.scope, self.receive, self.send = scope, receive, send
+        self.store: IdempotencyStore = gate.store
         self.response_started = False
         self.handler_called = False
         self.seen: Record | None = None        # the record found before taking the in-flight lock
@@ -156,7 +157,7 @@ class IdempotentRequest:
         except _LOCK_ERRORS as error:
             if self.response_started or self.handler_called:
                 raise  # the app's own (its own locks, say), not the gate's
-            await self._store_failed(error)
+            await self._answer_redis_error(error)
 
     def _identify(self, principal: str, key: str, body: bytes) -> None:
         secret = self.gate.secret
@@ -168,7 +169,7 @@ class IdempotentRequest:
         self.rid = RecordId(owner, scope_id, capped=principal != SHARED_PRINCIPAL)
         self.fp = fingerprint(secret, self.scope, self.route, body)
 
-    async def _store_failed(self, error: LockError) -> None:
+    async def _answer_redis_error(self, error: LockError) -> None:
         ours = isinstance(error, (RecordStoreUnavailable, RecordStoreMisconfigured))
         transient = isinstance(error, RedisUnavailable) or _transient_cause(error)
         kind = "redis_unavailable" if transient else "redis_misconfigured"

@@ -124,9 +124,6 @@ async def test_rules_protect_the_app_under_uvicorn_with_lifespan(redis_url, fram
                 await _exercise(client, counter, framework)
 
 
-@pytest.mark.xfail(strict=True, reason="Quart ends every body with an empty more_body=False message, which the "
-                                       "idempotency capture (_idem_capture.Capture.body, the idem engineer's) "
-                                       "takes for a stream; drop this mark with that fix")
 async def test_quart_answers_are_replayed(redis_url):
     counter = Counter()
     async with make_manager(redis_url) as manager:

@@ -18,14 +18,14 @@ import types
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, TypeVar
 
-from ._idem_options import check_idempotent_options
-from ._idem_principal import Principal
 from ._keys import KeyTemplate, parse_template
+from .idempotency import Idempotent, idempotent
 
 log = logging.getLogger("otel_lock.middleware")
 
 ATTR = "__otel_lock__"
 MIB = 1024 * 1024
+__all__ = ["ATTR", "Idempotent", "Locked", "annotations_of", "idempotent", "locked"]
 RELEASE_AFTER = ("app", "response")   # when the app call returns (default), or after the last body message
 # A handler (function, method, HTTPEndpoint class or ASGI app): decorating returns it with its own type.
 F = TypeVar("F", bound=Callable[..., Any])
@@ -104,25 +104,6 @@ class Locked:
         return _attach(endpoint, self.kind, self)
 
 
-@dataclass(frozen=True)
-class Idempotent:
-    """What `idempotent(...)` returns: a route's Idempotency-Key handling, as a decorator or a `rules=` value."""
-
-    ttl: float = 86400.0
-    required: bool = True
-    principal: Principal | None = None
-    wait_for_inflight: float = 0.0
-    retry_on_5xx: bool = False
-    max_body: int = MIB
-    retry_after: float = 1.0
-    shared_scope: bool = False
-
-    kind: ClassVar[str] = "idempotent"
-
-    def __call__(self, endpoint: F) -> F:
-        return _attach(endpoint, self.kind, self)
-
-
 def locked(
     template: str, *, wait: float | None = None, lease: float | None = None, status: int = 409,
     fail_open: bool = False, hash_parts: bool = False, name: str | None = None, retry_after: float | None = None,
@@ -149,23 +130,6 @@ def locked(
         raise ValueError(f"release_after must be one of {', '.join(map(repr, RELEASE_AFTER))}, got {release_after!r}")
     return Locked(parse_template(template), wait, lease, status, fail_open, hash_parts, name, retry_after,
                   release_after, max_body, None if body_idle_timeout is None else float(body_idle_timeout))
-
-
-def idempotent(
-    *, ttl: float = 86400, required: bool = True, principal: Principal | None = None,
-    shared_scope: bool = False, wait_for_inflight: float = 0, retry_on_5xx: bool = False, max_body: int = MIB,
-    retry_after: float = 1,
-) -> Idempotent:
-    """Honour the Idempotency-Key header: run once, replay the stored response to retries.
-
-    Keys are scoped to `principal(request)` (here or on LockMiddleware), or to
-    one space shared by every caller with `shared_scope=True`: say which.
-    """
-    check_idempotent_options(ttl=ttl, required=required, principal=principal, shared_scope=shared_scope,
-                             wait_for_inflight=wait_for_inflight, retry_on_5xx=retry_on_5xx,
-                             max_body=max_body, retry_after=retry_after)
-    return Idempotent(float(ttl), required, principal, float(wait_for_inflight), retry_on_5xx, max_body,
-                      float(retry_after), shared_scope)
 
 
 def annotations_of(endpoint: Any, method: str | None = None) -> dict[str, Any]:

@@ -24,8 +24,8 @@ from ._binding import RouteBinding
 from ._declared import Unbindable
 from ._body import BodyLimits
 from ._guard import DirectCalls, Hold, guard_functions, install_direct_calls
-from ._idem_principal import Principal, check_callable
-from ._idempotency import IdempotencyGate
+from .idempotency import IdempotencyGate, IdempotencyStore, Principal
+from .idempotency._principal import check_callable
 from ._keys import resolve_secret
 from ._openapi import document
 from ._request import Protection, ProtectedRequest
@@ -50,7 +50,8 @@ class LockMiddleware:
     def __init__(self, app: ASGIApp, manager: ManagerSource = None, rules: Rules | None = None,
                  hash_secret: str | bytes | None = None, max_body: int = MIB,
                  principal: Principal | None = None, body_idle_timeout: float = 5.0,
-                 send_timeout: float = 10.0, enabled: bool = True, body_timeout: float | None = None) -> None:
+                 send_timeout: float = 10.0, enabled: bool = True, body_timeout: float | None = None,
+                 idempotency_store: IdempotencyStore | None = None) -> None:
         if not isinstance(max_body, int) or isinstance(max_body, bool) or max_body < 0:
             raise ValueError(f"max_body must be a non-negative number of bytes, got {max_body!r}")
         if body_timeout is not None:
@@ -71,6 +72,8 @@ class LockMiddleware:
         self.send_timeout: float = float(send_timeout)
         # principal: whose Idempotency-Keys these are, for @idempotent routes that don't say.
         self.principal = principal
+        # idempotency_store: where @idempotent records live and their caps (default: next to the locks).
+        self.idempotency_store = idempotency_store
         # enabled=False: a deliberate switch (demos, load tests) that runs annotated
         # handlers without their locks instead of refusing them; logged at start-up.
         self.enabled: bool = bool(enabled)
@@ -127,7 +130,7 @@ class LockMiddleware:
         manager = self._manager
         assert manager is not None, "a protected request resolves the manager first"
         if self._gate is None or self._gate.manager is not manager:
-            self._gate = IdempotencyGate(manager, self.secret, self.principal)  # type: ignore[arg-type]
+            self._gate = IdempotencyGate(manager, self.secret, self.principal, self.idempotency_store)  # type: ignore[arg-type]
         return self._gate
 
     @property

@@ -18,7 +18,7 @@ import inspect
 import re
 import sys
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, TypeAlias
 
 from starlette.convertors import Convertor
 from starlette.routing import BaseRoute, Host, Mount, Route, WebSocketRoute, compile_path
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 ALL_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
 # LockMiddleware(rules=...): `{"POST /api/x/{id}": locked(...)}`, or a list/tuple of annotations per route.
 # (list[Locked] is spelled out: a list of one kind is not a list[Annotation] to a type checker.)
-Annotation = Locked | Idempotent
+Annotation: TypeAlias = Locked | Idempotent
 Rules = Mapping[str, Annotation | list[Locked] | list[Idempotent] | list[Annotation] | tuple[Annotation, ...]]
 
 

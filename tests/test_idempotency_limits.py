@@ -226,7 +226,7 @@ def test_store_options_are_checked():
         with pytest.raises(ValueError, match=next(iter(options))):
             IdempotencyStore(**options)
     with pytest.raises(ValueError, match="IdempotencyStore"):
-        LockMiddleware(Starlette(), manager=object(), idempotency_store="redis://x")
+        LockMiddleware(Starlette(), idempotency_store="redis://x")
 
 
 # -- records on their own Redis ----------------------------------------------------------------

@@ -73,6 +73,8 @@ class LockMiddleware:
         # principal: whose Idempotency-Keys these are, for @idempotent routes that don't say.
         self.principal = principal
         # idempotency_store: where @idempotent records live and their caps (default: next to the locks).
+        if idempotency_store is not None and not isinstance(idempotency_store, IdempotencyStore):
+            raise ValueError(f"idempotency_store must be an IdempotencyStore, got {idempotency_store!r}")
         self.idempotency_store = idempotency_store
         # enabled=False: a deliberate switch (demos, load tests) that runs annotated
         # handlers without their locks instead of refusing them; logged at start-up.
@@ -119,14 +121,17 @@ class LockMiddleware:
         return self._manager
 
     def current_locks(self) -> Locks | None:
+        """The lock manager in use, once resolved (a factory's or app.state's is resolved at start-up)."""
         return self._manager
 
     def missing_manager(self) -> str:
+        """What to do when no lock manager was found."""
         return ("LockMiddleware has no lock manager: pass manager=LockManager(...) (or a zero-argument factory "
                 "of one), or set app.state.locks in the app's lifespan (or yield {\"locks\": manager} from it)")
 
     @property
     def gate(self) -> IdempotencyGate:
+        """The Idempotency-Key gate of the resolved manager (made once per manager)."""
         manager = self._manager
         assert manager is not None, "a protected request resolves the manager first"
         if self._gate is None or self._gate.manager is not manager:

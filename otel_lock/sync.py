@@ -46,7 +46,7 @@ from .lock import HeldLock, LockInfo, LockLost, LockManager, Locks, RedisUnavail
 
 __all__ = ["RunningLoopError", "SyncHeldLock", "SyncLockContext", "SyncLockManager"]
 
-log = logging.getLogger("otel_lock")
+log: logging.Logger = logging.getLogger("otel_lock")
 T = TypeVar("T")
 _CLOSE_BOUND = 5.0  # seconds close() gives calls in flight to finish
 _NEEDED = ("namespace", "acquire", "try_lock", "aclose")  # what taking a lock needs of a `Locks`
@@ -73,11 +73,12 @@ def _refuse_in_loop(call: str) -> None:
         asyncio.get_running_loop()
     except RuntimeError:
         return
+    same = call if call in ("acquire", "try_lock", "held_locks", "force_release") else "lock"
     raise RunningLoopError(
         f"SyncLockManager.{call}() blocks its thread, and this thread runs an event loop: every task on it "
-        f"would stop for the whole wait. In async code use the async API instead: "
-        f"`async with locks.{call if call in ('lock', 'acquire', 'try_lock') else 'lock'}(...)` on an "
-        f"otel_lock.LockManager (LockManager.from_url) or RedLockManager")
+        f"would stop for the whole wait. In async code use the async API instead: `async with "
+        f"locks.lock(...)` or `await locks.{same}(...)` on an otel_lock.LockManager (LockManager.from_url) "
+        f"or RedLockManager")
 
 
 class _Call(Generic[T]):
@@ -133,12 +134,13 @@ class _Runtime:
     """What belongs to one process: the loop thread, the manager, each thread's holds."""
 
     def __init__(self, factory: Callable[[], Locks]) -> None:
-        self.pid = os.getpid()
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self._serve, name="otel-lock sync loop", daemon=True)
-        self.local = threading.local()
-        self.mutex = threading.Lock()      # the holds' bookkeeping, shared by every thread
-        self.closing = False
+        self.pid: int = os.getpid()
+        self.loop: asyncio.AbstractEventLoop = asyncio.new_event_loop()
+        self.thread: threading.Thread = threading.Thread(target=self._serve, name="otel-lock sync loop",
+                                                         daemon=True)
+        self.local: threading.local = threading.local()
+        self.mutex: threading.Lock = threading.Lock()  # the holds' bookkeeping, shared by every thread
+        self.closing: bool = False
         self.background: set[asyncio.Future[Any]] = set()
         self.in_flight: dict[asyncio.Future[Any], bool] = {}  # calls threads wait for: cancellable?
         self.thread.start()
@@ -262,10 +264,13 @@ class _LostEvent(threading.Event):
         if super().is_set():
             return True
         runtime = self._runtime
-        if runtime.pid != os.getpid() or runtime.closing or threading.current_thread() is runtime.thread:
+        if runtime.pid != os.getpid() or threading.current_thread() is runtime.thread:
             return False
-        if runtime.run(self._ask):
-            self.set()
+        try:
+            if runtime.run(self._ask):
+                self.set()
+        except RuntimeError:  # closed: what the loop thread last told is all there is
+            pass
         return super().is_set()
 
     async def _ask(self) -> bool:
@@ -282,8 +287,12 @@ class _Hold:
 
     def __init__(self, runtime: _Runtime, holds: dict[str, _Hold], key: str, held: HeldLock,
                  cancel_on_lost: bool) -> None:
-        self.runtime, self.holds, self.key, self.held = runtime, holds, key, held
-        self.cancel_on_lost = cancel_on_lost
+        self.runtime: _Runtime = runtime
+        self.holds: dict[str, _Hold] = holds
+        self.key: str = key
+        self.held: HeldLock = held
+        self.cancel_on_lost: bool = cancel_on_lost
+        self.depth: int = 0
         self.lost: threading.Event = _LostEvent(runtime, held)
         self._watch = asyncio.ensure_future(self._tell_lost())
         with runtime.mutex:

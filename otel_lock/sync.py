@@ -330,12 +330,13 @@ class _Hold:
 class SyncHeldLock:
     """A hold seen from a thread: key, name, owner, token, depth, and `lost` (a threading.Event)."""
 
-    __slots__ = ("_manager", "_hold", "depth", "_released")
+    __slots__ = ("_manager", "_hold", "depth", "_last", "_released")
 
     def __init__(self, manager: SyncLockManager, hold: _Hold, depth: int) -> None:
         self._manager, self._hold = manager, hold
         self.depth: int = depth
         """Reentrancy depth in this thread: 1 for the outermost hold."""
+        self._last: bool | None = None      # counted out of the thread's depth: was it the last hold?
         self._released: bool | None = None
 
     @property
@@ -366,7 +367,9 @@ class SyncHeldLock:
     def release(self) -> bool:
         """Release this hold; False if the lease was lost (or is another process's). Idempotent."""
         if self._released is None:
-            self._released = self._manager._release(self._hold)
+            if self._last is None:  # counted out once, even if the wait below is interrupted
+                self._last = self._manager._count_out(self._hold)
+            self._released = self._manager._release(self._hold, self._last)
         return self._released
 
     def __repr__(self) -> str:
@@ -586,11 +589,16 @@ class SyncLockManager:
             runtime.abandon_soon(hold.abandon)
             raise
 
-    def _release(self, hold: _Hold) -> bool:
+    @staticmethod
+    def _count_out(hold: _Hold) -> bool:
+        """One release of the thread's hold: True if it was the last (a hold inherited across fork: never)."""
+        return hold.runtime.pid == os.getpid() and hold.forget()
+
+    def _release(self, hold: _Hold, last: bool) -> bool:
         runtime = hold.runtime
         if runtime.pid != os.getpid():
             return False  # inherited across fork: the parent's lock, not this process's
-        if not hold.forget():
+        if not last:
             return not hold.lost.is_set()
         if runtime.closing:
             return False  # closed meanwhile: the lease expires by itself

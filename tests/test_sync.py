@@ -455,6 +455,26 @@ def test_a_lock_granted_while_the_waiter_is_interrupted_is_released(
     mine.release()
 
 
+def test_an_interrupted_release_still_completes_and_counts_once(sync_locks, client):
+    outer = sync_locks.acquire("k")
+    inner = sync_locks.acquire("k")
+    client.execute_command("CLIENT", "PAUSE", int(BOUND * 1000), "WRITE")  # the release will wait on Redis
+    try:
+        assert inner.release() is True  # nested: counted here, no write
+        signal_when(lambda: client.info("clients")["blocked_clients"] == 1, "the release to wait on Redis",
+                    signal.SIGALRM, True)
+        with handler(signal.SIGALRM, _raise_interrupted), pytest.raises(Interrupted):
+            outer.release()
+    finally:
+        client.execute_command("CLIENT", "UNPAUSE")
+    until(lambda: owner_of(client, "k") is None, "the interrupted release to complete")
+    assert outer.release() is True  # asked again: the same release, not a second count
+    assert inner.release() is True
+    fresh = sync_locks.acquire("k")
+    assert fresh.depth == 1
+    fresh.release()
+
+
 # -- fork -----------------------------------------------------------------------
 
 

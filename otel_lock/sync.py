@@ -1,155 +1,610 @@
-"""A blocking facade over LockManager for scripts and cron jobs.
+"""A blocking facade over any `Locks` manager, for scripts, cron jobs and WSGI workers.
 
-The async core runs on a private event-loop thread; every call is submitted
-to it and waited for. Reentrancy is per thread: a thread that already holds
-a key re-enters it (same owner, depth + 1). A blocked thread cannot be
-cancelled, so a lost lease shows as `held.lost.is_set()` (check it between
-steps of long work) and as a False return from `release()`.
+Each process gets its own event-loop thread (a daemon: it never keeps the
+process alive) and its own manager, built by the factory. After `fork()` the
+child builds both afresh at its first call, from the same factory: it never
+touches the parent's loop or sockets, and the holds it inherited stay the
+parent's.
+
+Every blocking call runs one coroutine on that loop and waits for it. When
+the waiting thread is interrupted (a signal handler raising, Ctrl-C, a soft
+time limit) the call is abandoned on the loop thread, where it cannot race
+the answer: a pending acquire is cancelled, and a lock it was granted
+meanwhile is released. No lock is left held and renewed that no code can
+release.
+
+Re-entry is per thread and counted here, the same for any `Locks`: a thread
+that holds a key re-enters it (depth + 1, same token) without a round trip
+to Redis, a nested acquire of a lease known lost raises LockLost, and only
+the thread's last release of the key reaches Redis.
+
+A thread cannot be cancelled, so `cancel_on_lost=True` means: a `with` block
+whose lease was lost raises LockLost as it ends. `held.lost` (a
+threading.Event) tells at any time.
+
+A call that would wait from inside a running event loop is refused at once
+with RunningLoopError (a RuntimeError): it would stop every task of that
+loop for the whole wait.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import logging
+import os
+import signal
 import threading
-from contextlib import contextmanager
-from typing import Any, Coroutine, Iterator, TypeVar
+from functools import partial
+from types import TracebackType
+from typing import Any, Awaitable, Callable, Coroutine, Generic, Mapping, TypeVar
 
-from .lock import HeldLock, LockInfo, LockManager
+from opentelemetry.metrics import MeterProvider
+from opentelemetry.trace import TracerProvider
 
+from .lock import HeldLock, LockInfo, LockLost, LockManager, Locks, RedisUnavailable
+
+__all__ = ["RunningLoopError", "SyncHeldLock", "SyncLockContext", "SyncLockManager"]
+
+log: logging.Logger = logging.getLogger("otel_lock")
 T = TypeVar("T")
+_CLOSE_BOUND = 5.0  # seconds close() gives calls in flight to finish
+_NEEDED = ("namespace", "acquire", "try_lock", "aclose")  # what taking a lock needs of a `Locks`
+
+# Guards building a process's runtime. Replaced in every child: a lock some
+# parent thread held at fork time would stay held there for ever.
+_process_lock = threading.Lock()
 
 
-class SyncHeldLock:
-    """A hold seen from a thread: key, owner, token, depth, lost (threading.Event)."""
-
-    def __init__(self, manager: "SyncLockManager", held: HeldLock, lost: threading.Event) -> None:
-        self._manager, self._held = manager, held
-        self.lost: threading.Event = lost
-        self.key: str = held.key
-        self.name: str = held.name
-        self.owner: str = held.owner
-        self.token: int = held.token
-        self.depth: int = held.depth
-
-    def release(self) -> bool:
-        """Release this hold; False if the lock was no longer ours."""
-        return self._manager._release(self)
-
-    def __repr__(self) -> str:
-        return f"<SyncHeldLock {self.key} owner={self.owner} token={self.token} depth={self.depth}>"
+def _fresh_process_lock() -> None:
+    global _process_lock
+    _process_lock = threading.Lock()
 
 
-class SyncLockManager:
-    """`with locks.lock("job:cleanup"):` from plain threads."""
+os.register_at_fork(after_in_child=_fresh_process_lock)
 
-    def __init__(self, url: str, **options: Any) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="otel-lock loop", daemon=True)
-        self._thread.start()
-        self._held = threading.local()
+
+class RunningLoopError(RuntimeError):
+    """A blocking call was made from a thread that runs an event loop; use the async API there."""
+
+
+def _refuse_in_loop(call: str) -> None:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    same = call if call in ("acquire", "try_lock", "held_locks", "force_release") else "lock"
+    raise RunningLoopError(
+        f"SyncLockManager.{call}() blocks its thread, and this thread runs an event loop: every task on it "
+        f"would stop for the whole wait. In async code use the async API instead: `async with "
+        f"locks.lock(...)` or `await locks.{same}(...)` on an otel_lock.LockManager (LockManager.from_url) "
+        f"or RedLockManager")
+
+
+class _Call(Generic[T]):
+    """One coroutine run on the loop for a waiting thread.
+
+    `abandon()` runs on the loop thread when that thread stops waiting
+    (interrupted): whatever the coroutine produced, before or after, is
+    handed to `undo`, so a grant can never reach a thread that is gone.
+    """
+
+    def __init__(self, make: Callable[[], Awaitable[T]], undo: Callable[[T], None] | None,
+                 cancel_on_abandon: bool) -> None:
+        self.future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._make, self._undo, self._cancel_on_abandon = make, undo, cancel_on_abandon
+        self._task: asyncio.Future[T] | None = None
+        self._abandoned = False
+        self._reported = False
+
+    def start(self, in_flight: dict[asyncio.Future[Any], bool]) -> None:
+        if not self._abandoned:
+            self._task = task = asyncio.ensure_future(self._make())
+            in_flight[task] = self._cancel_on_abandon
+            task.add_done_callback(self._done)
+            task.add_done_callback(lambda _: in_flight.pop(task, None))
+
+    def _done(self, task: asyncio.Future[T]) -> None:
+        self._reported = True
+        if self._abandoned:
+            self._undo_result(task)
+        elif task.cancelled():  # by close(), while a thread waited
+            self.future.set_exception(RuntimeError("the SyncLockManager was closed while this call waited"))
+        elif (error := task.exception()) is not None:
+            self.future.set_exception(error)
+        else:
+            self.future.set_result(task.result())
+
+    def abandon(self) -> None:
+        self._abandoned = True
+        task = self._task
+        if task is None:
+            return  # never started
+        if self._reported:
+            self._undo_result(task)
+        elif self._cancel_on_abandon:
+            task.cancel()  # `_done` undoes a result that beats the cancellation
+
+    def _undo_result(self, task: asyncio.Future[T]) -> None:
+        if self._undo is not None and not task.cancelled() and task.exception() is None:
+            self._undo(task.result())
+
+
+class _Runtime:
+    """What belongs to one process: the loop thread, the manager, each thread's holds."""
+
+    def __init__(self, factory: Callable[[], Locks]) -> None:
+        self.pid: int = os.getpid()
+        self.loop: asyncio.AbstractEventLoop = asyncio.new_event_loop()
+        self.thread: threading.Thread = threading.Thread(target=self._serve, name="otel-lock sync loop",
+                                                         daemon=True)
+        self.local: threading.local = threading.local()
+        self.mutex: threading.Lock = threading.Lock()  # the holds' bookkeeping, shared by every thread
+        self.closing: bool = False
+        self.background: set[asyncio.Future[Any]] = set()
+        self.in_flight: dict[asyncio.Future[Any], bool] = {}  # calls threads wait for: cancellable?
+        self.thread.start()
         try:
-            self._manager: LockManager = self._run(self._make(url, options))
+            self.manager: Locks = self.run(partial(self._build, factory))
         except BaseException:
-            self._stop_loop()
+            self._stop()
             raise
 
-    @classmethod
-    def from_url(cls, url: str, **options: Any) -> "SyncLockManager":
-        """The same as `SyncLockManager(url, **options)`; options as for `LockManager.from_url`."""
-        return cls(url, **options)
+    def _serve(self) -> None:
+        # A process-wide signal (Ctrl-C, alarm(), a soft time limit) must reach the
+        # application's threads, which can be interrupted, never this one.
+        if hasattr(signal, "pthread_sigmask"):
+            signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+        self.loop.run_forever()
 
     @staticmethod
-    async def _make(url: str, options: dict[str, Any]) -> LockManager:
-        return LockManager.from_url(url, **options)
+    async def _build(factory: Callable[[], Locks]) -> Locks:
+        manager = factory()  # on the loop thread: a manager may look for its loop when made
+        missing = [name for name in _NEEDED if not hasattr(manager, name)]
+        if missing:
+            raise TypeError(f"the SyncLockManager factory must return a lock manager (otel_lock.Locks: "
+                            f"LockManager, RedLockManager), not {manager!r}: it has no {', '.join(missing)}")
+        return manager
 
-    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
-
-    @contextmanager
-    def lock(self, key: str, **options: Any) -> Iterator[SyncHeldLock]:
-        """`with locks.lock("k", wait=5.0) as held:`; options as for `LockManager.lock`."""
-        held = self.acquire(key, **options)
+    def run(self, make: Callable[[], Awaitable[T]], undo: Callable[[T], None] | None = None,
+            cancel_on_abandon: bool = True) -> T:
+        """Run `make()` on the loop and wait; if this thread is interrupted, abandon it there."""
+        if threading.current_thread() is self.thread:
+            raise RunningLoopError("a blocking SyncLockManager call cannot run on the facade's own loop thread")
+        call = _Call(make, undo, cancel_on_abandon)
+        with self.mutex:
+            if self.closing:
+                raise RuntimeError("this SyncLockManager is closed")
+            self.loop.call_soon_threadsafe(call.start, self.in_flight)
         try:
-            yield held
-        finally:
-            held.release()
+            return call.future.result()
+        except BaseException:
+            if not call.future.done() or call.future.exception() is None:
+                self.abandon_soon(call.abandon)
+            raise
 
-    def try_lock(self, key: str, **options: Any) -> SyncHeldLock | None:
-        """The hold if the lock is free right now (or this thread holds it), else None."""
-        if key in self._held_map() and "owner" not in options:
-            return self.acquire(key, **options)
-        found = self._run(self._manager.try_lock(key, **options))
-        return None if found is None else self._wrap(key, found)
+    def abandon_soon(self, abandon: Callable[[], None]) -> None:
+        """From the thread: run `abandon` on the loop, without waiting."""
+        try:
+            self.loop.call_soon_threadsafe(abandon)
+        except RuntimeError:
+            pass  # the loop is closed: nothing on it runs any more
 
-    def acquire(self, key: str, **options: Any) -> SyncHeldLock:
-        """Block until held (LockTimeout after `wait`); re-enters a key this thread holds.
+    def holds(self) -> dict[str, _Hold]:
+        """This thread's outer holds, by key."""
+        try:
+            holds: dict[str, _Hold] = self.local.holds
+        except AttributeError:
+            holds = self.local.holds = {}
+        return holds
 
-        A nested acquire of a lease that was lost raises LockLost, as in the
-        async API: it never takes the lock afresh under the outer hold's feet.
-        """
-        outer = self._held_map().get(key)
-        if outer is not None and "owner" not in options:
-            held = self._run(self._manager._reenter(outer._held._lease, child=False))
-        else:
-            held = self._run(self._manager.acquire(key, **options))
-        return self._wrap(key, held)
+    def in_background(self, coro: Awaitable[Any]) -> None:
+        """On the loop: run `coro` to its end, keeping a reference; its failure is logged."""
+        task = asyncio.ensure_future(coro)
+        self.background.add(task)
+        task.add_done_callback(self._background_done)
 
-    def _wrap(self, key: str, held: HeldLock) -> SyncHeldLock:
-        held_map = self._held_map()
-        outer = held_map.get(key)
-        if outer is not None and outer._held._lease is held._lease:
-            return SyncHeldLock(self, held, outer.lost)
-        lost = threading.Event()
-        # Told by the manager's loop thread the moment the lease is known lost: no task per hold.
-        held._lease.on_lost.append(lost.set)
-        if held.lost.is_set():
-            lost.set()
-        wrapped = SyncHeldLock(self, held, lost)
-        if outer is None:
-            held_map[key] = wrapped
-        return wrapped
-
-    def _release(self, wrapped: SyncHeldLock) -> bool:
-        held_map = self._held_map()
-        for key, value in list(held_map.items()):
-            if value is wrapped:
-                del held_map[key]
-        return self._run(wrapped._held.release())
-
-    def _held_map(self) -> dict[str, SyncHeldLock]:
-        if not hasattr(self._held, "map"):
-            self._held.map = {}
-        held_map: dict[str, SyncHeldLock] = self._held.map
-        return held_map
-
-    def held_locks(self) -> list[LockInfo]:
-        """Every lock held in the namespace (see `LockManager.held_locks`)."""
-        return self._run(self._manager.held_locks())
-
-    def force_release(self, key: str) -> bool:
-        """Release whoever holds `key` (an operator's last resort)."""
-        return self._run(self._manager.force_release(key))
+    def _background_done(self, task: asyncio.Future[Any]) -> None:
+        self.background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("otel-lock: could not release an abandoned lock, it will expire by itself: %s",
+                        task.exception())
 
     def close(self) -> None:
-        """Stop the manager and its loop thread; locks still held expire after their lease."""
-        if self._thread.is_alive():
-            self._run(self._manager.aclose())
-            self._stop_loop()
+        with self.mutex:
+            if self.closing:
+                return
+            self.closing = True
+        if threading.current_thread() is self.thread:
+            raise RuntimeError("SyncLockManager.close() cannot run on its own loop thread")
+        try:
+            call = _Call(self._aclose, None, cancel_on_abandon=False)
+            self.loop.call_soon_threadsafe(call.start, {})
+            call.future.result()
+        finally:
+            self._stop()
 
-    def _stop_loop(self) -> None:
-        async def cancel_rest() -> None:
+    async def _aclose(self) -> None:
+        # Waiting acquires are cancelled (their threads are told "closed"), releases finish,
+        # and so do the releases of abandoned grants; then the manager closes its connections.
+        for task, cancellable in list(self.in_flight.items()):
+            if cancellable:
+                task.cancel()
+        pending = [*self.in_flight, *self.background]
+        if pending:
+            await asyncio.wait(pending, timeout=_CLOSE_BOUND)
+        await self.manager.aclose()
+
+    def _stop(self) -> None:
+        async def cancel_the_rest() -> None:
             tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-        asyncio.run_coroutine_threadsafe(cancel_rest(), self._loop).result()
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
+        asyncio.run_coroutine_threadsafe(cancel_the_rest(), self.loop).result()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join()
+        self.loop.close()
 
-    def __enter__(self) -> "SyncLockManager":
+
+class _LostEvent(threading.Event):
+    """`held.lost`: set from the loop thread, and also by a look at it once the lease ran out.
+
+    After a pause of the whole process (SIGSTOP) the thread may look before
+    the loop thread's timer has run; `is_set()` asks the loop, whose own
+    `held.lost` checks the lease's validity on the spot.
+    """
+
+    def __init__(self, runtime: _Runtime, held: HeldLock) -> None:
+        super().__init__()
+        self._runtime, self._held = runtime, held
+
+    def is_set(self) -> bool:
+        if super().is_set():
+            return True
+        runtime = self._runtime
+        if runtime.pid != os.getpid() or threading.current_thread() is runtime.thread:
+            return False
+        try:
+            if runtime.run(self._ask):
+                self.set()
+        except RuntimeError:  # closed: what the loop thread last told is all there is
+            pass
+        return super().is_set()
+
+    async def _ask(self) -> bool:
+        return self._held.lost.is_set()
+
+
+class _Hold:
+    """One thread's hold of one key: the lease in Redis and how many times the thread entered it.
+
+    Made and entered in the thread's map on the loop thread, in the same step
+    that receives the grant, so an abandoned grant is taken out of the map
+    and released in one place.
+    """
+
+    def __init__(self, runtime: _Runtime, holds: dict[str, _Hold], key: str, held: HeldLock,
+                 cancel_on_lost: bool) -> None:
+        self.runtime: _Runtime = runtime
+        self.holds: dict[str, _Hold] = holds
+        self.key: str = key
+        self.held: HeldLock = held
+        self.cancel_on_lost: bool = cancel_on_lost
+        self.depth: int = 0
+        self.lost: threading.Event = _LostEvent(runtime, held)
+        self._watch = asyncio.ensure_future(self._tell_lost())
+        with runtime.mutex:
+            self.depth = 1
+            holds[key] = self
+
+    async def _tell_lost(self) -> None:
+        await self.held.lost.wait()
+        threading.Event.set(self.lost)
+
+    def forget(self) -> bool:
+        """One release by the thread: True if it was the last, which takes the key out of its map."""
+        with self.runtime.mutex:
+            self.depth -= 1
+            if self.depth > 0:
+                return False
+            if self.holds.get(self.key) is self:
+                del self.holds[self.key]
+            return True
+
+    async def end(self) -> bool:
+        """On the loop: the thread's last release of the key."""
+        self._watch.cancel()
+        return await self.held.release()
+
+    def abandon(self) -> None:
+        """On the loop: a grant no thread will ever see is taken out of its map and released."""
+        with self.runtime.mutex:
+            self.depth = 0
+            if self.holds.get(self.key) is self:
+                del self.holds[self.key]
+        self.runtime.in_background(self.end())
+
+
+class SyncHeldLock:
+    """A hold seen from a thread: key, name, owner, token, depth, and `lost` (a threading.Event)."""
+
+    __slots__ = ("_manager", "_hold", "depth", "_last", "_released")
+
+    def __init__(self, manager: SyncLockManager, hold: _Hold, depth: int) -> None:
+        self._manager, self._hold = manager, hold
+        self.depth: int = depth
+        """Reentrancy depth in this thread: 1 for the outermost hold."""
+        self._last: bool | None = None      # counted out of the thread's depth: was it the last hold?
+        self._released: bool | None = None
+
+    @property
+    def key(self) -> str:
+        """The full Redis key."""
+        return self._hold.held.key
+
+    @property
+    def name(self) -> str:
+        """The `lock.name` of metrics and spans."""
+        return self._hold.held.name
+
+    @property
+    def owner(self) -> str:
+        """The owner id in Redis."""
+        return self._hold.held.owner
+
+    @property
+    def token(self) -> int:
+        """Fencing token: strictly increasing per key."""
+        return self._hold.held.token
+
+    @property
+    def lost(self) -> threading.Event:
+        """Set once the lease is known lost; check it between steps of long work."""
+        return self._hold.lost
+
+    def release(self) -> bool:
+        """Release this hold; False if the lease was lost (or is another process's). Idempotent."""
+        if self._released is None:
+            if self._last is None:  # counted out once, even if the wait below is interrupted
+                self._last = self._manager._count_out(self._hold)
+            self._released = self._manager._release(self._hold, self._last)
+        return self._released
+
+    def __repr__(self) -> str:
+        return f"<SyncHeldLock {self.key} owner={self.owner} token={self.token} depth={self.depth}>"
+
+
+class SyncLockContext:
+    """`with locks.lock(...) as held:`: acquire on enter, release on exit (LockLost on loss, if asked)."""
+
+    __slots__ = ("_acquire", "_held")
+
+    def __init__(self, acquire: Callable[[], SyncHeldLock]) -> None:
+        self._acquire = acquire
+        self._held: SyncHeldLock | None = None
+
+    def __enter__(self) -> SyncHeldLock:
+        self._held = self._acquire()
+        return self._held
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        held, self._held = self._held, None
+        assert held is not None, "__exit__ without __enter__"
+        try:
+            held.release()
+        except RedisUnavailable as error:
+            log.warning("otel-lock: could not release %s, it will expire by itself: %s", held.key, error)
+        if exc_type is None and held._hold.cancel_on_lost and held.lost.is_set():
+            raise LockLost(f"lease of {held.key} was lost while the block ran", key=held.key,
+                           reason="lost while held")
+
+
+class SyncLockManager:
+    """`with locks.lock("job:cleanup"):` from plain threads, over any `Locks` manager.
+
+    `SyncLockManager(factory)` calls `factory()` (on its loop thread) once per
+    process for a new manager: `lambda: RedLockManager.from_urls([...])`.
+    `SyncLockManager.from_url(url, ...)` builds a `LockManager.from_url`.
+    `cancel_on_lost` is the default of `lock()`: see the module docstring.
+    """
+
+    def __init__(self, factory: Callable[[], Locks], *, cancel_on_lost: bool = False) -> None:
+        if isinstance(factory, str) or not callable(factory):
+            raise TypeError(f"SyncLockManager takes a factory that returns a lock manager, not {factory!r}; "
+                            f"for a URL use SyncLockManager.from_url(url)")
+        self._factory = factory
+        self._cancel_on_lost = bool(cancel_on_lost)
+        self._closed = False
+        self._runtime: _Runtime | None = None
+        self._current()  # built now: a bad URL or option fails here, not at first use
+
+    @classmethod
+    def from_url(cls, url: str, *, namespace: str | None = None, lease: float | None = None,
+                 wait: float | None = None, cancel_on_lost: bool = False, fence_ttl: float | None = None,
+                 poll_cap: float | None = None, renew_interval: float | None = None,
+                 wait_replicas: int | None = None, wait_replicas_timeout: float | None = None,
+                 breaker_failures: int | None = None, breaker_cooldown: float | None = None,
+                 tracer_provider: TracerProvider | None = None, meter_provider: MeterProvider | None = None,
+                 socket_timeout: float | None = None, socket_connect_timeout: float | None = None,
+                 max_connections: int | None = None, pool_timeout: float | None = None,
+                 redis_options: Mapping[str, Any] | None = None) -> SyncLockManager:
+        """A facade over `LockManager.from_url(url, ...)`; None leaves that option at its default.
+
+        `redis_options`: any other redis-py client option (`password`,
+        `ssl_ca_certs`, ...). `cancel_on_lost` is this facade's default.
+        """
+        named: dict[str, Any] = {
+            "namespace": namespace, "lease": lease, "wait": wait, "fence_ttl": fence_ttl, "poll_cap": poll_cap,
+            "renew_interval": renew_interval, "wait_replicas": wait_replicas,
+            "wait_replicas_timeout": wait_replicas_timeout, "breaker_failures": breaker_failures,
+            "breaker_cooldown": breaker_cooldown, "tracer_provider": tracer_provider,
+            "meter_provider": meter_provider, "socket_timeout": socket_timeout,
+            "socket_connect_timeout": socket_connect_timeout, "max_connections": max_connections,
+            "pool_timeout": pool_timeout}
+        options = {name: value for name, value in named.items() if value is not None}
+        extra = dict(redis_options or {})
+        if twice := sorted(set(extra) & set(named)):
+            raise TypeError(f"redis_options must not repeat a named option: {', '.join(twice)}")
+        return cls(partial(LockManager.from_url, url, **options, **extra), cancel_on_lost=cancel_on_lost)
+
+    # -- the process's runtime -------------------------------------------------
+
+    def _current(self) -> _Runtime:
+        """This process's runtime; a forked child builds its own at its first call."""
+        runtime = self._runtime
+        if runtime is not None and runtime.pid == os.getpid() and not self._closed:
+            return runtime
+        with _process_lock:
+            if self._closed:
+                raise RuntimeError("this SyncLockManager is closed")
+            runtime = self._runtime
+            if runtime is None or runtime.pid != os.getpid():
+                # The parent's runtime is left as it is: its thread does not exist here, and
+                # closing its loop or sockets would reach into the parent's (shared after fork).
+                runtime = self._runtime = _Runtime(self._factory)
+            return runtime
+
+    @property
+    def namespace(self) -> str:
+        """The prefix of every Redis key of the manager."""
+        return self._current().manager.namespace
+
+    # -- locks -----------------------------------------------------------------
+
+    def lock(self, key: str, *, wait: float | None = None, lease: float | None = None, name: str | None = None,
+             cancel_on_lost: bool | None = None) -> SyncLockContext:
+        """`with locks.lock("k", wait=5.0) as held:`; LockTimeout after `wait` seconds.
+
+        Options as for `LockManager.lock`; `cancel_on_lost=True` raises
+        LockLost as the block ends if the lease was lost meanwhile.
+        """
+        _refuse_in_loop("lock")
+        return SyncLockContext(partial(self.acquire, key, wait=wait, lease=lease, name=name,
+                                       cancel_on_lost=cancel_on_lost))
+
+    def acquire(self, key: str, *, wait: float | None = None, lease: float | None = None, name: str | None = None,
+                cancel_on_lost: bool | None = None) -> SyncHeldLock:
+        """Block until held (LockTimeout after `wait`); re-enters a key this thread holds.
+
+        A nested acquire takes the outer hold as it is (its own `wait`,
+        `lease` and `name` are not used) and raises LockLost if that lease
+        was lost: it never takes the lock afresh under the outer hold's feet.
+        """
+        _refuse_in_loop("acquire")
+        nested = self._reenter(key)
+        if nested is not None:
+            return nested
+        held = self._take(key, lambda manager: manager.acquire(key, wait=wait, lease=lease, name=name,
+                                                               cancel_on_lost=False), cancel_on_lost)
+        assert held is not None, "acquire() returns a hold or raises"
+        return held
+
+    def try_lock(self, key: str, *, lease: float | None = None, name: str | None = None,
+                 cancel_on_lost: bool | None = None) -> SyncHeldLock | None:
+        """The hold if the lock is free right now (or this thread holds it), else None."""
+        _refuse_in_loop("try_lock")
+        nested = self._reenter(key)
+        if nested is not None:
+            return nested
+        return self._take(key, lambda manager: manager.try_lock(key, lease=lease, name=name, cancel_on_lost=False),
+                          cancel_on_lost)
+
+    def held_locks(self) -> list[LockInfo]:
+        """Every lock held in the namespace (see `LockManager.held_locks`)."""
+        _refuse_in_loop("held_locks")
+        runtime = self._current()
+        return runtime.run(runtime.manager.held_locks)
+
+    def force_release(self, key: str) -> bool:
+        """Release whoever holds `key` (an operator's last resort)."""
+        _refuse_in_loop("force_release")
+        runtime = self._current()
+        return runtime.run(partial(runtime.manager.force_release, key))
+
+    def close(self) -> None:
+        """Stop the manager and its loop thread; locks still held expire after their lease.
+
+        Idempotent. In a forked child it only forgets the parent's runtime.
+        """
+        with _process_lock:
+            if self._closed:
+                return
+            self._closed = True
+            runtime, self._runtime = self._runtime, None
+        if runtime is not None and runtime.pid == os.getpid():
+            runtime.close()
+
+    def __enter__(self) -> SyncLockManager:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         self.close()
+
+    # -- inside ------------------------------------------------------------------
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run one coroutine on this process's loop and wait (tests look at the loop this way)."""
+        try:
+            runtime = self._current()
+        except BaseException:
+            coro.close()
+            raise
+        return runtime.run(lambda: coro)
+
+    def _reenter(self, key: str) -> SyncHeldLock | None:
+        """A nested hold of a key this thread holds, counted here; None if it holds none."""
+        runtime = self._current()
+        hold = runtime.holds().get(key)
+        if hold is None:
+            return None
+        if hold.lost.is_set():
+            raise LockLost(f"lease of {hold.held.key} was lost: a nested acquire cannot re-enter it",
+                           key=hold.held.key, reason="lost before re-entry")
+        with runtime.mutex:
+            if runtime.holds().get(key) is hold:
+                hold.depth += 1
+                return SyncHeldLock(self, hold, hold.depth)
+        return None  # released meanwhile (by another thread): take it afresh
+
+    def _take(self, key: str, take: Callable[[Locks], Awaitable[HeldLock | None]],
+              cancel_on_lost: bool | None) -> SyncHeldLock | None:
+        runtime = self._current()
+        holds = runtime.holds()
+        cancel = self._cancel_on_lost if cancel_on_lost is None else bool(cancel_on_lost)
+
+        async def held() -> _Hold | None:
+            got = await take(runtime.manager)
+            return None if got is None else _Hold(runtime, holds, key, got, cancel)
+
+        hold = runtime.run(held, undo=_abandon_hold)
+        if hold is None:
+            return None
+        try:
+            return SyncHeldLock(self, hold, 1)
+        except BaseException:  # interrupted before the caller could see the hold: let it go
+            runtime.abandon_soon(hold.abandon)
+            raise
+
+    @staticmethod
+    def _count_out(hold: _Hold) -> bool:
+        """One release of the thread's hold: True if it was the last (a hold inherited across fork: never)."""
+        return hold.runtime.pid == os.getpid() and hold.forget()
+
+    def _release(self, hold: _Hold, last: bool) -> bool:
+        runtime = hold.runtime
+        if runtime.pid != os.getpid():
+            return False  # inherited across fork: the parent's lock, not this process's
+        if not last:
+            return not hold.lost.is_set()
+        if runtime.closing:
+            return False  # closed meanwhile: the lease expires by itself
+        return runtime.run(hold.end, cancel_on_abandon=False)
+
+
+def _abandon_hold(hold: _Hold | None) -> None:
+    if hold is not None:
+        hold.abandon()

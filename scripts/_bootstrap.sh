@@ -3,7 +3,8 @@
 #   ensure_python                      python3 that can make venvs
 #   ensure_venv [DIR PIP-ARGS...]      DIR (default .venv) with PIP-ARGS installed (default: this
 #                                      package with its test extra, editable); rebuilt from scratch
-#                                      when pyproject.toml or constraints/ changed since
+#                                      when pyproject.toml or constraints/ changed since; made with
+#                                      $VENV_PYTHON when set (default python3)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -45,10 +46,10 @@ ensure_venv() {
   if [ -f "$stamp" ] && [ -z "$(find pyproject.toml constraints -newer "$stamp" -print -quit)" ]; then
     return 0
   fi
-  ensure_python
+  [ -n "${VENV_PYTHON:-}" ] || ensure_python
   if [ "$dir" != .venv ] || [ ! -x "$dir/bin/python" ]; then
     rm -rf "$dir"
-    python3 -m venv "$dir"
+    "${VENV_PYTHON:-python3}" -m venv "$dir"
   fi
   echo "installing into $dir: ${args[*]}" >&2
   "$dir/bin/python" -m pip install -q --upgrade pip

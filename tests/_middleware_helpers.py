@@ -11,6 +11,7 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from otel_lock import LockManager
+from otel_lock.asgi._problem import TYPE_BASE
 
 NAMESPACE = "mwtest"
 
@@ -55,11 +56,16 @@ def counter_points(reader: InMemoryMetricReader, name: str) -> dict[tuple, int]:
 
 
 def problem(response: httpx.Response) -> dict:
+    """The RFC 9457 body, checked; `type` is given back as the case name (`lock-timeout`) to compare.
+
+    Every problem type of the library is the one absolute URI scheme of `_problem.TYPE_BASE`.
+    """
     assert response.headers["content-type"] == "application/problem+json", response.text
     body = response.json()
     assert body["status"] == response.status_code
     assert {"type", "title", "status", "detail"} <= body.keys()
-    return body
+    assert body["type"].startswith(TYPE_BASE), body["type"]
+    return {**body, "type": body["type"][len(TYPE_BASE):]}
 
 
 def empty_then_silent():
@@ -134,3 +140,53 @@ async def run_lifespan(app) -> list:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
     return sent
+
+
+async def until(predicate, what: str = "the condition", timeout: float = 10.0) -> None:
+    """Poll a (sync) predicate until it holds; fail naming `what` instead of hanging."""
+    try:
+        async with asyncio.timeout(timeout):
+            while not predicate():
+                await asyncio.sleep(0.005)
+    except TimeoutError:
+        raise AssertionError(f"timed out waiting for {what}") from None
+
+
+def waiting(reader: InMemoryMetricReader, lock_name: str) -> int:
+    """How many callers wait for `lock_name` now (the `otel_lock.pending` up-down counter)."""
+    return sum(v for attrs, v in counter_points(reader, "otel_lock.pending").items()
+               if dict(attrs).get("lock.name") == lock_name)
+
+
+@asynccontextmanager
+async def serving(app, **config) -> AsyncIterator[tuple[str, int]]:
+    """uvicorn in this event loop on a pre-bound loopback socket (connections queue until it accepts)."""
+    import socket
+
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="critical", lifespan="on", **config))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        yield sock.getsockname()
+    finally:
+        server.should_exit = True
+        await task
+        sock.close()
+
+
+def histogram_counts(reader: InMemoryMetricReader, name: str) -> dict[tuple, int]:
+    """{sorted attribute items: count} of one histogram."""
+    data = reader.get_metrics_data()
+    counts: dict[tuple, int] = {}
+    for rm in data.resource_metrics if data else []:
+        for sm in rm.scope_metrics:
+            for metric in sm.metrics:
+                if metric.name == name:
+                    for point in metric.data.data_points:
+                        counts[tuple(sorted(point.attributes.items()))] = point.count
+    return counts

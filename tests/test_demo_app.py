@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from otel_lock import LockManager
+from otel_lock.asgi._problem import TYPE_BASE
 from otel_lock.demo import DemoSettings, create_app
 from otel_lock.demo import _app
 from otel_lock.demo._store import Store
@@ -33,8 +34,11 @@ async def client(redis_url):
 
 
 def kind(response: httpx.Response) -> str:
+    """The case name of a problem answer, whose `type` is the library's absolute tag: URI."""
     assert response.headers["content-type"] == "application/problem+json", response.text
-    return response.json()["type"]
+    type_uri = response.json()["type"]
+    assert type_uri.startswith(TYPE_BASE), type_uri
+    return type_uri[len(TYPE_BASE):]
 
 
 @pytest.mark.parametrize("deduct", ["deduct", "deduct-atomic"])

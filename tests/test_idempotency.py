@@ -15,7 +15,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from otel_lock import LockMiddleware, idempotent, locked
-from otel_lock.asgi._idem_request import IdempotencyKeyError, canonical_body, parse_key
+from otel_lock.asgi.idempotency._fingerprint import canonical_body
+from otel_lock.asgi.idempotency._key import IdempotencyKeyError, parse_key
 
 try:
     from ._middleware_helpers import NAMESPACE, client_for, counter_points, disconnecting_call, make_manager, metered, problem
@@ -275,7 +276,7 @@ async def test_streamed_and_oversized_responses_are_tombstoned(redis_url):
     async with make_manager(redis_url) as manager:
         app = Starlette(routes=[
             Route("/stream", idempotent()(stream), methods=["POST"]),
-            Route("/big", idempotent(max_body=1000)(big), methods=["POST"]),
+            Route("/big", idempotent(max_stored_response=1000)(big), methods=["POST"]),
         ])
         app.add_middleware(LockMiddleware, manager=manager, principal=caller)
         async with client_for(app) as client:

@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from otel_lock import LockMiddleware, idempotent
-from otel_lock.asgi._idem_request import canonical_target
+from otel_lock.asgi.idempotency._fingerprint import canonical_target
 
 try:
     from ._middleware_helpers import client_for, make_manager, problem
@@ -302,7 +302,7 @@ async def test_a_principal_from_a_fastapi_dependency_style_check(redis_url):
 
 
 def test_gate_check_names_the_route_for_a_startup_walk(redis_url):
-    from otel_lock.asgi._idempotency import IdempotencyGate
+    from otel_lock.asgi.idempotency import IdempotencyGate
 
     gate = IdempotencyGate(manager=None, secret=b"s")
     with pytest.raises(ValueError, match=r"/api/orders.*principal="):

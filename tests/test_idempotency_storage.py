@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from otel_lock import LockMiddleware, idempotent, locked
-from otel_lock.asgi._idem_capture import FREE, STORE, UNKNOWN, verdict
+from otel_lock.asgi.idempotency._answer import FREE, STORE, UNKNOWN, verdict
 
 try:
     from ._middleware_helpers import client_for, make_manager, problem
@@ -158,8 +158,12 @@ def test_the_docs_table_of_stored_answers_matches_the_code():
     ({"wait_for_inflight": -1}, "wait_for_inflight"), ({"wait_for_inflight": math.nan}, "wait_for_inflight"),
     ({"ttl": 60, "wait_for_inflight": 120}, "wait_for_inflight"),
     ({"retry_after": math.inf}, "retry_after"), ({"retry_after": -0.5}, "retry_after"),
-    ({"max_body": -1}, "max_body"), ({"max_body": 1.5}, "max_body"), ({"max_body": True}, "max_body"),
-    ({"max_body": 2**40}, "max_body"),
+    ({"max_stored_response": -1}, "max_stored_response"), ({"max_stored_response": 1.5}, "max_stored_response"),
+    ({"max_stored_response": True}, "max_stored_response"), ({"max_stored_response": 2**40}, "max_stored_response"),
+    ({"max_body": 10, "max_stored_response": 10}, "max_stored_response"),
+    ({"unauthenticated_status": 200}, "unauthenticated_status"), ({"unauthenticated_status": "401"}, "unauthenticated_status"),
+    ({"challenge": None}, "challenge"), ({"challenge": ""}, "challenge"), ({"challenge": "Bearer\r\nX: 1"}, "challenge"),
+    ({"challenge": "B\u00e9arer"}, "challenge"), ({"challenge": 'realm="x"'}, "challenge"),
     ({"required": "yes"}, "required"), ({"retry_on_5xx": 1}, "retry_on_5xx"), ({"shared_scope": "no"}, "shared_scope"),
     ({"principal": "x-user-id"}, "principal"), ({"principal": lambda: "u"}, "principal"),
     ({"principal": lambda request: "u", "shared_scope": True}, "principal"),
@@ -170,9 +174,20 @@ def test_nonsense_options_fail_at_decoration_time(options, names):
 
 
 def test_sensible_options_are_accepted():
-    for options in ({"ttl": 1}, {"ttl": 366 * 86400}, {"ttl": 60, "wait_for_inflight": 60}, {"max_body": 0},
-                    {"retry_after": 0}, {"principal": lambda request, extra=None: "u"}, {"shared_scope": True}):
+    for options in ({"ttl": 1}, {"ttl": 366 * 86400}, {"ttl": 60, "wait_for_inflight": 60},
+                    {"max_stored_response": 0}, {"retry_after": 0}, {"principal": lambda request, extra=None: "u"},
+                    {"shared_scope": True}, {"challenge": 'Basic realm="shop", charset="UTF-8"'},
+                    {"unauthenticated_status": 403, "challenge": None}):
         idempotent(**options)
+
+
+def test_max_body_is_the_deprecated_name_of_max_stored_response():
+    # Issue 17: `max_body` meant the request on LockMiddleware and the stored response here.
+    with pytest.warns(DeprecationWarning, match="max_stored_response"):
+        old = idempotent(max_body=1000)
+    assert old == idempotent(max_stored_response=1000) and old.max_stored_response == 1000
+    with pytest.raises(ValueError, match="max_stored_response"), pytest.warns(DeprecationWarning):
+        idempotent(max_body=-1)
 
 
 def test_middleware_principal_must_be_callable(redis_url):

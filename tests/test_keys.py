@@ -129,7 +129,7 @@ def test_typed_values_render_canonically():
     import enum
     import uuid
 
-    from otel_lock.asgi._typed import render
+    from otel_lock.asgi._values import render
 
     class Color(enum.Enum):
         RED = "red"

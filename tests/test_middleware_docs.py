@@ -20,9 +20,14 @@ URL = "redis://127.0.0.1:6379/0"
 
 
 def run(source: str, redis_url: str) -> dict:
-    namespace: dict = {"__name__": "docs_snippet"}
-    exec(compile(source.replace(URL, redis_url), str(DOC), "exec"), namespace)
-    return namespace
+    """Run a snippet as the module a user would paste it into (frameworks look their module up)."""
+    import sys
+    import types
+
+    module = types.ModuleType("docs_snippet")
+    sys.modules["docs_snippet"] = module
+    exec(compile(source.replace(URL, redis_url), str(DOC), "exec"), module.__dict__)
+    return module.__dict__
 
 
 @pytest.mark.parametrize("index", range(len(SNIPPETS)))
@@ -32,7 +37,8 @@ async def test_every_snippet_runs_as_pasted_and_its_app_starts(redis_url, index)
     try:
         messages = await run_lifespan(namespace["app"])
     finally:
-        await namespace["locks"].aclose()
+        if "locks" in namespace:   # a manager the app's lifespan owns is closed by it
+            await namespace["locks"].aclose()
     assert messages[0]["type"] == "lifespan.startup.complete", messages
 
 

@@ -15,6 +15,7 @@ from pydantic import BaseModel
 from starlette.routing import Mount
 
 from otel_lock import LockMiddleware, idempotent, locked
+from otel_lock.asgi.idempotency import KEY_PATTERN
 
 try:
     from ._middleware_helpers import client_for, lock_key, make_manager, metered, run_lifespan
@@ -336,10 +337,10 @@ async def test_openapi_is_right_at_start_up_before_any_request(redis_url):
         return [p for p in params if p["in"] == "header" and p["name"].lower() == "idempotency-key"]
 
     orders_op = schema["paths"]["/orders"]["post"]
-    assert [p["schema"]["maxLength"] for p in idempotency_headers("/orders")] == [255]
+    assert [p["schema"]["pattern"] for p in idempotency_headers("/orders")] == [KEY_PATTERN]
     assert idempotency_headers("/orders")[0]["required"] is True
     assert len(idempotency_headers("/declared")) == 1      # the handler's own, not a second one
-    assert _problem_statuses(orders_op) == {"400", "408", "409", "413", "422", "503"}
+    assert _problem_statuses(orders_op) == {"400", "401", "408", "409", "413", "422", "429", "500", "503", "507"}
     assert "application/json" in orders_op["responses"]["422"]["content"]   # FastAPI's validation error stays
     stock_op = schema["paths"]["/v1/stock/{pid}"]["post"]
     assert {"400", "408", "409", "413", "503"} <= _problem_statuses(stock_op)

@@ -202,3 +202,76 @@ async def test_an_annotated_http_endpoint_class_without_the_middleware_fails_clo
     async with client_for(app) as client:
         answers = [await client.post("/items/1"), await client.put("/items/1")]
     assert [r.status_code for r in answers] == [500, 500] and ran == []
+
+
+# -- each cause its own problem type (issue 17: lock-middleware-missing covered three) -------
+
+
+async def test_a_value_judged_invalid_that_the_framework_accepts_is_refused_as_a_binding_mismatch(
+        redis_url, redis_client, monkeypatch):
+    from otel_lock.asgi import _binding
+
+    ran = []
+    async with make_manager(redis_url) as manager:
+        app = FastAPI()
+
+        @app.post("/stock/{pid}")
+        @locked("stock:{path.pid}")
+        async def deduct(pid: int):
+            ran.append(pid)
+
+        app.add_middleware(LockMiddleware, manager=manager)
+
+        async def disagree(self, scope, body):   # the middleware's binding and FastAPI's part ways
+            return _binding.INVALID
+
+        monkeypatch.setattr(_binding.RouteBinding, "request_values", disagree)
+        async with client_for(app) as client:
+            response = await client.post("/stock/1")
+    assert response.status_code == 500 and ran == []
+    body = problem(response)
+    assert body["type"] == "lock-binding-mismatch" and "refuses to run unlocked" in body["detail"]
+    assert await redis_client.keys("*") == []
+
+
+async def test_a_route_class_the_middleware_cannot_handle_is_its_own_problem_type(redis_url):
+    try:
+        from .test_middleware_binding import GzipRoute, Purchase
+    except ImportError:
+        from test_middleware_binding import GzipRoute, Purchase
+
+    async with make_manager(redis_url) as manager:
+        app = FastAPI()
+        app.router.route_class = GzipRoute
+
+        @app.post("/buy")
+        @locked("stock:{json.pid}")
+        def buy(purchase: Purchase):   # a def handler: its key cannot be taken at the call
+            return {}
+
+        app.add_middleware(LockMiddleware, manager=manager)
+        async with client_for(app) as client:
+            response = await client.post("/buy", json={"pid": 1})
+    assert response.status_code == 500
+    body = problem(response)
+    assert body["type"] == "lock-route-unsupported" and "GzipRoute" in body["detail"]
+
+
+async def test_a_header_the_route_never_declares_is_the_clients_400_naming_it(redis_url):
+    async with make_manager(redis_url) as manager:
+        app = FastAPI()
+
+        @app.post("/orders")
+        @locked("order:user:{header.x-user-id}")
+        async def order(request: Request):
+            return {"key": request.state.lock.key}
+
+        app.add_middleware(LockMiddleware, manager=manager)
+        assert (await run_lifespan(app))[0]["type"] == "lifespan.startup.complete"   # not a template mistake
+        async with client_for(app) as client:
+            missing = await client.post("/orders")
+            sent = await client.post("/orders", headers={"x-user-id": "u1"})
+    assert missing.status_code == 400
+    body = problem(missing)
+    assert body["type"] == "lock-key-invalid" and "header 'x-user-id' is missing" in body["detail"]
+    assert sent.json() == {"key": lock_key("order:user:u1")}

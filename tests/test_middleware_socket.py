@@ -74,7 +74,7 @@ async def read_status(reader: asyncio.StreamReader) -> tuple[int, bytes]:
 
 async def test_a_client_that_never_sends_its_body_holds_no_lock_and_gets_408(redis_url, redis_client):
     async with make_manager(redis_url) as manager:
-        async with serving(shop(manager, body_timeout=1.0)) as (host, port):
+        async with serving(shop(manager, body_idle_timeout=1.0)) as (host, port):
             reader, writer = await asyncio.open_connection(host, port)
             writer.write(b"POST /stock/1/deduct HTTP/1.1\r\nHost: shop\r\nAuthorization: Bearer alice\r\n"
                          b"Content-Type: application/json\r\nContent-Length: 20\r\n\r\n")

@@ -275,7 +275,7 @@ def test_rules_do_not_lock_404_or_405_of_a_routed_app():
 
 def test_a_rule_for_no_route_is_reported(redis_url, caplog):
     async def plain(request): ...
-    app = LockMiddleware(Starlette(routes=[Route("/real", plain)]), manager=object(), rules={"POST /typo": locked("t")})
+    app = LockMiddleware(Starlette(routes=[Route("/real", plain)]), rules={"POST /typo": locked("t")})
     app.prepare()
     assert "/typo" in caplog.text and "matches no route" in caplog.text
 

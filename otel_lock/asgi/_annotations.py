@@ -1,24 +1,31 @@
 """`@locked(...)` and `@idempotent(...)`: route annotations read by LockMiddleware.
 
-The decorator records itself in an attribute of the function (so it works in
-either order around `@app.post(...)`) and returns a thin guard around it
-(`_guard`): placed below `@app.post`, the registered handler then refuses to
-run without LockMiddleware instead of running unlocked. The same objects are
-the values of `LockMiddleware(rules={...})`.
+The decorator records itself in an attribute of the function and returns a
+thin guard around it (`_guard`): placed below `@app.post`, the registered
+handler then refuses to run without LockMiddleware instead of running
+unlocked. Written above `@app.post`, the route already registered the bare
+function: the decorator finds that route and makes it fail closed too (and
+says so in a warning that names the fix). The same objects are the values
+of `LockMiddleware(rules={...})`.
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
+import sys
+import types
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, TypeVar
 
-from ._idem_options import check_idempotent_options
-from ._idem_principal import Principal
 from ._keys import KeyTemplate, parse_template
+from .idempotency import Idempotent, idempotent
+
+log = logging.getLogger("otel_lock.middleware")
 
 ATTR = "__otel_lock__"
 MIB = 1024 * 1024
+__all__ = ["ATTR", "Idempotent", "Locked", "annotations_of", "idempotent", "locked"]
 RELEASE_AFTER = ("app", "response")   # when the app call returns (default), or after the last body message
 # A handler (function, method, HTTPEndpoint class or ASGI app): decorating returns it with its own type.
 F = TypeVar("F", bound=Callable[..., Any])
@@ -36,13 +43,37 @@ def _attach(obj: F, kind: str, annotation: Locked | Idempotent) -> F:
     guarded = guard(obj)
     if guarded is not obj:
         setattr(guarded, ATTR, {**existing, kind: annotation})
+        _fail_closed_if_registered(obj, kind, sys._getframe(2))
     return guarded
+
+
+def _fail_closed_if_registered(fn: Any, kind: str, frame: Any) -> None:
+    """`@locked` written above `@app.post`: the route registered `fn` itself, unguarded.
+
+    The decorating frame holds the app or router whose decorator ran just
+    before ours; its route for `fn` is made to refuse requests that no
+    LockMiddleware protects, and a warning names the fix.
+    """
+    from ._guard import fail_closed_route
+
+    # Apps and routers only: no attribute look-up on modules or classes (a module's __getattr__ may warn).
+    holders = [v for v in (*frame.f_locals.values(), *frame.f_globals.values())
+               if not isinstance(v, (types.ModuleType, type)) and isinstance(getattr(v, "routes", None), list)]
+    for holder in holders:
+        for route in holder.routes:
+            if getattr(route, "endpoint", None) is fn and fail_closed_route(route):
+                log.warning("otel-lock: @%s is written above @%s.<method>(%r) on %s: the route registered the "
+                            "function before the annotation; put @%s right below the route decorator. Until then "
+                            "the route depends on LockMiddleware alone (without it, it answers 500)",
+                            kind, type(holder).__name__, getattr(route, "path", "?"),
+                            getattr(fn, "__qualname__", fn), kind)
 
 
 def _check_seconds(what: str, value: float | None, *, allow_zero: bool) -> None:
     if value is None:
         return
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0 or (value == 0 and not allow_zero):
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value or value < 0 \
+            or (value == 0 and not allow_zero):
         raise ValueError(f"{what} must be a {'non-negative' if allow_zero else 'positive'} number of seconds, got {value!r}")
 
 
@@ -59,6 +90,8 @@ class Locked:
     name: str | None = None
     retry_after: float | None = None
     release_after: str = "app"
+    max_body: int | None = None             # request body limit; None: the middleware's
+    body_idle_timeout: float | None = None  # seconds without a body chunk; None: the middleware's
 
     kind: ClassVar[str] = "locked"
 
@@ -71,38 +104,24 @@ class Locked:
         return _attach(endpoint, self.kind, self)
 
 
-@dataclass(frozen=True)
-class Idempotent:
-    """What `idempotent(...)` returns: a route's Idempotency-Key handling, as a decorator or a `rules=` value."""
-
-    ttl: float = 86400.0
-    required: bool = True
-    principal: Principal | None = None
-    wait_for_inflight: float = 0.0
-    retry_on_5xx: bool = False
-    max_body: int = MIB
-    retry_after: float = 1.0
-    shared_scope: bool = False
-
-    kind: ClassVar[str] = "idempotent"
-
-    def __call__(self, endpoint: F) -> F:
-        return _attach(endpoint, self.kind, self)
-
-
 def locked(
     template: str, *, wait: float | None = None, lease: float | None = None, status: int = 409,
     fail_open: bool = False, hash_parts: bool = False, name: str | None = None, retry_after: float | None = None,
-    release_after: str = "app",
+    release_after: str = "app", max_body: int | None = None, body_idle_timeout: float | None = None,
 ) -> Locked:
     """Take the lock named by `template` before the handler runs; release when the app call returns.
 
     `release_after="response"` releases right after the last body message
     instead: background tasks and yield-dependency exit code then run unlocked.
+    `max_body` (bytes) and `body_idle_timeout` (seconds without a body chunk)
+    bound the body read before the lock; by default the middleware's.
     """
     _check_seconds("wait", wait, allow_zero=True)
     _check_seconds("lease", lease, allow_zero=False)
     _check_seconds("retry_after", retry_after, allow_zero=True)
+    _check_seconds("body_idle_timeout", body_idle_timeout, allow_zero=False)
+    if max_body is not None and (not isinstance(max_body, int) or isinstance(max_body, bool) or max_body < 0):
+        raise ValueError(f"max_body must be a non-negative number of bytes, got {max_body!r}")
     if not isinstance(status, int) or not 400 <= status <= 599:
         raise ValueError(f"status must be a 4xx or 5xx code, got {status!r}")
     if name is not None and (not isinstance(name, str) or not name):
@@ -110,24 +129,7 @@ def locked(
     if release_after not in RELEASE_AFTER:
         raise ValueError(f"release_after must be one of {', '.join(map(repr, RELEASE_AFTER))}, got {release_after!r}")
     return Locked(parse_template(template), wait, lease, status, fail_open, hash_parts, name, retry_after,
-                  release_after)
-
-
-def idempotent(
-    *, ttl: float = 86400, required: bool = True, principal: Principal | None = None,
-    shared_scope: bool = False, wait_for_inflight: float = 0, retry_on_5xx: bool = False, max_body: int = MIB,
-    retry_after: float = 1,
-) -> Idempotent:
-    """Honour the Idempotency-Key header: run once, replay the stored response to retries.
-
-    Keys are scoped to `principal(request)` (here or on LockMiddleware), or to
-    one space shared by every caller with `shared_scope=True`: say which.
-    """
-    check_idempotent_options(ttl=ttl, required=required, principal=principal, shared_scope=shared_scope,
-                             wait_for_inflight=wait_for_inflight, retry_on_5xx=retry_on_5xx,
-                             max_body=max_body, retry_after=retry_after)
-    return Idempotent(float(ttl), required, principal, float(wait_for_inflight), retry_on_5xx, max_body,
-                      float(retry_after), shared_scope)
+                  release_after, max_body, None if body_idle_timeout is None else float(body_idle_timeout))
 
 
 def annotations_of(endpoint: Any, method: str | None = None) -> dict[str, Any]:

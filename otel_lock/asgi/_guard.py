@@ -1,11 +1,19 @@
-"""Fail closed: an annotated handler that runs without LockMiddleware answers 500.
+"""Protection follows the handler: a guarded handler runs held, or is refused, wherever it is called from.
 
 `@locked`/`@idempotent` put a thin guard around the handler (same kind of
 callable, `functools.wraps`, so FastAPI and Starlette see the original
-signature). LockMiddleware marks the request it protects in a context
-variable, right around the route's app; a handler reached without that mark
-ran without its lock, so the guard answers a problem+json 500 naming
-LockMiddleware instead of running it (logged once per handler).
+signature). Around the route's app, LockMiddleware sets a `Mark` in a
+context variable naming the guards of the endpoint it protects; the first of
+them to run consumes it. Every other call of a guarded handler is a direct
+call (from another handler, a background task, a test): it takes its own
+lock, with the key rendered from the call's arguments, or is refused:
+
+    the route's call, marked held       runs (the middleware holds the lock)
+    the route's call, marked at_call    takes the lock from its arguments now
+    the route's call, marked unbound    refused (500 lock-binding-mismatch)
+    a direct call, coroutine handler    held under its own lock (re-entrant)
+    a direct call, anything else        DirectCallRefused, naming why
+    no LockMiddleware ever prepared it  refused (500 lock-middleware-missing)
 """
 
 from __future__ import annotations
@@ -14,21 +22,98 @@ import contextvars
 import functools
 import inspect
 import logging
-from typing import Any, Callable, TypeVar, cast
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, TypeVar, cast
+
+from ..lock import LockLost, LockTimeout, Locks, RedisUnavailable
+
+if TYPE_CHECKING:
+    from ._annotations import Locked
+    from ._binding import RouteBinding
+    from ._types import Scope
 
 log = logging.getLogger("otel_lock.middleware")
 
-PROTECTED = "protected"      # the middleware holds what the annotation asks for
-UNCHECKED = "unchecked"      # the middleware judged the request invalid and did not lock it
-ROUTE_STATE: contextvars.ContextVar[str | None] = contextvars.ContextVar("otel_lock_route_state", default=None)
 GUARD_ATTR = "__otel_lock_guard__"
+CALLS_ATTR = "__otel_lock_calls__"      # the DirectCalls a LockMiddleware installed on the guard
 _HTTP_METHODS = ("get", "head", "post", "put", "patch", "delete", "options")
-_reported: set[int] = set()
+_reported: set[tuple[int, str]] = set()
 F = TypeVar("F", bound=Callable[..., Any])
+
+HELD, AT_CALL, UNBOUND, UNLOCKED = "held", "at_call", "unbound", "unlocked"
 
 
 class LockMiddlewareMissing(RuntimeError):
     """An annotated handler ran without LockMiddleware protecting it."""
+
+
+class DirectCallRefused(RuntimeError):
+    """A guarded handler was called directly in a way that cannot be held under its lock."""
+
+
+@dataclass(frozen=True)
+class Hold:
+    """How a guarded handler takes its own lock from its arguments."""
+
+    locks: Callable[[], Locks | None]
+    locked: Locked
+    binding: RouteBinding
+    secret: Callable[[], bytes]
+    route: str
+
+    async def name(self, arguments: Mapping[str, Any]) -> str:
+        values = await self.binding.call_values(arguments)
+        return self.locked.template.render(values.__getitem__, self.secret() if self.locked.hash_parts else None)
+
+
+@dataclass(frozen=True)
+class DirectCalls:
+    """What a direct call of a guarded handler does: installed by the LockMiddleware that prepared it."""
+
+    hold: Hold | None               # None: no @locked (only @idempotent)
+    idempotent: bool
+    enabled: bool
+
+
+@dataclass(eq=False)
+class Mark:
+    """Set by the middleware around the route's app: what it did for this request."""
+
+    kind: str
+    guards: frozenset[int]
+    hold: Hold | None = None
+    scope: Scope | None = None
+    used: bool = False
+
+    @classmethod
+    def held(cls, guards: frozenset[int]) -> Mark:
+        return cls(HELD, guards)
+
+    @classmethod
+    def unbound(cls, guards: frozenset[int]) -> Mark:
+        return cls(UNBOUND, guards)
+
+    @classmethod
+    def unlocked(cls, guards: frozenset[int]) -> Mark:
+        return cls(UNLOCKED, guards)
+
+
+MARK: contextvars.ContextVar[Mark | None] = contextvars.ContextVar("otel_lock_mark", default=None)
+
+
+@contextmanager
+def marked(mark: Mark) -> Iterator[None]:
+    token = MARK.set(mark)
+    try:
+        yield
+    finally:
+        MARK.reset(token)
+
+
+def install_direct_calls(guard_fn: Any, calls: DirectCalls) -> None:
+    """Tell a guard how to hold its direct calls (the last middleware to prepare it wins)."""
+    setattr(guard_fn, CALLS_ATTR, calls)
 
 
 def guard(endpoint: F) -> F:
@@ -45,6 +130,23 @@ def guard(endpoint: F) -> F:
     if not inspect.isfunction(target) and not inspect.ismethod(target):
         return endpoint  # an ASGI app object or a partial: annotated, not guarded
     return _wrap(endpoint)
+
+
+def guard_functions(endpoint: Any, method: str | None = None) -> list[Any]:
+    """The guards a route's call of `endpoint` enters (through functools.wraps wrappers)."""
+    found: list[Any] = []
+    targets: list[Any] = [endpoint]
+    if inspect.isclass(endpoint):
+        targets = [endpoint.__dict__.get(m) for m in _HTTP_METHODS
+                   if method is None or m == method.lower() or (method.upper() == "HEAD" and m == "get")]
+    for target in targets:
+        seen = 0
+        while target is not None and seen < 32:
+            if getattr(target, GUARD_ATTR, False) and all(target is not f for f in found):
+                found.append(target)
+            target = getattr(target, "__wrapped__", None) or getattr(target, "func", None)
+            seen += 1
+    return found
 
 
 def _wrap(fn: F) -> F:
@@ -65,56 +167,236 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
     """A wrapper of the same kind as `fn` (coroutine, async generator, generator, plain function)."""
     if inspect.iscoroutinefunction(fn):
         async def guarded_coroutine(*args: Any, **kwargs: Any) -> Any:
-            refused = _refusal(fn)
-            return refused if refused is not None else await fn(*args, **kwargs)
+            entry = _entry(guarded_coroutine, fn)
+            if entry is None:
+                return await fn(*args, **kwargs)
+            return await entry.run(fn, args, kwargs)
         return guarded_coroutine
     if inspect.isasyncgenfunction(fn):
         async def guarded_async_generator(*args: Any, **kwargs: Any) -> Any:
-            _raise_if_unprotected(fn)
-            async for item in fn(*args, **kwargs):
-                yield item
+            entry = _entry(guarded_async_generator, fn)
+            if entry is None:
+                async for item in fn(*args, **kwargs):
+                    yield item
+                return
+            async with entry.held(fn, args, kwargs):
+                async for item in fn(*args, **kwargs):
+                    yield item
         return guarded_async_generator
     if inspect.isgeneratorfunction(fn):
         def guarded_generator(*args: Any, **kwargs: Any) -> Any:
-            _raise_if_unprotected(fn)
+            entry = _entry(guarded_generator, fn)
+            if entry is not None:
+                entry.refuse_sync(fn)
             yield from fn(*args, **kwargs)
         return guarded_generator
 
     def guarded(*args: Any, **kwargs: Any) -> Any:
-        refused = _refusal(fn)
-        return refused if refused is not None else fn(*args, **kwargs)
+        entry = _entry(guarded, fn)
+        if entry is None:
+            return fn(*args, **kwargs)
+        return entry.refuse_sync(fn)
     return guarded
 
 
-def _problem(fn: Callable[..., Any]) -> str | None:
-    state = ROUTE_STATE.get()
-    if state == PROTECTED:
-        return None
-    name = getattr(fn, "__qualname__", repr(fn))
-    if state == UNCHECKED:
-        problem = (f"otel-lock refused to run {name}: LockMiddleware found a key value invalid for the "
-                   f"route's declared types and did not lock, yet the framework accepted the request")
-    else:
-        problem = (f"{name} is annotated with @locked/@idempotent but ran without LockMiddleware "
-                   f"protecting it: add app.add_middleware(LockMiddleware, manager=...) to the app, and keep "
-                   f"wrapping decorators between @app.<method> and @locked transparent (functools.wraps)")
-    if id(fn) not in _reported:
-        _reported.add(id(fn))
-        log.error("otel-lock: %s", problem)
-    return problem
+def _entry(guard_fn: Any, fn: Callable[..., Any]) -> _Entry | None:
+    """None: run as is; otherwise what to do instead."""
+    mark = MARK.get()
+    if mark is not None and not mark.used and id(guard_fn) in mark.guards:
+        mark.used = True   # the route's one call; any further call is a direct one
+        if mark.kind in (HELD, UNLOCKED):
+            return None
+        if mark.kind == UNBOUND:
+            return _Refusal(500, "lock-binding-mismatch", _name(fn) + ": LockMiddleware found a value of the "
+                            "lock key invalid for the route's declared types and took no lock, yet the framework "
+                            "accepted the request; it refuses to run unlocked (please report the route and request)")
+        assert mark.hold is not None
+        return _RouteHold(mark.hold, mark.scope)
+    calls: DirectCalls | None = getattr(guard_fn, CALLS_ATTR, None)
+    if calls is None:
+        return _Refusal(500, "lock-middleware-missing",
+                        f"{_name(fn)} is annotated with @locked/@idempotent but ran without LockMiddleware "
+                        f"protecting it: add app.add_middleware(LockMiddleware, manager=...) to the app, write "
+                        f"@locked/@idempotent right below @app.<method>, and keep wrapping decorators between "
+                        f"them transparent (functools.wraps)")
+    if not calls.enabled:
+        return None   # LockMiddleware(enabled=False): annotated handlers run without locks, on purpose
+    return _DirectHold(calls)
 
 
-def _refusal(fn: Callable[..., Any]) -> Any:
-    problem = _problem(fn)
-    if problem is None:
-        return None
-    from starlette.responses import JSONResponse
+class _Entry:
+    async def run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        raise NotImplementedError
 
-    return JSONResponse({"type": "lock-middleware-missing", "title": "Internal Server Error", "status": 500,
-                         "detail": problem}, status_code=500, media_type="application/problem+json")
+    def held(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        raise NotImplementedError
+
+    def refuse_sync(self, fn: Callable[..., Any]) -> Any:
+        raise NotImplementedError
 
 
-def _raise_if_unprotected(fn: Callable[..., Any]) -> None:
-    problem = _problem(fn)
-    if problem is not None:
-        raise LockMiddlewareMissing(problem)
+class _Refusal(_Entry):
+    """Answer 500 problem+json instead of running (generators raise: they cannot answer)."""
+
+    def __init__(self, status: int, type_name: str, detail: str) -> None:
+        self.status, self.type_name, self.detail = status, type_name, detail
+
+    def _report(self) -> None:
+        if (hash(self.detail), self.type_name) not in _reported:
+            _reported.add((hash(self.detail), self.type_name))
+            log.error("otel-lock: %s", self.detail)
+
+    async def run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return self.refuse_sync(fn)
+
+    def refuse_sync(self, fn: Callable[..., Any]) -> Any:
+        self._report()
+        return problem_response(self.status, self.type_name, self.detail)
+
+    def held(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        self._report()
+        raise LockMiddlewareMissing(self.detail)
+
+
+class _DirectHold(_Entry):
+    """A direct call: held under the handler's own lock, its key from the call's arguments."""
+
+    def __init__(self, calls: DirectCalls) -> None:
+        self.calls = calls
+
+    def _hold(self, fn: Callable[..., Any]) -> Hold:
+        if self.calls.idempotent:
+            raise DirectCallRefused(f"{_name(fn)} is @idempotent: Idempotency-Keys belong to HTTP requests, so a "
+                                    f"direct call cannot honour one; call the route, or move the work into a "
+                                    f"function without the annotation")
+        assert self.calls.hold is not None  # a guard carries @locked, @idempotent or both
+        return self.calls.hold
+
+    async def run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        async with self.held(fn, args, kwargs):
+            return await fn(*args, **kwargs)
+
+    @asynccontextmanager
+    async def held(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        hold = self._hold(fn)
+        manager = hold.locks()
+        if manager is None:
+            raise DirectCallRefused(f"{_name(fn)}: LockMiddleware has no lock manager yet to hold this call")
+        from ._binding import Unrenderable
+
+        try:
+            name = await hold.name(_arguments(fn, args, kwargs))
+        except Unrenderable as error:
+            raise DirectCallRefused(f"{_name(fn)} was called directly and its lock key "
+                                    f"{hold.locked.template.template!r} cannot be built from the call: {error}") \
+                from None
+        rule = hold.locked
+        async with manager.lock(name, wait=rule.wait, lease=rule.lease, name=rule.lock_name, cancel_on_lost=True):
+            yield
+
+    def refuse_sync(self, fn: Callable[..., Any]) -> Any:
+        self._hold(fn)
+        raise DirectCallRefused(f"{_name(fn)} was called directly: a plain (def) or generator handler cannot take "
+                                f"an asyncio lock around a direct call; call the route, make the handler "
+                                f"`async def`, or move the work into a function without the annotation")
+
+
+class _RouteHold(_Entry):
+    """The route's call on a route whose key comes from the handler's arguments (custom route classes)."""
+
+    def __init__(self, hold: Hold, scope: Scope | None) -> None:
+        self.hold, self.scope = hold, scope
+
+    async def run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        from ._binding import Unrenderable
+        from ._keys import TemplateValueError
+        from ._request import count_fail_open, retry_after
+
+        rule = self.hold.locked
+        manager = self.hold.locks()
+        if manager is None:
+            return problem_response(500, "lock-manager-missing", "LockMiddleware has no lock manager")
+        try:
+            name = await self.hold.name(_arguments(fn, args, kwargs))
+        except TemplateValueError as error:
+            return problem_response(400, "lock-key-invalid", str(error))
+        except Unrenderable as error:
+            return problem_response(500, "lock-route-unsupported", str(error))
+        entered = False
+        try:
+            async with manager.lock(name, wait=rule.wait, lease=rule.lease, name=rule.lock_name,
+                                    cancel_on_lost=True) as held:
+                entered = True
+                if self.scope is not None:
+                    self.scope.setdefault("state", {})["lock"] = held
+                return await fn(*args, **kwargs)
+        except LockTimeout:
+            if entered:
+                raise
+            return problem_response(rule.status, "lock-timeout", f"the resource is busy (lock {rule.lock_name!r} "
+                                    f"not acquired within the wait)", retry_after=retry_after(rule))
+        except RedisUnavailable as error:
+            if entered:
+                raise
+            if rule.fail_open:
+                count_fail_open(manager, rule)
+                return await fn(*args, **kwargs)
+            return problem_response(503, "redis-unavailable", "the lock service is unavailable",
+                                    retry_after=retry_after(rule) if error.retry_after is None else error.retry_after)
+        except LockLost:
+            return problem_response(503, "lock-lost", "the lock was lost while the request ran; its effects may "
+                                    "be incomplete", retry_after=retry_after(rule))
+
+
+class _FailClosedRoute:
+    """A route's app whose endpoint is an annotated but unguarded function (`@locked` above `@app.post`)."""
+
+    def __init__(self, app: Any, detail: str) -> None:
+        self.app, self.detail = app, detail
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and MARK.get() is None:
+            await problem_response(500, "lock-middleware-missing", self.detail)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def fail_closed_route(route: Any) -> bool:
+    """Make `route` refuse requests no LockMiddleware marked; False if it already does.
+
+    Its `handle` is wrapped (the router calls it, also through FastAPI's
+    included routers); LockMiddleware's own hook then wraps this one.
+    """
+    handle = getattr(route, "handle", None)
+    if handle is None or isinstance(route.__dict__.get("handle"), _FailClosedRoute):
+        return False
+    name = _name(getattr(route, "endpoint", route))
+    route.handle = _FailClosedRoute(handle, f"{name} is annotated with @locked/@idempotent written above the route "
+                                      f"decorator, and no LockMiddleware protects it: put the annotation right "
+                                      f"below @app.<method>(...), and add app.add_middleware(LockMiddleware, "
+                                      f"manager=...) to the app")
+    return True
+
+
+def problem_response(status: int, type_name: str, detail: str, retry_after: float | None = None) -> Any:
+    from starlette.responses import Response
+
+    from ._problem import CONTENT_TYPE, problem_body, retry_after_value
+
+    headers = {"retry-after": retry_after_value(retry_after).decode()} if retry_after is not None else None
+    return Response(problem_body(status, type_name, detail), status_code=status, headers=headers,
+                    media_type=CONTENT_TYPE.decode())
+
+
+@functools.cache
+def _signature(fn: Callable[..., Any]) -> inspect.Signature:
+    return inspect.signature(fn)
+
+
+def _arguments(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    bound = _signature(fn).bind_partial(*args, **kwargs)
+    return dict(bound.arguments)
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    return str(getattr(fn, "__qualname__", repr(fn)))

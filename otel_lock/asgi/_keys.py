@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
-SOURCES = ("path", "query", "header", "json")
+SOURCES = ("path", "query", "header", "json", "form")
 MAX_NAME = 512            # the lock core's limit on a lock name
 MAX_PART = 64             # escaped values longer than this are hashed
 SECRET_ENV = "OTEL_LOCK_HASH_SECRET"
@@ -69,8 +69,8 @@ def resolve_secret(explicit: str | bytes | None, fallback: str) -> bytes:
 class Part:
     """One `{source.field}` placeholder of a key template."""
 
-    source: str             # path, query, header, json
-    field: str              # path param, query name, lower-case header name, or dotted json path
+    source: str             # path, query, header, json, form
+    field: str              # path param, query name, lower-case header name, or dotted json/form path
     text: str               # the placeholder as written, for error messages
 
     @property
@@ -88,7 +88,7 @@ class KeyTemplate:
 
     @property
     def needs_body(self) -> bool:
-        return any(p.source == "json" for p in self.parts)
+        return any(p.source in ("json", "form") for p in self.parts)
 
     def render(self, lookup: Callable[[Part], str], secret: bytes | None = None) -> str:
         """Build the lock name; `lookup` raises TemplateValueError for absent values."""
@@ -136,7 +136,7 @@ def _parse_part(template: str, inner: str, text: str) -> Part:
             f"lock key template {template!r}: placeholder {text} must be one of "
             + ", ".join(f"{{{s}.NAME}}" for s in SOURCES)
         )
-    names = field.split(".") if source == "json" else [field]
+    names = field.split(".") if source in ("json", "form") else [field]
     if not all(_FIELD.match(n) for n in names):
         raise ValueError(f"lock key template {template!r}: {text} names an empty or ill-formed field")
     if source == "header":

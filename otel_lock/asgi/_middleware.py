@@ -1,75 +1,97 @@
-"""LockMiddleware: at start-up, wrap each annotated route; per request, cost nothing elsewhere.
+"""LockMiddleware: at start-up, hook each protected route; per request, cost nothing elsewhere.
 
-Pure ASGI. It does not route: when the app starts (lifespan startup, or the
-first request for servers and test clients without lifespan) it walks the
-app's routes once (`_routing.plan`), replaces the `handle` of each route
-that carries `@locked`/`@idempotent` or a rule with a `RouteHandle`, fixes
-the OpenAPI schema, and checks the annotations. The router's one match then
-leads straight into `_flow.Flow` for protected routes; other routes and
-other requests never touch this code. A plain ASGI app without Starlette
-routes gets its rules matched here instead.
+Pure ASGI. When the app starts (lifespan startup, after the app's own
+startup code, or the first request for servers and test clients without
+lifespan) it finds its lock manager and walks the app's routes once
+(`_routing.plan`): each route that carries `@locked`/`@idempotent` or a rule
+gets a `RouteHandle`, the keys' bindings are checked, the OpenAPI schema is
+completed. A mistake fails the start-up, naming the route and the fix. The
+router's one match then leads into `_request.ProtectedRequest` for
+protected routes; other routes and other requests never touch this code.
+An app without Starlette routes (plain ASGI, Litestar, Quart) gets its rules
+matched here instead, in front of it.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, TypeAlias
 
-from ..lock import LockManager
-from ._annotations import MIB
-from ._flow import Flow
-from ._guard import PROTECTED, ROUTE_STATE
-from ._idem_principal import Principal
-from ._idempotency import IdempotencyGate
+from ..lock import Locks
+from ._annotations import MIB, Locked
+from ._binding import RouteBinding
+from ._declared import Unbindable
+from ._body import BodyLimits
+from ._guard import DirectCalls, Hold, guard_functions, install_direct_calls
+from .idempotency import IdempotencyGate, IdempotencyStore, Principal
+from .idempotency._principal import check_callable
 from ._keys import resolve_secret
 from ._openapi import document
-from ._problem import send_problem
-from ._routing import (Problem, RoutePlan, RuleMatcher, Rules, _Rule, effective_context, find_routes, parse_rules,
-                       plan)
-from ._typed import TypedFields
+from ._request import Protection, ProtectedRequest
+from ._routing import (Annotated, Problem, Refuse, RouteHandle, RoutePlan, RouteTemplate, RuleMatcher, Rules, _Rule,
+                       find_routes, foreign_annotated, install, is_starlette_routes, original_handle, parse_rules, plan)
 from ._types import ASGIApp, Message, Receive, Scope, Send
 
 log = logging.getLogger("otel_lock.middleware")
+
+STATE_NAME = "locks"   # app.state.locks, or the lifespan state's "locks"
+# A manager, a zero-argument factory of one (called once, on the serving loop), or None: app.state.locks.
+ManagerSource: TypeAlias = "Locks | Callable[[], Locks] | None"
+
+
+class StartupFailed(RuntimeError):
+    """LockMiddleware refused the app's start-up; the message names the route and the fix."""
 
 
 class LockMiddleware:
     """Takes each annotated route's lock before the app runs; see docs/middleware.md."""
 
-    def __init__(self, app: ASGIApp, manager: LockManager, rules: Rules | None = None,
+    def __init__(self, app: ASGIApp, manager: ManagerSource = None, rules: Rules | None = None,
                  hash_secret: str | bytes | None = None, max_body: int = MIB,
-                 principal: Principal | None = None,
-                 body_timeout: float = 5.0, send_timeout: float = 10.0, enabled: bool = True) -> None:
-        if manager is None:
-            raise ValueError("LockMiddleware needs manager=LockManager(...)")
-        if not isinstance(max_body, int) or max_body < 0:
+                 principal: Principal | None = None, body_idle_timeout: float = 5.0,
+                 send_timeout: float = 10.0, enabled: bool = True, body_timeout: float | None = None,
+                 idempotency_store: IdempotencyStore | None = None) -> None:
+        if not isinstance(max_body, int) or isinstance(max_body, bool) or max_body < 0:
             raise ValueError(f"max_body must be a non-negative number of bytes, got {max_body!r}")
-        for what, value in (("body_timeout", body_timeout), ("send_timeout", send_timeout)):
+        if body_timeout is not None:
+            body_idle_timeout = body_timeout   # the former name
+        for what, value in (("body_idle_timeout", body_idle_timeout), ("send_timeout", send_timeout)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{what} must be a positive number of seconds, got {value!r}")
+        check_callable(principal, "LockMiddleware")
+        if manager is not None and not isinstance(manager, Locks) and not _is_factory(manager):
+            raise TypeError(f"LockMiddleware(manager=...) takes a lock manager (LockManager, RedLockManager), a "
+                            f"zero-argument factory of one, or nothing (then app.state.locks); got {manager!r}")
         self.app: ASGIApp = app
-        self.manager: LockManager = manager
+        self.source: ManagerSource = manager
         self.rules: list[_Rule] = parse_rules(rules)
-        if hash_secret is None:
-            hash_secret = getattr(manager, "hash_secret", None)
-        self.secret: bytes = resolve_secret(hash_secret, getattr(manager, "namespace", "otel-lock"))
+        self.hash_secret = hash_secret
         self.max_body: int = max_body
-        self.body_timeout: float = float(body_timeout)
+        self.body_idle_timeout: float = float(body_idle_timeout)
         self.send_timeout: float = float(send_timeout)
         # principal: whose Idempotency-Keys these are, for @idempotent routes that don't say.
-        self.gate: IdempotencyGate = IdempotencyGate(manager, self.secret, principal)
+        self.principal = principal
+        # idempotency_store: where @idempotent records live and their caps (default: next to the locks).
+        if idempotency_store is not None and not isinstance(idempotency_store, IdempotencyStore):
+            raise ValueError(f"idempotency_store must be an IdempotencyStore, got {idempotency_store!r}")
+        self.idempotency_store = idempotency_store
         # enabled=False: a deliberate switch (demos, load tests) that runs annotated
         # handlers without their locks instead of refusing them; logged at start-up.
         self.enabled: bool = bool(enabled)
         self.plain: RuleMatcher | None = None
+        self.plain_protections: dict[int, Protection] = {}
         self.prepared: bool = False
-        self._typed: dict[int, tuple[Any, TypedFields]] = {}
+        self._manager: Locks | None = manager if isinstance(manager, Locks) else None
+        self._gate: IdempotencyGate | None = None
+        self._secret: tuple[Locks, bytes] | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            await self.app(scope, receive, self._startup_checked(scope, send))
+            await self._lifespan(scope, receive, send)
             return
         if not self.prepared:
+            self.locks(scope)
             self.prepare(scope.get("app"))
         if scope["type"] != "http" or self.plain is None or not self.enabled:
             await self.app(scope, receive, send)
@@ -80,35 +102,181 @@ class LockMiddleware:
             return
         scope["path_params"] = {**scope.get("path_params", {}), **match.path_params}
         # What a router would set: HTTP instrumentations read the route template from it.
-        scope.setdefault("route", _RouteTemplate(match.route))
-        await Flow(self, match, match.route, None, self.app, scope, receive, send).run()
+        scope.setdefault("route", RouteTemplate(match.route))
+        await ProtectedRequest(self, self.plain_protections[id(match.rule)], self.app, scope, receive, send).run()
+
+    # -- the lock manager -------------------------------------------------------
+
+    def locks(self, scope: Scope | None = None) -> Locks | None:
+        """The manager: given, made by the factory (once), or the app's (`app.state.locks`, lifespan state)."""
+        if self._manager is None:
+            source = self.source
+            if _is_factory(source) and callable(source):
+                made = source()
+                if not isinstance(made, Locks):
+                    raise TypeError(f"LockMiddleware(manager=...): the factory returned {made!r}, not a lock manager")
+                self._manager = made
+            elif scope is not None:
+                self._manager = _from_app(scope)
+        return self._manager
+
+    def current_locks(self) -> Locks | None:
+        """The lock manager in use, once resolved (a factory's or app.state's is resolved at start-up)."""
+        return self._manager
+
+    def missing_manager(self) -> str:
+        """What to do when no lock manager was found."""
+        return ("LockMiddleware has no lock manager: pass manager=LockManager(...) (or a zero-argument factory "
+                "of one), or set app.state.locks in the app's lifespan (or yield {\"locks\": manager} from it)")
+
+    @property
+    def gate(self) -> IdempotencyGate:
+        """The Idempotency-Key gate of the resolved manager (made once per manager)."""
+        manager = self._manager
+        assert manager is not None, "a protected request resolves the manager first"
+        if self._gate is None or self._gate.manager is not manager:
+            self._gate = IdempotencyGate(manager, self.secret, self.principal, self.idempotency_store)  # type: ignore[arg-type]
+        return self._gate
+
+    @property
+    def secret(self) -> bytes:
+        """The HMAC secret of `hash_parts` and idempotency scopes (from the manager's namespace by default)."""
+        manager = self._manager
+        if self._secret is None or self._secret[0] is not manager:
+            explicit = self.hash_secret if self.hash_secret is not None else getattr(manager, "hash_secret", None)
+            secret = resolve_secret(explicit, getattr(manager, "namespace", "otel-lock"))
+            if manager is None:
+                return secret
+            self._secret = (manager, secret)
+        return self._secret[1]
+
+    # -- start-up ---------------------------------------------------------------
+
+    async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The app's lifespan, checked once its startup is done; a mistake fails the start-up.
+
+        On a failure the app's own lifespan is shut down (its clean-up runs),
+        the server is told `lifespan.startup.failed` with the message, and the
+        call raises, as Starlette's own lifespan does: every server and test
+        client then ends its start-up at once.
+        """
+        failure: str | None = None
+
+        async def app_receive() -> Message:
+            if failure is not None:
+                return {"type": "lifespan.shutdown"}   # our refusal: the app cleans up now
+            return await receive()
+
+        async def app_send(message: Message) -> None:
+            nonlocal failure
+            if message["type"] == "lifespan.startup.complete":
+                failure = self._start(scope)
+                if failure is None:
+                    await send(message)
+                return
+            if failure is not None and message["type"].startswith("lifespan.shutdown"):
+                return   # the app's clean-up after our refusal; the server waits for the start-up answer
+            await send(message)
+
+        await self.app(scope, app_receive, app_send)
+        if failure is not None:
+            await send({"type": "lifespan.startup.failed", "message": failure})
+            raise StartupFailed(failure)
+
+    def _start(self, scope: Scope) -> str | None:
+        """Find the manager and prepare; the start-up failure message, or None."""
+        if not _is_factory(self.source) and not isinstance(self.source, Locks):
+            self._manager = None   # app.state.locks: the one this lifespan set
+        try:
+            manager = self.locks(scope)
+        except Exception as error:
+            return f"otel-lock: LockMiddleware could not make its lock manager: {error!r}"
+        if manager is None:
+            return f"otel-lock: {self.missing_manager()}"
+        problems = self.prepare(scope.get("app"), startup=True) if not self.prepared else []
+        if problems:
+            return "otel-lock: " + "; ".join(str(p) for p in problems)
+        return None
 
     def prepare(self, outer_app: Any = None, startup: bool = False) -> list[Problem]:
-        """Walk the routes once: wrap annotated ones, document them, report mistakes (logged)."""
+        """Walk the routes once: hook protected ones, document them, report mistakes (logged)."""
         self.prepared = True
         routes = find_routes(self.app)
-        if routes is None and isinstance(getattr(outer_app, "routes", None), list):
+        if routes is None and is_starlette_routes(getattr(outer_app, "routes", None)):
             routes = outer_app.routes   # a middleware in between that hides its `.app`
         if routes is None:
-            self.plain = RuleMatcher(self.rules)
-            return []
+            return self._prepare_plain()
         plans, problems = plan(routes, self.rules)
-        if startup:
+        for route_plan in plans:
+            protections, found = self._protections(route_plan)
+            problems += found
+            if not found:
+                install(route_plan.route, RouteHandle(self, route_plan, original_handle(route_plan.route),
+                                                      protections))
+        if startup and self._manager is not None:
             # Settings the idempotency gate needs (a principal): at start-up they fail the start;
             # on first use the gate answers for itself.
             problems += self._gate_problems(plans)
-        for route_plan in plans:
-            _install(route_plan.route, RouteHandle(self, route_plan, _original_handle(route_plan.route)))
         for problem in problems:
             log.error("otel-lock: %s", problem)
             if problem.target is not None:
-                _install(problem.target, _Refuse(problem, _original_handle(problem.target)))
+                install(problem.target, Refuse(problem, original_handle(problem.target)))
         document(plans, outer_app)
         if not self.enabled:
             log.warning("otel-lock: LockMiddleware(enabled=False): %d annotated routes run WITHOUT their locks "
                         "and idempotency", len(plans))
         _warn_about_cors(self.app)
         return problems
+
+    def _prepare_plain(self) -> list[Problem]:
+        """No Starlette routes: the rules' own paths are matched in front of the app."""
+        self.plain = RuleMatcher(self.rules)
+        problems: list[Problem] = foreign_annotated(self.app)
+        for rule in self.rules:
+            annotated = Annotated(rule.annotations.get("locked"), rule.annotations.get("idempotent"))
+            try:
+                self.plain_protections[id(rule)] = self._protection(rule.path_format, annotated, None, None, None)
+            except Unbindable as error:
+                problems.append(Problem(rule.path_format, str(error)))
+        for problem in problems:
+            log.error("otel-lock: %s", problem)
+        return problems
+
+    def _protections(self, route_plan: RoutePlan) -> tuple[dict[tuple[int, str], Protection], list[Problem]]:
+        """One Protection per (FastAPI inclusion, method) of a route; the binding mistakes found."""
+        found: dict[tuple[int, str], Protection] = {}
+        problems: list[Problem] = []
+        targets = [(0, route_plan.route, route_plan.template)]
+        targets += [(id(c), c, route_plan.templates.get(id(c), route_plan.template)) for c in route_plan.contexts]
+        for key, target, template in targets:
+            for method, annotated in route_plan.methods.items():
+                try:
+                    found[(key, method)] = self._protection(template, annotated, target, route_plan.route, method)
+                except Unbindable as error:
+                    kind = "lock-route-unsupported" if isinstance(error, _Unsupported) else "lock-annotation-invalid"
+                    problems.append(Problem(template, str(error), route_plan.route, kind))
+                    return found, problems
+        return found, problems
+
+    def _protection(self, template: str, annotated: Annotated, target: Any, route: Any,
+                    method: str | None) -> Protection:
+        locked = annotated.locked
+        endpoint = getattr(target, "endpoint", None) if target is not None else None
+        guards = guard_functions(endpoint, method) if endpoint is not None else []
+        binding = at_call = None
+        if locked is not None:
+            binding = RouteBinding(locked.template, getattr(target, "dependant", None),
+                                   bool(getattr(target, "_embed_body_fields", False)))
+            at_call = _key_at_call(route, locked, binding, guards, template)
+        limits = BodyLimits(locked.max_body if locked is not None and locked.max_body is not None else self.max_body,
+                            locked.body_idle_timeout if locked is not None and locked.body_idle_timeout is not None
+                            else self.body_idle_timeout)
+        hold = Hold(self.current_locks, locked, binding, lambda: self.secret, template) \
+            if locked is not None and binding is not None else None
+        for fn in guards:
+            install_direct_calls(fn, DirectCalls(hold, annotated.idempotent is not None, self.enabled))
+        return Protection(template, locked, annotated.idempotent, binding, limits,
+                          frozenset(id(fn) for fn in guards), bool(at_call), hold)
 
     def _gate_problems(self, plans: list[RoutePlan]) -> list[Problem]:
         found: list[Problem] = []
@@ -122,87 +290,59 @@ class LockMiddleware:
                         break
         return found
 
-    def _startup_checked(self, scope: Scope, send: Send) -> Send:
-        """Prepare once the app's own startup is done; a mistake fails the startup, naming it."""
-        async def checked(message: Message) -> None:
-            if message["type"] == "lifespan.startup.complete" and not self.prepared:
-                problems = self.prepare(scope.get("app"), startup=True)
-                if problems:
-                    text = "otel-lock: " + "; ".join(str(p) for p in problems)
-                    await send({"type": "lifespan.startup.failed", "message": text})
-                    return
-            await send(message)
 
-        return checked
-
-    def typed_fields(self, route: Any) -> TypedFields | None:
-        """FastAPI's declared fields of a route or inclusion (cached per dependant)."""
-        dependant = getattr(route, "dependant", None)
-        if dependant is None:
-            return None
-        cached = self._typed.get(id(dependant))
-        if cached is None or cached[0] is not dependant:
-            cached = (dependant, TypedFields(dependant, bool(getattr(route, "_embed_body_fields", False))))
-            self._typed[id(dependant)] = cached
-        return cached[1]
+class _Unsupported(Unbindable):
+    """A route the middleware cannot protect as written (its route class, its handler's kind)."""
 
 
-class RouteHandle:
-    """Replaces an annotated route's `handle`: the router has matched, the handler has not run yet."""
+def _key_at_call(route: Any, locked: Locked, binding: RouteBinding, guards: list[Any], template: str) -> bool:
+    """A key from the body of a route whose class transforms the request: taken from the handler's arguments.
 
-    def __init__(self, mw: LockMiddleware, route_plan: RoutePlan, original: ASGIApp) -> None:
-        self.mw, self.plan, self.original = mw, route_plan, original
-        first = route_plan.contexts[0] if route_plan.contexts else None
-        own = getattr(first, "path", "") if first is not None else ""
-        self.prefix = route_plan.template[: len(route_plan.template) - len(own)] if own else ""
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        annotated = self.plan.methods.get(scope.get("method", "")) if scope["type"] == "http" else None
-        if annotated is None:
-            await self.original(scope, receive, send)   # websocket, 405, or an unannotated method
-            return
-        if not self.mw.enabled:
-            token = ROUTE_STATE.set(PROTECTED)
-            try:
-                await self.original(scope, receive, send)
-            finally:
-                ROUTE_STATE.reset(token)
-            return
-        route = self.plan.route
-        context = effective_context(scope, route) if self.plan.contexts else None
-        template = self.prefix + context.path if context is not None else self.plan.template
-        typed = self.mw.typed_fields(context if context is not None else route)
-        # Starlette >= 1.7 sets it itself; older ones do not, and HTTP instrumentations
-        # read the route template from it (also for the middleware's own answers).
-        scope.setdefault("route", _RouteTemplate(template))
-        await Flow(self.mw, annotated, template, typed, self.original, scope, receive, send).run()
+    A FastAPI route class that overrides `get_route_handler` (the documented
+    `GzipRequest` recipe) may hand the handler a body other than the bytes
+    on the wire, so the middleware cannot read the key from them: the guard
+    takes the lock when FastAPI calls the handler, from its arguments.
+    """
+    if not locked.template.needs_body or not _transforms_request(route):
+        return False
+    name = type(route).__name__
+    if not guards or not all(inspect.iscoroutinefunction(fn) for fn in guards):
+        raise _Unsupported(f"the route class {name} transforms the request before FastAPI reads it, so the key "
+                           f"{locked.template.template!r} must be taken from the handler's arguments: make the "
+                           f"handler `async def` and write @locked right below @app.<method>")
+    problem = binding.call_problem()
+    if problem is not None:
+        raise _Unsupported(f"the route class {name} transforms the request before FastAPI reads it, so the key "
+                           f"{locked.template.template!r} is taken from the handler's arguments, but {problem}")
+    return True
 
 
-class _Refuse:
-    """A route with an annotation mistake found on first use: refuse, naming the mistake."""
-
-    def __init__(self, problem: Problem, original: ASGIApp) -> None:
-        self.problem, self.original = problem, original
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            await send_problem(send, 500, "lock-annotation-invalid", f"otel-lock: {self.problem}")
-        elif scope["type"] == "websocket":
-            await send({"type": "websocket.close", "code": 1011, "reason": "otel-lock: annotation error"})
-        else:
-            await self.original(scope, receive, send)
+def _transforms_request(route: Any) -> bool:
+    try:
+        from fastapi.routing import APIRoute
+    except ImportError:   # pragma: no cover - FastAPI routes only come with FastAPI
+        return False
+    return isinstance(route, APIRoute) and type(route).get_route_handler is not APIRoute.get_route_handler
 
 
-def _original_handle(route: Any) -> ASGIApp:
-    current = route.__dict__.get("handle")
-    if isinstance(current, (RouteHandle, _Refuse)):
-        return current.original   # a route shared with an earlier app: wrap its real handle again
-    handle: ASGIApp = route.handle
-    return handle
+def _is_factory(source: Any) -> bool:
+    if source is None or isinstance(source, Locks) or not callable(source):
+        return False
+    try:
+        inspect.signature(source).bind()
+    except TypeError:
+        return False
+    except ValueError:
+        return True   # no signature to read (a builtin): trust it
+    return True
 
 
-def _install(route: Any, handle: ASGIApp) -> None:
-    route.handle = handle
+def _from_app(scope: Scope) -> Locks | None:
+    app_state = getattr(scope.get("app"), "state", None)
+    for candidate in (getattr(app_state, STATE_NAME, None), (scope.get("state") or {}).get(STATE_NAME)):
+        if isinstance(candidate, Locks):
+            return candidate
+    return None
 
 
 def _warn_about_cors(app: Any) -> None:
@@ -216,8 +356,3 @@ def _warn_about_cors(app: Any) -> None:
             return
         node = getattr(node, "app", None)
         seen += 1
-
-
-@dataclass(frozen=True)
-class _RouteTemplate:
-    path_format: str

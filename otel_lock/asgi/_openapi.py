@@ -1,96 +1,151 @@
-"""OpenAPI for protected FastAPI routes: the Idempotency-Key header and the answers we can give.
+"""OpenAPI for protected routes: the Idempotency-Key header and every answer the middleware can give.
 
-Written into each route's `openapi_extra` (and into FastAPI's per-inclusion
-copies of it) when the middleware prepares the app, and FastAPI's cached
-schema is dropped, so `app.openapi()` is right from start-up on. FastAPI
-merges `openapi_extra` last: our 422 adds a problem+json body next to its
-own validation error instead of replacing it.
+For FastAPI, written into each route's `openapi_extra` (and into FastAPI's
+per-inclusion copies of it) when the middleware prepares the app, and
+FastAPI's cached schema is dropped, so `app.openapi()` is right from
+start-up on. FastAPI merges `openapi_extra` last, key by key: so a status
+the route declares itself (`responses={409: ...}`) keeps its description,
+and we only add the problem+json content and headers it lacks. For any
+other framework, `protected_operation()` fills in one operation object of
+an OpenAPI document written by hand (the demo shop does this).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Iterable
 
-from ._annotations import Idempotent
+from ._annotations import Idempotent, Locked
+from ._problem import TYPE_BASE
 from ._routing import RoutePlan
+from .idempotency import KEY_PATTERN, MAX_KEY
 
 HEADER = "Idempotency-Key"
-MAX_KEY = 255
 _DONE = "__otel_lock_documented__"
-PROBLEM_SCHEMA = {
+PROBLEM_SCHEMA: dict[str, Any] = {
     "type": "object",
     "title": "Problem",
-    "description": "RFC 9457 problem details",
+    "description": f"RFC 9457 problem details; `type` is a URI such as {TYPE_BASE}lock-timeout",
     "properties": {
-        "type": {"type": "string", "description": "the case, e.g. lock-timeout"},
+        "type": {"type": "string", "format": "uri"},
         "title": {"type": "string"},
         "status": {"type": "integer"},
         "detail": {"type": "string"},
     },
     "required": ["type", "title", "status", "detail"],
 }
-_LOCKED = {
-    "400": "A value the lock key needs is missing or ill-formed",
-    "408": "The request body did not arrive within the body-read timeout",
-    "409": "The resource is busy (the lock was not acquired within the wait)",
-    "413": "The request body is larger than max_body",
-    "503": "The lock service is unavailable, or the lock was lost",
-}
-_IDEMPOTENT = {
-    "400": "The Idempotency-Key header is missing or ill-formed",
-    "408": "The request body did not arrive within the body-read timeout",
-    "409": "A request with this Idempotency-Key is in flight, or its outcome is unknown",
-    "413": "The request body is larger than max_body",
-    "422": "Validation Error, or this Idempotency-Key was used with a different request",
-    "503": "The idempotency store is unavailable",
-}
+RETRY_AFTER = {"description": "Seconds to wait before retrying", "schema": {"type": "integer", "minimum": 1}}
+CHALLENGE = {"description": "The authentication challenge (RFC 9110 11.6.1)", "schema": {"type": "string"}}
+# The header exactly as the middleware validates it (blanks around it are stripped by servers).
+KEY_SCHEMA = {"type": "string", "pattern": KEY_PATTERN}
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One status the middleware may answer, and the headers it then sends."""
+
+    description: str
+    headers: tuple[str, ...] = ()
 
 
 def document(plans: list[RoutePlan], app: Any) -> None:
+    """Write the answers into every annotated FastAPI route; drop FastAPI's cached schema."""
     for route_plan in plans:
         if not hasattr(route_plan.route, "openapi_extra"):
             continue  # a Starlette route: not in FastAPI's schema
-        locked = any(a.locked is not None for a in route_plan.methods.values())
+        rules = [a.locked for a in route_plan.methods.values() if a.locked is not None]
         idem = next((a.idempotent for a in route_plan.methods.values() if a.idempotent is not None), None)
         for target in [route_plan.route, *route_plan.contexts]:
             if not getattr(target, _DONE, False):
-                target.openapi_extra = _extra(target, locked, idem)
+                # A new dict: FastAPI's inclusions share the original route's openapi_extra.
+                extra = dict(target.openapi_extra or {})
+                target.openapi_extra = _merge(extra, rules, idem, declared=_declared(target),
+                                              header_declared=_declares_header(target))
                 setattr(target, _DONE, True)
     if app is not None and getattr(app, "openapi_schema", None) is not None:
         app.openapi_schema = None   # built before we were ready: build it again on the next call
 
 
-def _extra(route: Any, locked: bool, idem: Idempotent | None) -> dict[str, Any]:
-    # A new dict: FastAPI's inclusions share the original route's openapi_extra.
-    extra = dict(route.openapi_extra or {})
-    answers: dict[str, str] = {}
-    if locked:
-        answers.update(_LOCKED)
+def protected_operation(operation: dict[str, Any], locked: Locked | None = None,
+                        idempotent: Idempotent | None = None) -> dict[str, Any]:
+    """An OpenAPI operation object with the middleware's header and answers added (own entries win)."""
+    return _merge(dict(operation), [locked] if locked is not None else [], idempotent, declared=set(),
+                  header_declared=False)
+
+
+def answers(rules: Iterable[Locked], idem: Idempotent | None) -> dict[str, Answer]:
+    """Every status the middleware can answer for a route with these annotations."""
+    found: dict[str, list[Answer]] = {}
+
+    def add(status: int | str, text: str, *headers: str) -> None:
+        found.setdefault(str(status), []).append(Answer(text, headers))
+
+    rules = list(rules)
+    add(408, "The request body did not arrive within the body-read timeout")
+    add(413, "The request body is larger than the middleware's limit")
+    add(400, "Content-Length is not a number of bytes")
+    add(500, "A mistake in the server's set-up (named in `detail`)")
+    for rule in rules:
+        add(400, "A value the lock key needs is missing or ill-formed")
+        add(rule.status, "The resource is busy: its lock was not acquired within the wait", "Retry-After")
+        add(503, "The lock service is unavailable, or the lock was lost while the request ran", "Retry-After")
     if idem is not None:
-        for status, text in _IDEMPOTENT.items():
-            answers[status] = f"{answers[status]}; or: {text[0].lower()}{text[1:]}" if status in answers else text
-        if not _declares_header(route, extra):
-            extra["parameters"] = [*extra.get("parameters", []), {
-                "name": HEADER, "in": "header", "required": bool(idem.required),
-                "description": "Unique key for this operation (a Structured Field string, 1-255 printable ASCII "
-                               "characters); a retry with the same key and request replays the stored response.",
-                "schema": {"type": "string", "minLength": 1, "maxLength": MAX_KEY},
-            }]
-    responses = {status: dict(answer) for status, answer in (extra.get("responses") or {}).items()}
-    for status, text in answers.items():
+        add(400, "The Idempotency-Key header is missing or ill-formed")
+        add(idem.unauthenticated_status, "No caller was identified for this Idempotency-Key",
+            *(("WWW-Authenticate",) if idem.unauthenticated_status == 401 else ()))
+        add(409, "A request with this Idempotency-Key is in flight, or its outcome is unknown, or its "
+                 "response was not stored", "Retry-After")
+        add(422, "This Idempotency-Key was used with a different request")
+        add(429, "This caller holds as many stored idempotent requests as it may", "Retry-After")
+        add(503, "The idempotency store is unavailable", "Retry-After")
+        add(507, "The idempotency store is full", "Retry-After")
+    return {status: _joined(items) for status, items in sorted(found.items())}
+
+
+def _joined(items: list[Answer]) -> Answer:
+    texts = list(dict.fromkeys(a.description for a in items))
+    text = texts[0] + "".join(f"; or: {t[0].lower()}{t[1:]}" for t in texts[1:])
+    return Answer(text, tuple(dict.fromkeys(h for a in items for h in a.headers)))
+
+
+def _merge(extra: dict[str, Any], rules: list[Locked], idem: Idempotent | None, *, declared: set[str],
+           header_declared: bool) -> dict[str, Any]:
+    if idem is not None and not header_declared and not any(
+            p.get("in") == "header" and str(p.get("name", "")).lower() == HEADER.lower()
+            for p in extra.get("parameters", [])):
+        extra["parameters"] = [*extra.get("parameters", []), {
+            "name": HEADER, "in": "header", "required": bool(idem.required),
+            "description": f"Unique key of this operation: a Structured Field string (\"...\") of 1 to {MAX_KEY} "
+                           "printable ASCII characters, or a bare token of letters, digits and -._~+/=:; a retry "
+                           "with the same key and request replays the stored response",
+            "schema": dict(KEY_SCHEMA),
+        }]
+    responses = {str(status): dict(entry) for status, entry in (extra.get("responses") or {}).items()}
+    for status, answer in answers(rules, idem).items():
         entry = responses.setdefault(status, {})
-        entry.setdefault("description", text)
+        if status not in declared:
+            entry.setdefault("description", answer.description)
         content = dict(entry.get("content") or {})
         content.setdefault("application/problem+json", {"schema": PROBLEM_SCHEMA})
         entry["content"] = content
+        if answer.headers:
+            headers = dict(entry.get("headers") or {})
+            for name in answer.headers:
+                headers.setdefault(name, dict(RETRY_AFTER if name == "Retry-After" else CHALLENGE))
+            entry["headers"] = headers
     extra["responses"] = responses
     return extra
 
 
-def _declares_header(route: Any, extra: dict[str, Any]) -> bool:
-    if any(p.get("in") == "header" and str(p.get("name", "")).lower() == HEADER.lower()
-           for p in extra.get("parameters", [])):
-        return True
+def _declared(route: Any) -> set[str]:
+    """The statuses a FastAPI route documents itself: their descriptions are the route's."""
+    declared = {str(status) for status in (getattr(route, "responses", None) or {})}
+    declared |= {str(status) for status in ((getattr(route, "openapi_extra", None) or {}).get("responses") or {})}
+    return declared
+
+
+def _declares_header(route: Any) -> bool:
+    """The route reads the header itself (a FastAPI `Header()` parameter, maybe in a dependency)."""
     stack, seen = [getattr(route, "dependant", None)], set()
     while stack:
         dependant = stack.pop()

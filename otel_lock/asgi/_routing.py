@@ -1,31 +1,41 @@
-"""Find the annotated routes once, at start-up; match rules for plain ASGI apps.
+"""Routing, all of it: which routes are protected, and the hook the router calls after its one match.
 
-LockMiddleware does not route requests itself: `plan()` walks the app's
-routes (Mounts, Hosts, FastAPI's included routers) when the app starts and
-returns one `RoutePlan` per route that carries an annotation or a rule, so
-the middleware can wrap that route's own `handle`, which the router calls
-after its one match. Annotation mistakes found on the way (a websocket
-route, an unknown path parameter, an annotation hidden by a wrapper) are
-returned as `Problem`s naming the route.
+LockMiddleware does not route requests itself. At start-up `plan()` walks
+the app's Starlette routes (Mounts, Hosts, FastAPI's included routers) and
+returns one `RoutePlan` per route that carries an annotation or a rule;
+the middleware then replaces that route's `handle` with a `RouteHandle`,
+which the router calls after its one match and which hands the request to
+`_request.ProtectedRequest`. Annotation mistakes found on the way (a
+websocket route, an unknown path parameter, an annotation hidden by a
+wrapper) are `Problem`s naming the route; a route with one is given a
+`Refuse` handle. An app without Starlette routes (plain ASGI, Litestar,
+Quart) gets its rules matched in front of it by `RuleMatcher`.
 """
 
 from __future__ import annotations
 
+import inspect
 import re
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, TypeAlias
 
 from starlette.convertors import Convertor
-from starlette.routing import Host, Mount, Route, WebSocketRoute, compile_path
+from starlette.routing import BaseRoute, Host, Mount, Route, WebSocketRoute, compile_path
 
 from ._annotations import ATTR, Idempotent, Locked, annotations_of
-from ._types import Scope
+from ._guard import Mark, marked
+from ._problem import send_problem
+from ._types import ASGIApp, Receive, Scope, Send
+
+if TYPE_CHECKING:
+    from ._middleware import LockMiddleware
+    from ._request import Protection
 
 ALL_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
 # LockMiddleware(rules=...): `{"POST /api/x/{id}": locked(...)}`, or a list/tuple of annotations per route.
 # (list[Locked] is spelled out: a list of one kind is not a list[Annotation] to a type checker.)
-Annotation = Locked | Idempotent
+Annotation: TypeAlias = Locked | Idempotent
 Rules = Mapping[str, Annotation | list[Locked] | list[Idempotent] | list[Annotation] | tuple[Annotation, ...]]
 
 
@@ -41,8 +51,7 @@ class RouteMatch:
 
     route: str
     path_params: dict[str, Any]
-    locked: Locked | None
-    idempotent: Idempotent | None
+    rule: _Rule
 
 
 @dataclass(frozen=True)
@@ -50,6 +59,7 @@ class Problem:
     route: str
     message: str
     target: Any = None                # the route object to refuse requests on, if any
+    type_name: str = "lock-annotation-invalid"   # what the refused route answers (no lifespan)
 
     def __str__(self) -> str:
         return f"route {self.route}: {self.message}"
@@ -63,6 +73,7 @@ class RoutePlan:
     template: str
     methods: dict[str, Annotated] = field(default_factory=dict)
     contexts: list[Any] = field(default_factory=list)   # FastAPI inclusions of an APIRoute
+    templates: dict[int, str] = field(default_factory=dict)   # id(context) -> its full template
 
 
 @dataclass(frozen=True)
@@ -113,7 +124,11 @@ class RuleMatcher:
         self.rules = rules
 
     def resolve(self, scope: Scope) -> RouteMatch | None:
-        """The first rule matching the request's method and path (below root_path), or None."""
+        """The first rule matching the request's method and path (below root_path), or None.
+
+        The path is what the client sent, percent-decoded by the server: it is
+        the path the framework behind us routes on too.
+        """
         path = scope["path"]
         root = scope.get("root_path", "")
         if root and path.startswith(root):
@@ -124,21 +139,58 @@ class RuleMatcher:
             m = rule.regex.match(path)
             if m:
                 params = {k: rule.convertors[k].convert(v) for k, v in m.groupdict().items()}
-                return RouteMatch(rule.path_format, params,
-                                  rule.annotations.get("locked"), rule.annotations.get("idempotent"))
+                return RouteMatch(rule.path_format, params, rule)
         return None
 
 
 def find_routes(app: Any) -> list[Any] | None:
-    """The routes list of the wrapped app: walk `.app` down to a router; None for a plain ASGI app."""
+    """The Starlette routes of the wrapped app: walk `.app` down to a router; None for other ASGI apps.
+
+    Only Starlette routes count: Litestar's `.routes`, say, is a list of its
+    own route objects, whose handlers LockMiddleware cannot wrap.
+    """
     node, seen = app, 0
     while node is not None and seen < 32:
         routes = getattr(node, "routes", None)
-        if isinstance(routes, list):
+        if is_starlette_routes(routes):
+            assert isinstance(routes, list)
             return routes
         node = getattr(node, "app", None)
         seen += 1
     return None
+
+
+def foreign_annotated(app: Any) -> list[Problem]:
+    """Annotated handlers of an app whose routes LockMiddleware cannot hook (Litestar, Quart/Flask).
+
+    Their decorators would never be read: a start-up error says to name the
+    route in `rules=` instead (the guard would otherwise refuse every call).
+    """
+    found: list[Problem] = []
+    node, seen = app, 0
+    while node is not None and seen < 32:
+        kind = type(node).__name__
+        for route in getattr(node, "routes", None) or () if isinstance(getattr(node, "routes", None), list) else ():
+            for handler in getattr(route, "route_handlers", None) or ():   # Litestar
+                if annotations_of(getattr(handler, "fn", None)):
+                    found.append(_foreign(str(getattr(route, "path", "?")), kind))
+        views = getattr(node, "view_functions", None)                    # Quart (and Flask)
+        if isinstance(views, dict):
+            found += [_foreign(name, kind) for name, fn in views.items() if annotations_of(fn)]
+        node = getattr(node, "app", None)
+        seen += 1
+    return found
+
+
+def _foreign(route: str, framework: str) -> Problem:
+    return Problem(route, f"@locked/@idempotent on a {framework} handler is not read: LockMiddleware hooks Starlette "
+                          f"and FastAPI routes only; on {framework}, remove the decorator and name the route in "
+                          f"LockMiddleware(rules={{\"POST /path/{{param}}\": locked(...)}}) (see docs/middleware.md, "
+                          f"Supported frameworks)")
+
+
+def is_starlette_routes(routes: Any) -> bool:
+    return isinstance(routes, list) and all(isinstance(r, BaseRoute) for r in routes)
 
 
 def plan(routes: list[Any], rules: list[_Rule]) -> tuple[list[RoutePlan], list[Problem]]:
@@ -165,11 +217,33 @@ def _visit(route: Any, template: str, params: frozenset[str], context: Any, rule
             problems.append(Problem(template, "@locked/@idempotent cannot protect a websocket route "
                                               "(take the lock inside the handler with manager.lock(...))", route))
         return
+    found = _annotated_methods(route, context, endpoint, template, rules, used_rules)
+    if not found:
+        hidden = _hidden_annotation(endpoint)
+        if hidden is not None:
+            problems.append(Problem(template, f"the handler is wrapped by {hidden}, which hides its "
+                                              f"@locked/@idempotent annotation: decorate the wrapper with "
+                                              f"functools.wraps, or put @locked right below @app.<method>", route))
+        return
+    problem = _unknown_path_parameter(found, template, params, route)
+    if problem is not None:
+        problems.append(problem)
+        return
+    existing = plans.get(id(route))
+    if existing is None:
+        existing = plans[id(route)] = RoutePlan(route, template, found)
+    if context is not None:
+        existing.contexts.append(context)
+        existing.templates[id(context)] = template
+
+
+def _annotated_methods(route: Any, context: Any, endpoint: Any, template: str, rules: list[_Rule],
+                       used_rules: set[int]) -> dict[str, Annotated]:
+    """Per method, the route's annotations: its decorators, a matching rule winning over them."""
     methods = getattr(context, "methods", None) or getattr(route, "methods", None)
-    methods = sorted(methods) if methods else list(ALL_METHODS)
     found: dict[str, Annotated] = {}
     fmt = path_format(template)
-    for method in methods:
+    for method in sorted(methods) if methods else list(ALL_METHODS):
         annotations = annotations_of(endpoint, method)
         for i, rule in enumerate(rules):
             if rule.path_format == fmt and (rule.methods is None or method in rule.methods):
@@ -178,36 +252,33 @@ def _visit(route: Any, template: str, params: frozenset[str], context: Any, rule
                 break
         if annotations:
             found[method] = Annotated(annotations.get("locked"), annotations.get("idempotent"))
-    if not found:
-        hidden = _hidden_annotation(endpoint)
-        if hidden is not None:
-            problems.append(Problem(template, f"the handler is wrapped by {hidden}, which hides its "
-                                              f"@locked/@idempotent annotation: decorate the wrapper with "
-                                              f"functools.wraps, or put @locked right below @app.<method>", route))
-        return
+    return found
+
+
+def _unknown_path_parameter(found: dict[str, Annotated], template: str, params: frozenset[str],
+                            route: Any) -> Problem | None:
     for annotated in found.values():
-        if annotated.locked is not None:
-            for part in annotated.locked.template.parts:
-                if part.source == "path" and part.field not in params:
-                    problems.append(Problem(template, f"lock key template {annotated.locked.template.template!r} "
-                                                      f"names {part.text}, but the route has no path parameter "
-                                                      f"{part.field!r} (it has: {', '.join(sorted(params)) or 'none'})",
-                                            route))
-                    return
-    target = route
-    existing = plans.get(id(target))
-    if existing is None:
-        existing = plans[id(target)] = RoutePlan(target, template, found)
-    if context is not None:
-        existing.contexts.append(context)
+        if annotated.locked is None:
+            continue
+        for part in annotated.locked.template.parts:
+            if part.source == "path" and part.field not in params:
+                return Problem(template, f"lock key template {annotated.locked.template.template!r} names "
+                                         f"{part.text}, but the route has no path parameter {part.field!r} "
+                                         f"(it has: {', '.join(sorted(params)) or 'none'})", route)
+    return None
 
 
 def _hidden_annotation(endpoint: Any) -> str | None:
-    """A wrapper without functools.wraps: an annotated function sits in its closure."""
+    """A wrapper without functools.wraps: an annotated function sits in its closure.
+
+    Only a pass-through wrapper (`*args, **kwargs`) counts: a handler that
+    merely calls another, annotated handler has it in its closure too, and
+    that is a direct call, which the guard holds under its own lock.
+    """
     stack, seen = [(endpoint, 0)], set()
     while stack:
         fn, depth = stack.pop()
-        if id(fn) in seen or depth > 4:
+        if id(fn) in seen or depth > 4 or not _passes_everything_on(fn):
             continue
         seen.add(id(fn))
         for cell in getattr(fn, "__closure__", None) or ():
@@ -220,6 +291,11 @@ def _hidden_annotation(endpoint: Any) -> str | None:
             if callable(inner):
                 stack.append((inner, depth + 1))
     return None
+
+
+def _passes_everything_on(fn: Any) -> bool:
+    code = getattr(fn, "__code__", None)
+    return code is not None and bool(code.co_flags & inspect.CO_VARARGS) and bool(code.co_flags & inspect.CO_VARKEYWORDS)
 
 
 def _walk(routes: list[Any], prefix: str, params: frozenset[str]) -> Iterator[tuple[Any, str, frozenset[str], Any]]:
@@ -268,3 +344,66 @@ def effective_context(scope: Scope, route: Any) -> Any:
         return None
     context = getter(scope)
     return context if context is not None and getattr(context, "original_route", None) is route else None
+
+
+# -- the hooks installed on protected routes ------------------------------------------
+
+
+class RouteHandle:
+    """Replaces a protected route's `handle`: the router has matched, the handler has not run yet."""
+
+    def __init__(self, mw: LockMiddleware, route_plan: RoutePlan, original: ASGIApp,
+                 protections: dict[tuple[int, str], Protection]) -> None:
+        self.mw, self.plan, self.original, self.protections = mw, route_plan, original, protections
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        method = scope.get("method", "") if scope["type"] == "http" else ""
+        context = effective_context(scope, self.plan.route) if self.plan.contexts else None
+        protection = self.protections.get((id(context) if context is not None else 0, method))
+        if protection is None:
+            await self.original(scope, receive, send)   # websocket, 405, or an unannotated method
+            return
+        # Starlette >= 1.7 sets it itself; older ones do not, and HTTP instrumentations
+        # read the route template from it (also for the middleware's own answers).
+        scope.setdefault("route", RouteTemplate(protection.route))
+        if not self.mw.enabled:
+            with marked(Mark.unlocked(protection.guards)):
+                await self.original(scope, receive, send)
+            return
+        from ._request import ProtectedRequest
+
+        await ProtectedRequest(self.mw, protection, self.original, scope, receive, send).run()
+
+
+class Refuse:
+    """A route with a mistake found on first use (no lifespan): refuse, naming the mistake."""
+
+    def __init__(self, problem: Problem, original: ASGIApp) -> None:
+        self.problem, self.original = problem, original
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            await send_problem(send, 500, self.problem.type_name, f"otel-lock: {self.problem}")
+        elif scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1011, "reason": "otel-lock: annotation error"})
+        else:
+            await self.original(scope, receive, send)
+
+
+def original_handle(route: Any) -> ASGIApp:
+    current = route.__dict__.get("handle")
+    if isinstance(current, (RouteHandle, Refuse)):
+        return current.original   # a route shared with an earlier app: wrap its real handle again
+    handle: ASGIApp = route.handle
+    return handle
+
+
+def install(route: Any, handle: ASGIApp) -> None:
+    route.handle = handle
+
+
+@dataclass(frozen=True)
+class RouteTemplate:
+    """What a router sets as `scope["route"]`, for HTTP instrumentations."""
+
+    path_format: str

@@ -22,6 +22,7 @@ from redis.exceptions import ClusterDownError, ReadOnlyError, RedisClusterExcept
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.applications import Starlette
+from starlette.endpoints import HTTPEndpoint
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -31,6 +32,7 @@ from .. import HeldLock, LockLost, LockManager, LockMiddleware, LockTimeout, Red
 from ..asgi._keys import escape
 from ..telemetry import metrics_endpoint
 from ._job import run_job
+from ._openapi import document as openapi_document
 from ._problems import Problem, http_exception_handler, problem_handler, problem_response, unexpected_error_handler
 from ._redis_info import redis_identity
 from ._store import Store, valid_id
@@ -225,7 +227,7 @@ def user_principal(request: Request) -> str | None:
     return request.headers.get("x-user-id")
 
 
-@idempotent(ttl=86400, required=True, principal=user_principal)
+@idempotent(ttl=86400, required=True, principal=user_principal, challenge='Demo realm="shop", header="X-User-Id"')
 @locked("order:user:{header.x-user-id}", wait=LOCK_WAIT)
 async def create_order(request: Request) -> JSONResponse:
     user = _user_id(request.headers.get("x-user-id"))
@@ -250,6 +252,18 @@ async def list_orders(request: Request) -> JSONResponse:
     return JSONResponse({"orders": await _shop(request).store.orders(user)})
 
 
+# One route per path, so that a 405 names every method the path allows (RFC 9110 15.5.6).
+class StockItem(HTTPEndpoint):
+    get = staticmethod(get_stock)
+    put = staticmethod(put_stock)
+
+
+class Orders(HTTPEndpoint):
+    get = staticmethod(list_orders)
+    post = staticmethod(create_order)
+
+
+
 # -- job, health ---------------------------------------------------------
 
 
@@ -267,6 +281,19 @@ async def healthz(request: Request) -> JSONResponse:
         "status": "ok", "replica": shop.settings.replica_name, "namespace": shop.settings.namespace,
         "locks": shop.settings.locks_enabled, "redis": await redis_identity(shop.locks.redis),
     })
+
+
+ENDPOINTS = {("/api/stock/{product_id}", "GET"): get_stock, ("/api/stock/{product_id}", "PUT"): put_stock,
+             ("/api/stock/{product_id}/deduct", "POST"): deduct,
+             ("/api/stock/{product_id}/deduct-atomic", "POST"): deduct_atomic,
+             ("/api/orders", "GET"): list_orders, ("/api/orders", "POST"): create_order,
+             ("/api/jobs", "GET"): list_jobs, ("/healthz", "GET"): healthz, ("/metrics", "GET"): metrics_endpoint}
+OPENAPI = openapi_document(ENDPOINTS, {"max_body": MAX_BODY, "max_quantity": MAX_QUANTITY, "max_stock": MAX_STOCK})
+
+
+async def openapi_endpoint(request: Request) -> JSONResponse:
+    """The shop's OpenAPI document: its handlers' answers and the middleware's (`_openapi`)."""
+    return JSONResponse(OPENAPI)
 
 
 async def redis_unavailable_handler(request: Request, exc: Exception) -> Response:
@@ -306,15 +333,14 @@ def create_app(settings: DemoSettings | None = None, locks: LockManager | None =
 
     app = Starlette(
         routes=[
-            Route("/api/stock/{product_id}", put_stock, methods=["PUT"]),
-            Route("/api/stock/{product_id}", get_stock, methods=["GET"]),
+            Route("/api/stock/{product_id}", StockItem, methods=["GET", "PUT"]),
             Route("/api/stock/{product_id}/deduct", deduct, methods=["POST"]),
             Route("/api/stock/{product_id}/deduct-atomic", deduct_atomic, methods=["POST"]),
-            Route("/api/orders", create_order, methods=["POST"]),
-            Route("/api/orders", list_orders, methods=["GET"]),
+            Route("/api/orders", Orders, methods=["GET", "POST"]),
             Route("/api/jobs", list_jobs, methods=["GET"]),
             Route("/healthz", healthz, methods=["GET"]),
             Route("/metrics", metrics_endpoint, methods=["GET"]),
+            Route("/openapi.json", openapi_endpoint, methods=["GET"]),
         ],
         exception_handlers={
             Problem: problem_handler,

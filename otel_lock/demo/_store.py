@@ -62,7 +62,8 @@ redis.call('RPUSH', KEYS[1], ARGV[1])
 redis.call('LTRIM', KEYS[1], -tonumber(ARGV[2]), -1)
 """
 
-_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$"   # published in the shop's OpenAPI too
+_ID = re.compile(ID_PATTERN[1:-1])
 MAX_RUNS = 1000
 
 

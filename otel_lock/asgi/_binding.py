@@ -1,0 +1,311 @@
+"""Key values as the handler receives them, for every way FastAPI and Pydantic bind them.
+
+At start-up each placeholder of a route's template is tied to what the
+handler gets (`RouteBinding`), or the start-up fails naming the route and
+the fix (`Unbindable`):
+
+- a declared path, query or header parameter, by any name it is bound with
+  (its alias, `validation_alias`, each of its `AliasChoices`, its Python
+  name), or a field of a parameter model;
+- a field of the declared JSON body, `{json.a.b}`, through models by any
+  name of their fields, lists by index, dicts by key;
+- a field of the declared form, `{form.name}`, and an upload's metadata,
+  `{form.upload.filename}`, `.content_type`, `.size`;
+- anything the route does not declare (and every placeholder of a Starlette
+  route): the raw request value.
+
+Per request, declared values go through FastAPI's own validation
+(`request_params_to_args`, `request_body_to_args`), so `{"pid": "07"}`,
+`{"pid": 7}` and `{"productId": 7}` are the one int 7 the handler sees. A
+value FastAPI would reject is `INVALID`: the request is not locked and
+FastAPI answers its own 422. The same binding reads the values from a
+handler's arguments when it is called directly (`call_values`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from ._declared import MISSING, Unbindable, check_optional, check_path, info_names, model_field, model_of
+from ._keys import KeyTemplate, Part, TemplateValueError
+from ._values import RawValues, detach, parse_form, render, walk
+from ._types import Scope
+
+__all__ = ["INVALID", "RouteBinding", "Unbindable", "Unrenderable", "render"]
+
+INVALID: Any = object()   # the framework will answer 422: do not lock
+
+
+class Unrenderable(ValueError):
+    """A direct call of a guarded handler: its arguments do not carry every value of the key."""
+
+
+@dataclass(frozen=True)
+class Bound:
+    """Where one placeholder's value comes from."""
+
+    part: Part
+    field: Any = None                # FastAPI's ModelField validated for it; None: the raw request value
+    body: bool = False               # `field` is a body field (validated with the whole body)
+    steps: tuple[str, ...] = ()      # into the validated value: model fields, list indexes, dict keys
+    argument: str | None = None      # the handler's own argument that holds the value, if it is one
+
+
+class RouteBinding:
+    """How one route's handler receives each value of one key template."""
+
+    def __init__(self, template: KeyTemplate, dependant: Any = None, embed: bool = False) -> None:
+        self.template = template
+        own = _Declared(dependant, top_only=True) if dependant is not None else None
+        declared = _Declared(dependant) if dependant is not None else None
+        self.body_fields: list[Any] = declared.body if declared is not None else []
+        self.embed = embed or _embedded(self.body_fields)
+        self.form = any(_is_form(f) for f in self.body_fields)
+        self.request_argument: str | None = getattr(dependant, "request_param_name", None)
+        self.bounds = tuple(self._bind(part, declared, own) for part in template.parts)
+
+    # -- start-up -------------------------------------------------------------
+
+    def _bind(self, part: Part, declared: _Declared | None, own: _Declared | None) -> Bound:
+        if declared is None:
+            return Bound(part)
+        if part.source in ("path", "query", "header"):
+            return _bind_param(part, declared, own)
+        return self._bind_body(part, own)
+
+    def _bind_body(self, part: Part, own: _Declared | None) -> Bound:
+        if not self.body_fields:
+            return Bound(part)   # no declared body: the handler reads the raw request itself
+        if part.source == "json" and self.form:
+            raise Unbindable(f"{part.text} reads a JSON body, but the route's body is a form (Form()/File()): "
+                             f"write {{form.{part.field}}}")
+        if part.source == "form" and not self.form:
+            raise Unbindable(f"{part.text} reads a form, but the route's body is JSON: write {{json.{part.field}}}")
+        steps = list(part.json_path)
+        if len(self.body_fields) == 1 and not self.embed:
+            field = self.body_fields[0]     # the body is this one parameter (a model, a dict, ...)
+        else:
+            field = _field_named(self.body_fields, steps[0], part.source)
+            if field is None:
+                names = ", ".join(sorted(_param_names(f, "json")[0] for f in self.body_fields))
+                raise Unbindable(f"{part.text}: the route's body has no field {steps[0]!r} (its fields: {names})")
+            steps.pop(0)
+        check_optional(field.name, field.field_info, part)
+        check_path(_annotation(field), tuple(steps), part)
+        argument = field.name if own is not None and any(f is field for f in own.body) else None
+        return Bound(part, field, body=True, steps=tuple(steps), argument=argument)
+
+    def call_problem(self) -> str | None:
+        """Why the key cannot be read from the handler's arguments (None: it can)."""
+        if self.request_argument is not None:
+            return None
+        missing = [b.part.text for b in self.bounds if b.argument is None]
+        if not missing:
+            return None
+        return (f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not among the handler's own "
+                f"parameters: declare {'it' if len(missing) == 1 else 'them'} as parameters of the handler, or "
+                f"add a `request: Request` parameter")
+
+    # -- per request ------------------------------------------------------------
+
+    async def request_values(self, scope: Scope, body: bytes) -> dict[Part, str] | Any:
+        """The rendered values, or INVALID; raises TemplateValueError (400) for absent raw values."""
+        found: dict[Part, str] = {}
+        validated: Any = MISSING
+        raw = RawValues(scope, body)
+        for bound in self.bounds:
+            if bound.field is None:
+                found[bound.part] = await raw.value(bound.part)
+                continue
+            if bound.body:
+                if validated is MISSING:
+                    validated = await self._validate_body(scope, body)
+                if validated is INVALID:
+                    return INVALID
+                value = walk(validated.get(bound.field.name, MISSING), bound.steps)
+            else:
+                value = _validate_param(bound.field, scope)
+                if value is INVALID:
+                    return INVALID
+                value = walk(value, bound.steps)
+            found[bound.part] = render(value, bound.part)
+        return found
+
+    async def call_values(self, arguments: Mapping[str, Any]) -> dict[Part, str]:
+        """The rendered values from a handler's arguments; raises Unrenderable if they lack one."""
+        if all(b.argument is not None and b.argument in arguments for b in self.bounds):
+            return {b.part: render(walk(arguments[b.argument or ""], b.steps), b.part) for b in self.bounds}
+        request = _request_among(arguments)
+        if request is None:
+            raise Unrenderable(self.call_problem() or "the handler's arguments do not carry the key's values")
+        body = await request.body() if any(p.source in ("json", "form") for p in self.template.parts) else b""
+        values = await self.request_values(request.scope, body)
+        if values is INVALID:
+            raise TemplateValueError("a value of the lock key is not valid for the handler's declared types")
+        result: dict[Part, str] = values
+        return result
+
+    async def _validate_body(self, scope: Scope, body: bytes) -> Any:
+        from fastapi.dependencies.utils import request_body_to_args
+
+        if self.form:
+            return await _validate_form(self.body_fields, self.embed, scope, body)
+        document = _json_body(scope, body)
+        if document is INVALID:
+            return INVALID
+        values, errors = await request_body_to_args(body_fields=self.body_fields, received_body=document,
+                                                    embed_body_fields=self.embed)
+        return INVALID if errors else values
+
+
+# -- what a FastAPI route declares ---------------------------------------------------
+
+
+class _Declared:
+    """The declared fields of a dependant (and its sub-dependencies unless top_only)."""
+
+    def __init__(self, dependant: Any, top_only: bool = False) -> None:
+        self.params: dict[str, list[Any]] = {"path": [], "query": [], "header": []}
+        self.body: list[Any] = []
+        stack, seen = [dependant], set()
+        while stack:
+            current = stack.pop(0)
+            if current is None or id(current) in seen:
+                continue
+            seen.add(id(current))
+            self.params["path"].extend(current.path_params)
+            self.params["query"].extend(current.query_params)
+            self.params["header"].extend(current.header_params)
+            self.body.extend(f for f in current.body_params if all(f is not b for b in self.body))
+            if not top_only:
+                stack.extend(current.dependencies)
+
+
+def _bind_param(part: Part, declared: _Declared, own: _Declared | None) -> Bound:
+    for field in declared.params[part.source]:
+        model = model_of(_annotation(field))
+        if model is not None:
+            # A parameter model (`Annotated[Filters, Query()]`): the placeholder names one of its fields.
+            name = model_field(model, part.field, part.source)
+            if name is None:
+                continue
+            steps: tuple[str, ...] = (name,)
+        elif part.field in _param_names(field, part.source):
+            steps = ()
+            check_optional(field.name, field.field_info, part)
+            check_path(_annotation(field), steps, part)   # one value, not a list of them
+        else:
+            continue
+        argument = field.name if own is not None and any(f is field for f in own.params[part.source]) else None
+        return Bound(part, field, steps=steps, argument=argument)
+    return Bound(part)   # not declared: the raw request value (the handler may read it from `request`)
+
+
+def _param_names(field: Any, source: str) -> list[str]:
+    """Every name a client may send for a field, then its Python name (header names lower-cased)."""
+    info = field.field_info
+    names = [field.alias or field.name]
+    names += info_names(info)
+    if source == "header" and getattr(info, "convert_underscores", True):
+        names += [n.replace("_", "-") for n in names]
+    names.append(field.name)
+    if source == "header":
+        names = [n.lower() for n in names]
+    return list(dict.fromkeys(names))
+
+
+def _field_named(fields: list[Any], step: str, source: str) -> Any:
+    by_name = [f for f in fields if f.name == step]
+    if by_name:
+        return by_name[0]
+    return next((f for f in fields if step in _param_names(f, source)), None)
+
+
+def _is_form(field: Any) -> bool:
+    from fastapi import params
+
+    return isinstance(field.field_info, params.Form)
+
+
+def _embedded(fields: list[Any]) -> bool:
+    if len({f.name for f in fields}) > 1:
+        return True
+    if not fields:
+        return False
+    info = fields[0].field_info
+    return bool(getattr(info, "embed", False)) or (_is_form(fields[0]) and model_of(_annotation(fields[0])) is None)
+
+
+def _annotation(field: Any) -> Any:
+    return getattr(field.field_info, "annotation", None)
+
+
+# -- per request: validation and the walk through the validated values -------------------
+
+
+def _validate_param(field: Any, scope: Scope) -> Any:
+    from fastapi.dependencies.utils import request_params_to_args
+
+    source = field.field_info.in_.value
+    values, errors = request_params_to_args([field], _mapping(scope, source))
+    return INVALID if errors else values.get(field.name)
+
+
+def _mapping(scope: Scope, source: str) -> Any:
+    if source == "path":
+        return scope.get("path_params", {})
+    if source == "query":
+        from starlette.datastructures import QueryParams
+
+        return QueryParams(scope.get("query_string", b""))
+    from starlette.datastructures import Headers
+
+    return Headers(scope=scope)
+
+
+def _json_body(scope: Scope, body: bytes) -> Any:
+    """The body as FastAPI hands it to validation: JSON for JSON (or no) content types, else bytes."""
+    if not body:
+        return None
+    content_type = _content_type(scope)
+    if content_type:
+        main, _, sub = content_type.partition("/")
+        if main != "application" or not (sub == "json" or sub.endswith("+json")):
+            return body
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError):
+        return INVALID
+
+
+def _content_type(scope: Scope) -> str:
+    for key, value in scope.get("headers", []):
+        if key.lower() == b"content-type":
+            return str(value.decode("latin-1").split(";")[0].strip().lower())
+    return ""
+
+
+async def _validate_form(fields: list[Any], embed: bool, scope: Scope, body: bytes) -> Any:
+    from fastapi.dependencies.utils import request_body_to_args
+
+    try:
+        form = await parse_form(scope, body)
+    except Exception:   # a malformed form: FastAPI answers it (400/422)
+        return INVALID
+    try:
+        values, errors = await request_body_to_args(body_fields=fields, received_body=form, embed_body_fields=embed)
+        if errors:
+            return INVALID
+        # Upload metadata is all a key may use; read it before the form's files are closed.
+        return {name: detach(value) for name, value in values.items()}
+    finally:
+        await form.close()
+
+
+def _request_among(arguments: Mapping[str, Any]) -> Any:
+    from starlette.requests import Request
+
+    return next((v for v in arguments.values() if isinstance(v, Request)), None)
+

@@ -1,0 +1,230 @@
+"""One protected request, top to bottom: body -> key -> idempotency -> lock -> app -> release.
+
+It runs after routing, in place of the matched route's own app (or, on a
+plain ASGI app, in front of it). The whole body is read first (`_body`),
+so a client that never sends its body holds nothing. The key is built from
+the values the handler will receive (`_binding`). The idempotency gate, if
+the route has one, calls `LockedApp` as its `inner`. While the request
+waits for its lock, a client that hangs up stops the wait. By default the
+lock is held until the route's app call returns: FastAPI's
+`yield`-dependency exit code and background tasks run under it. Time spent
+blocked in `send` (a client that does not read) is bounded by `send_timeout`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..lock import HeldLock, LockLost, LockTimeout, Locks, RedisUnavailable
+from ._annotations import Idempotent, Locked
+from ._binding import INVALID, RouteBinding
+from ._body import BodyLimits, BodyRefused, Client, ClientGone, read_body
+from ._guard import AT_CALL, Hold, Mark, marked
+from ._keys import TemplateValueError
+from ._problem import send_problem
+from ._types import ASGIApp, Message, Receive, ResponseEnd, Scope, Send
+
+if TYPE_CHECKING:
+    from ._middleware import LockMiddleware
+
+log = logging.getLogger("otel_lock.middleware")
+
+
+@dataclass(frozen=True)
+class Protection:
+    """What the middleware does for one method of one route (or one rule), decided at start-up."""
+
+    route: str                      # the route template, for answers, metrics and the idempotency scope
+    locked: Locked | None
+    idempotent: Idempotent | None
+    binding: RouteBinding | None    # how the lock key's values reach the handler
+    limits: BodyLimits
+    guards: frozenset[int] = frozenset()   # the endpoint's guards this request may enter
+    at_call: bool = False           # the key is taken from the handler's arguments (custom route classes)
+    hold: Hold | None = None        # how the guard takes it then
+
+
+class SendTimeout(OSError):
+    """The client did not take the response within send_timeout: treated like a client that went away."""
+
+
+class ProtectedRequest:
+    """One request's trip through the middleware; all per-request state lives here."""
+
+    def __init__(self, mw: LockMiddleware, protection: Protection, app: ASGIApp, scope: Scope,
+                 receive: Receive, send: Send) -> None:
+        self.mw, self.protection, self.app = mw, protection, app
+        self.scope, self.receive, self.send = scope, receive, send
+
+    async def run(self) -> None:
+        manager = self.mw.locks(self.scope)
+        if manager is None:
+            await send_problem(self.send, 500, "lock-manager-missing", self.mw.missing_manager())
+            return
+        try:
+            body = await read_body(self.scope, self.receive, self.protection.limits)
+        except BodyRefused as refused:
+            await send_problem(self.send, refused.status, refused.type_name, refused.detail,
+                               headers=[(b"connection", b"close")] if refused.close else None)
+            return
+        except ClientGone:
+            return   # nothing to lock for
+        client = Client(body, self.receive)
+        locked, idem = self.protection.locked, self.protection.idempotent
+        name: str | None = None
+        if locked is not None and not self.protection.at_call:
+            try:
+                name = await self._key(locked, body)
+            except TemplateValueError as error:
+                await send_problem(self.send, 400, "lock-key-invalid", str(error))
+                return
+            if name is None:
+                # The framework rejects a value of the key with its own 422: nothing to lock, nothing to store.
+                with marked(Mark.unbound(self.protection.guards)):
+                    await self.app(self.scope, client.receive, self.send)
+                return
+        inner = LockedApp(manager, self.protection, name, self.app, client)
+        send = BoundedSend(self.send, self.mw.send_timeout)
+        try:
+            if idem is None:
+                await inner(self.scope, client.receive, send)
+            else:
+                await self.mw.gate(idem, self.protection.route, self.scope, client.receive, send, body, inner)
+        except SendTimeout as error:
+            log.warning("otel-lock: %s %s: %s; the response was cut off and the lock released",
+                        self.scope.get("method"), self.protection.route, error)
+
+    async def _key(self, locked: Locked, body: bytes) -> str | None:
+        """The lock name, or None when the framework will reject a value (422) anyway."""
+        binding = self.protection.binding
+        assert binding is not None  # every locked protection has one
+        values = await binding.request_values(self.scope, body)
+        if values is INVALID:
+            return None
+        return locked.template.render(values.__getitem__, self.mw.secret if locked.hash_parts else None)
+
+
+class LockedApp:
+    """The business lock (if any) around the route's app; returns whether the app was entered.
+
+    The idempotency gate calls this as its `inner`.
+    """
+
+    def __init__(self, manager: Locks, protection: Protection, name: str | None, app: ASGIApp,
+                 client: Client) -> None:
+        self.manager, self.protection, self.name, self.app, self.client = manager, protection, name, app, client
+
+    async def _run_app(self, scope: Scope, receive: Receive, send: Send) -> None:
+        p = self.protection
+        mark = Mark(AT_CALL, p.guards, p.hold, scope) if p.at_call else Mark.held(p.guards)
+        with marked(mark):
+            await self.app(scope, receive, send)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> bool:
+        rule = self.protection.locked
+        if rule is None or self.name is None:
+            await self._run_app(scope, receive, send)
+            return True
+        held: HeldLock | None = None
+        started = entered = app_done = False
+        end = ResponseEnd()
+        early = rule.release_after == "response"
+
+        async def watched_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            last = end.is_last(message)
+            await send(message)
+            if last and early:
+                # release_after="response": the next request may start while this
+                # app still runs its background tasks and dependency exit code.
+                assert held is not None  # the app runs inside the hold
+                await release_quietly(held)
+
+        try:
+            async with AsyncExitStack() as stack:
+                async with self.client.cancel_on_disconnect():
+                    held = await stack.enter_async_context(self.manager.lock(
+                        self.name, wait=rule.wait, lease=rule.lease, name=rule.lock_name, cancel_on_lost=True))
+                entered = True
+                # The app's own state dict, never a copy: what the handler sets there is
+                # what every middleware around us reads.
+                scope.setdefault("state", {})["lock"] = held
+                await self._run_app(scope, receive, watched_send)
+                app_done = True
+        except ClientGone:
+            return False   # hung up while waiting: no lock taken, the handler never ran
+        except LockTimeout:
+            if entered:
+                raise  # the handler's own lock, not ours
+            await send_problem(send, rule.status, "lock-timeout",
+                               f"the resource is busy (lock {rule.lock_name!r} not acquired within the wait)",
+                               retry_after=retry_after(rule))
+            return False
+        except RedisUnavailable as error:
+            if app_done:
+                return True  # the release failed; the lease expires by itself
+            if entered:
+                raise
+            if rule.fail_open:
+                count_fail_open(self.manager, rule)
+                await self._run_app(scope, receive, send)
+                return True
+            # An open circuit breaker knows when it lets a call through again.
+            await send_problem(send, 503, "redis-unavailable", "the lock service is unavailable",
+                               retry_after=retry_after(rule) if error.retry_after is None else error.retry_after)
+            return False
+        except LockLost:
+            if started:
+                raise  # half a response is out: abort it, the server drops the connection
+            await send_problem(send, 503, "lock-lost",
+                               "the lock was lost while the request ran; its effects may be incomplete",
+                               retry_after=retry_after(rule))
+        return True
+
+
+class BoundedSend:
+    """`send` with a budget: the time a protected request may spend blocked on a client that does not read."""
+
+    __slots__ = ("send", "left")
+
+    def __init__(self, send: Send, budget: float) -> None:
+        self.send, self.left = send, budget
+
+    async def __call__(self, message: Message) -> None:
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        try:
+            async with asyncio.timeout(max(self.left, 0.0)):
+                await self.send(message)
+        except TimeoutError:
+            self.left = 0.0
+            raise SendTimeout("the client did not read the response within send_timeout") from None
+        self.left -= loop.time() - began
+
+
+def retry_after(rule: Locked) -> float:
+    return rule.retry_after if rule.retry_after is not None else 1.0
+
+
+def count_fail_open(manager: Locks, rule: Locked) -> None:
+    """The manager counted the Redis error (otel_lock.errors); this counts the unlocked run."""
+    telemetry: Any = getattr(manager, "telemetry", None)
+    if telemetry is None:
+        from ..telemetry._instruments import get_telemetry
+
+        telemetry = get_telemetry()
+    telemetry.fail_open.add(1, {"lock.name": rule.lock_name})
+    log.warning("otel-lock: Redis unavailable, running %s without its lock (fail_open)", rule.lock_name)
+
+
+async def release_quietly(held: HeldLock) -> None:
+    try:
+        await held.release()
+    except RedisUnavailable as error:
+        log.warning("otel-lock: could not release %s, it will expire by itself: %s", held.key, error)

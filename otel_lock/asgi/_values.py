@@ -1,0 +1,158 @@
+"""Values: the text of a typed value in a key, the walk into a validated value, raw request values.
+
+`render` gives every typed value one text (`7`, `true`, ISO dates, enum
+values); `walk` follows a placeholder's steps into what FastAPI validated
+or a handler received; `RawValues` reads the placeholders a route does not
+declare (and every placeholder of a Starlette route) straight from the
+request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import decimal
+import enum
+import json
+import uuid
+from typing import Any, Mapping
+from urllib.parse import parse_qsl
+
+from ._declared import FILE_ATTRS, MISSING, model_field
+
+from ._keys import Part, TemplateValueError, json_value
+from ._types import Message, Scope
+
+
+def render(value: Any, part: Part) -> str:
+    """The text of a typed value in a key; the same value always renders the same."""
+    if isinstance(value, enum.Enum):
+        value = value.value
+    if value is None or value is MISSING:
+        raise TemplateValueError(f"{part.text} is missing")
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        text = value
+    elif isinstance(value, (int, uuid.UUID)):
+        text = str(value)
+    elif isinstance(value, float):
+        text = repr(value)
+    elif isinstance(value, decimal.Decimal):
+        text = str(value.normalize()) if value.is_finite() else str(value)
+    elif isinstance(value, (dt.date, dt.time)):
+        text = value.isoformat()
+    else:
+        raise TemplateValueError(f"{part.text} must be a string or a number, not {type(value).__name__}")
+    if text == "":
+        raise TemplateValueError(f"{part.text} is empty")
+    return text
+
+
+def walk(node: Any, steps: tuple[str, ...]) -> Any:
+    for step in steps:
+        node = _step(node, step)
+        if node is MISSING:
+            break
+    return node
+
+
+def _step(node: Any, step: str) -> Any:
+    if node is MISSING or node is None:
+        return MISSING
+    if isinstance(node, Mapping):
+        return node.get(step, MISSING)
+    if isinstance(node, (list, tuple)):
+        return node[int(step)] if step.isdigit() and int(step) < len(node) else MISSING
+    model_fields = getattr(type(node), "model_fields", None)
+    if isinstance(model_fields, dict):
+        name = model_field(type(node), step)
+        if name is not None:
+            return getattr(node, name, MISSING)
+        extra = getattr(node, "model_extra", None) or {}
+        return extra.get(step, MISSING)
+    if step in FILE_ATTRS and hasattr(node, "filename") and hasattr(node, "file"):
+        return getattr(node, step)   # an UploadFile passed to a direct call
+    if dataclasses.is_dataclass(node):
+        return getattr(node, step, MISSING)
+    return MISSING
+
+
+class RawValues:
+    """The raw request values of placeholders the route does not declare."""
+
+    def __init__(self, scope: Scope, body: bytes) -> None:
+        self.scope, self.body = scope, body
+        self._json: Any = MISSING
+        self._form: Any = MISSING
+
+    async def value(self, part: Part) -> str:
+        if part.source == "json":
+            return json_value(self._document(), part)
+        if part.source == "form":
+            return await self._form_value(part)
+        if part.source == "path":
+            params = self.scope.get("path_params", {})
+            if part.field not in params:
+                raise TemplateValueError(f"the route has no path parameter {part.field!r} (needed by {part.text})")
+            return render(params[part.field], part)
+        if part.source == "query":
+            found = [v for k, v in parse_qsl(self.scope.get("query_string", b"").decode("latin-1"),
+                                              keep_blank_values=True) if k == part.field]
+            return render(_single(found, f"query parameter {part.field!r}", part), part)
+        found = [v.decode("latin-1") for k, v in self.scope.get("headers", [])
+                 if k.decode("latin-1").lower() == part.field]
+        return render(_single(found, f"header {part.field!r}", part), part)
+
+    def _document(self) -> Any:
+        if self._json is MISSING:
+            try:
+                self._json = json.loads(self.body)
+            except (ValueError, RecursionError):
+                raise TemplateValueError("the request body is not valid JSON") from None
+        return self._json
+
+    async def _form_value(self, part: Part) -> str:
+        if self._form is MISSING:
+            try:
+                form = await parse_form(self.scope, self.body)
+            except Exception as error:
+                raise TemplateValueError(f"the request body is not a form ({error})") from None
+            try:
+                self._form = [(key, detach(value)) for key, value in form.multi_items()]
+            finally:
+                await form.close()
+        steps = part.json_path
+        values = [v for k, v in self._form if k == steps[0]]
+        return render(walk(_single(values, f"form field {steps[0]!r}", part), steps[1:]), part)
+
+
+def _single(values: list[Any], what: str, part: Part) -> Any:
+    if not values:
+        raise TemplateValueError(f"{what} is missing (needed by {part.text})")
+    if len(values) > 1:
+        raise TemplateValueError(f"{what} was sent more than once (needed by {part.text})")
+    return values[0]
+
+
+def detach(value: Any) -> Any:
+    from starlette.datastructures import UploadFile
+
+    if isinstance(value, UploadFile):
+        return {"filename": value.filename, "content_type": value.content_type, "size": value.size}
+    if isinstance(value, list):
+        return [detach(v) for v in value]
+    return value
+
+
+async def parse_form(scope: Scope, body: bytes) -> Any:
+    from starlette.requests import Request
+
+    sent = False
+
+    async def receive() -> Message:
+        nonlocal sent
+        chunk, sent = (b"" if sent else body), True
+        return {"type": "http.request", "body": chunk, "more_body": False}
+
+    return await Request(scope, receive).form()

@@ -1,0 +1,166 @@
+"""What makes two requests "the same request": the fingerprint of an idempotent request.
+
+A retry must repeat the method, the target (scheme, host, route, concrete
+path and query) and the payload. Anything that can change what the handler
+does is in it, so a key reused for another tenant (`acme.example` and
+`globex.example`), another account, another query flag or another body is a
+422, never a replay of an answer that belongs to a different request. What
+a client cannot keep equal on a retry is left out: the order of JSON keys
+and whitespace, and the random boundary of a multipart body.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from email.message import Message as MimeHeader
+from urllib.parse import parse_qsl
+
+from .._types import Scope
+
+def fingerprint(secret: bytes, scope: Scope, route: str, body: bytes) -> str:
+    """HMAC-SHA256 over method, scheme and host, route template, concrete path, query and canonical body."""
+    path, query = canonical_target(scope)
+    pieces = (scope["method"].encode(), authority(scope), route.encode("utf-8", "surrogatepass"), path, query,
+              canonical_body(body, _header(scope, b"content-type")))
+    mac = hmac.new(secret, digestmod=hashlib.sha256)
+    for piece in pieces:
+        mac.update(len(piece).to_bytes(8, "big"))  # length-prefixed: no piece can spill into the next
+        mac.update(piece)
+    return mac.hexdigest()
+
+
+def authority(scope: Scope) -> bytes:
+    """`scheme://host` of the target URI, normalised (RFC 3986 6.2.2-6.2.3).
+
+    The host is the request's Host header (HTTP/2's :authority, as servers
+    pass it), else the server address; its case and a trailing dot do not
+    make another host. The port is left out: replicas of one service reached
+    on different ports (a balancer that passes the backend's port, replicas
+    addressed one by one) serve one set of resources; tenants are told
+    apart by their host names.
+    """
+    scheme = str(scope.get("scheme") or "http").lower()
+    host = _header(scope, b"host").lower()
+    if not host:
+        server = scope.get("server")
+        host = str(server[0]) if server else ""
+    name = _without_port(host)
+    name = name.rstrip(".") if not name.endswith("]") else name
+    return f"{scheme}://{name}".encode("latin-1", "replace")
+
+
+def _without_port(host: str) -> str:
+    if host.startswith("["):  # an IPv6 literal: the port comes after the bracket
+        return host.partition("]")[0] + "]"
+    name, sep, port = host.rpartition(":")
+    return name if sep and port.isdigit() else host
+
+
+def canonical_target(scope: Scope) -> tuple[bytes, bytes]:
+    """The concrete path and query as the app reads them.
+
+    The path is the server's percent-decoded `path` (`/a/%41` and `/a/A` are
+    one resource). The query is decoded the way Starlette's QueryParams does
+    (`+` and `%20` are both a space) and sorted by name; the order of repeated
+    names is kept, since `?tag=a&tag=b` gives the handler a different list than
+    `?tag=b&tag=a`. Undecodable bytes stay distinct (surrogateescape), so two
+    different raw queries never collapse into one fingerprint.
+    """
+    path = json.dumps(scope.get("path", ""), ensure_ascii=True).encode()
+    raw_query = scope.get("query_string", b"").decode("latin-1")
+    pairs = parse_qsl(raw_query, keep_blank_values=True, errors="surrogateescape")
+    pairs.sort(key=lambda pair: pair[0])  # stable: repeated names keep their order
+    query = json.dumps(pairs, ensure_ascii=True, separators=(",", ":")).encode()
+    return path, query
+
+
+def canonical_body(body: bytes, content_type: str) -> bytes:
+    """Canonical JSON (sorted keys, no whitespace), multipart by its parts, else the raw bytes."""
+    if not body:
+        return b"b"
+    media_type = content_type.lower()
+    if media_type.startswith("multipart/"):
+        parts = multipart_parts(body, content_type)
+        if parts is not None:
+            return b"m" + parts
+    elif "json" in media_type or not media_type:
+        try:
+            doc = json.loads(body)
+            return b"j" + json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+        except (ValueError, RecursionError, UnicodeDecodeError):
+            pass
+    return b"b" + body
+
+
+def multipart_parts(body: bytes, content_type: str) -> bytes | None:
+    """The parts of a multipart body, without its boundary; None unless it is strictly well-formed.
+
+    Each part is its headers (names lower-cased; Content-Disposition and
+    Content-Type as type plus sorted parameters, so `name="f"` and `name=f`
+    agree) and its content, length-prefixed, in order. Anything not
+    well-formed (no boundary, a missing delimiter, a header line without a
+    colon) is fingerprinted as raw bytes instead: then only a byte-identical
+    retry replays, never a different upload.
+    """
+    boundary = next((v for k, v in _params(content_type) if k == "boundary"), None)
+    if not boundary or len(boundary) > 70:
+        return None
+    delimiter = b"--" + boundary.encode("latin-1")
+    first = body.find(delimiter)
+    if first < 0 or (first > 0 and body[first - 2:first] != b"\r\n"):
+        return None
+    preamble = body[:max(first - 2, 0)]
+    sections = body[first + len(delimiter):].split(b"\r\n" + delimiter)
+    out = [preamble]
+    for i, section in enumerate(sections):
+        if section.startswith(b"--"):       # the close delimiter: what follows is the epilogue
+            if i != len(sections) - 1:
+                return None
+            out.append(b"epilogue" + section[2:])
+            return b"".join(len(piece).to_bytes(8, "big") + piece for piece in out)
+        part = _part(section)
+        if part is None:
+            return None
+        out.extend(part)
+    return None  # no close delimiter: a truncated body
+
+
+def _part(section: bytes) -> list[bytes] | None:
+    head, sep, content = section.partition(b"\r\n\r\n")
+    if not sep or not head.startswith(b"\r\n") and head.strip(b" \t"):
+        return None
+    if not head.startswith(b"\r\n"):   # a part without headers: "--b\r\n\r\ncontent"
+        head = b""
+    headers = []
+    for line in head[2:].split(b"\r\n") if head else []:
+        name, colon, value = line.partition(b":")
+        if not colon or not name or name != name.strip() or line[:1] in (b" ", b"\t"):
+            return None
+        key, text = name.decode("latin-1").lower(), value.decode("latin-1").strip(" \t")
+        if key in ("content-disposition", "content-type"):
+            main = text.split(";", 1)[0].strip().lower()
+            text = json.dumps([main, sorted(_params(text))], ensure_ascii=True)
+        headers.append(f"{key}:{text}")
+    headers.sort()
+    return [json.dumps(headers, ensure_ascii=True).encode(), content]
+
+
+def _params(value: str) -> list[tuple[str, str]]:
+    """MIME parameters of a header value (quoted or not, RFC 2231 too), names lower-cased, repeats kept."""
+    header = MimeHeader()
+    header["content-type"] = value
+    found = []
+    for name, param in header.get_params(header="content-type", failobj=[])[1:]:
+        found.append((name.lower(), param if isinstance(param, str) else str(param[2])))
+    return found
+
+
+def _header(scope: Scope, name: bytes) -> str:
+    """The first value of a request header, as sent (a multipart boundary is case-sensitive)."""
+    headers: list[tuple[bytes, bytes]] = scope.get("headers", [])
+    for key, value in headers:
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return ""

@@ -1,0 +1,77 @@
+"""What a Redis error of the record store means: wait and retry (503), or fix the set-up (500).
+
+redis-py files an authentication failure under ConnectionError and a full
+server under ResponseError, so the class alone misleads: a wrong password
+retried forever is a 503 that never ends, a server out of memory under
+`noeviction` is not the client's bug. Both become the core's public errors,
+which the gate answers as problem+json, never as a bare 500. (redis-py
+strips the error code from mapped replies: "NOAUTH Authentication
+required." arrives as AuthenticationError("Authentication required.").)
+"""
+
+from __future__ import annotations
+
+from redis.exceptions import (AuthenticationError, AuthenticationWrongNumberOfArgsError, BusyLoadingError,
+                              ClusterDownError, NoPermissionError, ReadOnlyError, RedisError, TryAgainError)
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from ...lock import RedisMisconfigured, RedisUnavailable
+
+WHERE = "the idempotency record store"
+
+
+class RecordStoreUnavailable(RedisUnavailable):
+    """The record store cannot serve right now (503 + Retry-After)."""
+
+
+class RecordStoreMisconfigured(RedisMisconfigured):
+    """The record store refuses this client for good; the message says what to fix (500)."""
+
+
+_NEEDS_PASSWORD = "requires a password: put it in the record store's URL (redis://:PASSWORD@host/db) or client"
+_NO_PASSWORD = "has no password set, but one was sent: remove it from the record store's URL or client"
+_WRONG_PASSWORD = "refused the user name or password: fix them in the record store's URL or client"
+_ACL = ("denies this user a command or key it needs: allow it "
+        "'+@read +@write +@scripting +info ~<namespace>:idem:*' (an ACL rule) on the record store")
+# Words of a reply that name a permanent refusal, and what to fix.
+_PERMANENT_TEXT = (
+    ("authentication required", _NEEDS_PASSWORD),
+    ("protocol error: unauthenticated", _NEEDS_PASSWORD),
+    ("no password is set", _NO_PASSWORD),
+    ("without any password configured", _NO_PASSWORD),
+    ("invalid username-password", _WRONG_PASSWORD),
+    ("invalid password", _WRONG_PASSWORD),
+    ("db index is out of range", "has no such database number: fix the /db part of the record store's URL"),
+)
+_TRANSIENT_TEXT = ("command not allowed when used memory", "oom ", "max number of clients", "loading",
+                   "busy ", "masterdown", "readonly", "tryagain", "clusterdown")
+
+
+def translate(error: BaseException) -> RecordStoreUnavailable | RecordStoreMisconfigured | None:
+    """The core's error for a redis-py (or socket) error; None if it is not one."""
+    if not isinstance(error, (RedisError, OSError)):
+        return None
+    text = _first_line(str(error))
+    said = f"(Redis said: {text or type(error).__name__})"
+    lowered = text.lower()
+    for words, fix in _PERMANENT_TEXT:
+        if words in lowered:
+            return RecordStoreMisconfigured(f"{WHERE} {fix} {said}")
+    if isinstance(error, (AuthenticationError, AuthenticationWrongNumberOfArgsError)):
+        return RecordStoreMisconfigured(f"{WHERE} refused authentication: check the user and password of its URL {said}")
+    if isinstance(error, NoPermissionError) or lowered.startswith("noperm"):
+        return RecordStoreMisconfigured(f"{WHERE} {_ACL} {said}")
+    if "command not allowed when used memory" in lowered or lowered.startswith("oom"):
+        return RecordStoreUnavailable(f"{WHERE} is out of memory (maxmemory reached, nothing it may evict) {said}")
+    if isinstance(error, (RedisConnectionError, RedisTimeoutError, OSError, BusyLoadingError, ReadOnlyError,
+                          ClusterDownError, TryAgainError)) or lowered.startswith(_TRANSIENT_TEXT):
+        return RecordStoreUnavailable(f"{WHERE} is unavailable {said}")
+    # Anything else is a reply no retry will change (a proxy without scripting, a module
+    # shadowing a command): name it, as a misconfiguration.
+    return RecordStoreMisconfigured(f"{WHERE} answered with an unexpected error {said}")
+
+
+def _first_line(text: str) -> str:
+    text = text.strip()
+    return text.splitlines()[0][:200] if text else ""

@@ -1,0 +1,244 @@
+"""Docs as tests: every ```python block of README.md and docs/*.md runs as pasted.
+
+Each block runs alone, in a fresh interpreter (tests/_docs_runner.py), the way
+a reader pastes it into `python -m asyncio`: top-level `await` allowed, no
+name from another block. Its `redis://127.0.0.1:6379` is this test's
+redis-server; it may reach nothing else (a block naming another host is
+refused before it runs, a connection elsewhere fails the run). An ASGI app it
+defines is started and sent one request per route: a 5xx, a hang or an error
+in the log fails the block.
+
+A block that only illustrates, needing the reader's own objects (a database,
+their `locks`), is marked ```python fragment and is skipped; at most a third
+of the blocks may be fragments.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+try:
+    from ._markdown import PythonBlock, doc_files, fenced_blocks, python_blocks
+except ImportError:
+    from _markdown import PythonBlock, doc_files, fenced_blocks, python_blocks
+
+RUNNER = Path(__file__).with_name("_docs_runner.py")
+DOC_URL = "redis://127.0.0.1:6379"
+RUN_TIMEOUT = 90.0   # seconds for one block, its app's requests included
+BLOCKS = python_blocks()
+
+# The blocks that fail as pasted today, by file and index among that file's ```python blocks
+# (fragments counted), with the block's first line (so an entry left behind by an edit is found)
+# and the cause. The xfail is strict: a block that starts to pass fails here until its entry goes.
+FAILING: dict[tuple[str, int], tuple[str, str]] = {
+    ("README.md", 1): (
+        "from fastapi import FastAPI",
+        "every route answers 500: `caller` reads request.user, which needs an AuthenticationMiddleware the "
+        "example does not add; the `-> dict: ...` stubs return None, which fails FastAPI's response validation"),
+    ("docs/lock.md", 1): (
+        'async with locks.lock("report:7", share_with_children=True) as held:',
+        "NameError: needs `locks`, `asyncio` and a `render_page` it does not define (and its comment says "
+        "depth 2 where the second child gets depth 3)"),
+    ("docs/lock.md", 2): (
+        "locks = LockManager.from_url(",
+        "names hosts no reader has (10.0.0.x Sentinels) and imports no LockManager"),
+    ("docs/lock.md", 3): (
+        "from redis.asyncio.sentinel import Sentinel",
+        "names hosts no reader has (10.0.0.x Sentinels) and imports no LockManager"),
+    ("docs/lock.md", 4): (
+        "locks = LockManager.from_url(\"redis+cluster://:s3cret@10.0.0.1:7000,10.0.0.2:7000,10.0.0.3:7000\",",
+        "names hosts no reader has (10.0.0.x Cluster nodes) and imports no LockManager"),
+    ("docs/lock.md", 5): (
+        "from otel_lock import RedLockManager",
+        "names hosts no reader has (three 10.0.0.x masters)"),
+    ("docs/observability.md", 0): (
+        "from otel_lock import telemetry",
+        "NameError: Starlette, Route, LockMiddleware and `locks` are not imported or defined; `[..., Route(...)]` "
+        "puts an Ellipsis among the routes"),
+    ("docs/safety.md", 0): (
+        "async with locks.lock(f\"stock:{product_id}\") as held:",
+        "NameError: needs the reader's `locks`, `db` and `product_id` (an illustration: a fragment)"),
+    ("docs/safety.md", 1): (
+        "# KEYS[1]: the resource's hash. ARGV[1]: the token; ARGV[2], ARGV[3]...: field/value pairs to set.",
+        "NameError: needs `redis`, `locks`, `sku` and LockLost, none defined or imported"),
+}
+
+# A URL's host: after the scheme and any user:password@, up to a port, path or the next host of a list.
+REDIS_URL = re.compile(r"\b(?:rediss?|redis\+sentinel|redis\+cluster)://(?:[^@/\s\"']*@)?(?P<hosts>[^/\s\"'?]*)")
+IPV4 = re.compile(r"(?<![\d.])(?:\d{1,3}\.){3}\d{1,3}(?![\d.])")
+LOOPBACK_NAMES = {"127.0.0.1", "localhost", "::1", "[::1]"}
+
+
+def foreign_hosts(source: str) -> list[str]:
+    """Hosts named in the block other than loopback: in Redis URLs, and any IPv4 literal."""
+    hosts = set()
+    for match in REDIS_URL.finditer(source):
+        for host_port in match["hosts"].split(","):
+            host = host_port.partition("]")[0] + "]" if host_port.startswith("[") else host_port.partition(":")[0]
+            if host and host not in LOOPBACK_NAMES:
+                hosts.add(host)
+    for literal in IPV4.findall(source):
+        if not ipaddress.ip_address(literal).is_loopback:
+            hosts.add(literal)
+    return sorted(hosts)
+
+
+def _param(block: PythonBlock):
+    entry = FAILING.get((block.block.path, block.index))
+    marks = [pytest.mark.xfail(strict=True, reason=entry[1])] if entry else []
+    return pytest.param(block, id=block.id, marks=marks)
+
+
+@pytest.mark.parametrize("block", [_param(b) for b in BLOCKS if not b.fragment])
+def test_block_runs_as_pasted(block: PythonBlock, redis_url):
+    hosts = foreign_hosts(block.block.source)
+    assert not hosts, (f"{block.id} (line {block.block.line}) names {', '.join(hosts)}: point it at "
+                       f"{DOC_URL}/0 or mark it ```python fragment")
+    returncode, output = run_as_pasted(block.block.source, redis_url, block.block.path, block.block.line)
+    assert returncode == 0, f"{block.id} (line {block.block.line}) failed as pasted:\n{output}"
+
+
+def run_as_pasted(source: str, redis_url: str, path: str = "<block>", line: int = 0,
+                  **options: float) -> tuple[int | None, str]:
+    """(exit status, what it printed) of tests/_docs_runner.py on one block; the status is None on a hang."""
+    port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
+    job = {"path": path, "line": line, "source": source.replace(DOC_URL, redis_url.rsplit("/", 1)[0]),
+           "port": port, **options}
+    try:
+        run = subprocess.run([sys.executable, "-W", "error", str(RUNNER)], input=json.dumps(job),
+                             capture_output=True, text=True, timeout=RUN_TIMEOUT, cwd=RUNNER.parent.parent)
+    except subprocess.TimeoutExpired as exc:
+        return None, f"no end within {RUN_TIMEOUT} s:\n{exc.stdout or ''}{exc.stderr or ''}"
+    return run.returncode, run.stdout + run.stderr[-4000:]
+
+
+def test_the_xfail_list_names_blocks_that_exist():
+    """An edit that moves a block makes its entry point at another one: say so, with the block found."""
+    by_place = {(b.block.path, b.index): b for b in BLOCKS}
+    for place, (first_line, _) in FAILING.items():
+        assert place in by_place, f"FAILING names {place}, which is no longer a ```python block"
+        found = by_place[place].block.source.splitlines()[0]
+        assert found == first_line, f"FAILING {place} expects a block starting {first_line!r}, found {found!r}"
+        assert not by_place[place].fragment, f"FAILING {place} is a fragment now: drop its entry"
+
+
+def test_fragments_are_at_most_a_third_of_the_blocks():
+    fragments = [b.id for b in BLOCKS if b.fragment]
+    assert len(BLOCKS) >= 20, "fewer ```python blocks than the docs had: did the extraction break?"
+    assert 3 * len(fragments) <= len(BLOCKS), f"{len(fragments)} of {len(BLOCKS)} blocks are fragments: {fragments}"
+
+
+def test_every_python_block_is_labelled_so_the_harness_sees_it():
+    """A block labelled py, python3 or pycon, or with a misspelt marker, would escape the harness."""
+    for path in doc_files():
+        for block in fenced_blocks(path):
+            words = block.info.split()
+            if words[:1] == ["python"]:
+                assert words[1:] in ([], ["fragment"]), f"{block.path}:{block.line}: ```{block.info}"
+            else:
+                assert not re.fullmatch(r"py\w*|python\w+", words[0] if words else ""), \
+                    f"{block.path}:{block.line}: ```{block.info} (use ```python or ```python fragment)"
+
+
+def test_the_harness_refuses_hosts_other_than_loopback():
+    assert foreign_hosts('from_url("redis://127.0.0.1:6379/0")') == []
+    assert foreign_hosts('"redis+sentinel://:pw@10.0.0.1:26379,10.0.0.2/svc"') == ["10.0.0.1", "10.0.0.2"]
+    assert foreign_hosts('"rediss://cache.internal:6380/0"') == ["cache.internal"]
+    assert foreign_hosts('Sentinel([("10.1.2.3", 26379)])') == ["10.1.2.3"]
+    assert foreign_hosts('"redis+cluster://localhost:7000,[::1]:7001"') == []
+
+
+# -- the harness itself: each way a block can fail is caught --------------------------------------
+
+APP = """
+from starlette.applications import Starlette
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+{body}
+"""
+
+
+def test_a_block_reaching_anything_else_than_the_test_redis_fails_even_if_it_swallows_the_error(redis_url):
+    source = ("import socket\n"
+              "for address in [('127.0.0.1', 6379), ('10.0.0.1', 6379)]:\n"
+              "    try: socket.create_connection(address, timeout=1).close()\n"
+              "    except OSError: pass\n")
+    returncode, output = run_as_pasted(source, redis_url)
+    assert returncode == 1 and "connect to ('127.0.0.1', 6379)" in output and "'10.0.0.1'" in output, output
+
+
+def test_the_doc_url_reaches_the_test_redis(redis_url):
+    source = ("import redis\nclient = redis.Redis.from_url('redis://127.0.0.1:6379/0')\n"
+              "client.set('docs-harness', 'reached')\nclient.close()\n")
+    assert run_as_pasted(source, redis_url) == (0, "")
+    import redis
+    with redis.Redis.from_url(redis_url) as client:
+        assert client.get("docs-harness") == b"reached"
+
+
+def test_top_level_await_runs_in_a_loop_and_plain_code_outside_one(redis_url):
+    awaiting = "import asyncio\nawait asyncio.sleep(0)\nasyncio.get_running_loop()\n"
+    plain = ("import asyncio\ntry:\n    asyncio.get_running_loop()\nexcept RuntimeError:\n    pass\n"
+             "else:\n    raise AssertionError('a loop is running')\n")
+    assert run_as_pasted(awaiting, redis_url)[0] == 0
+    assert run_as_pasted(plain, redis_url)[0] == 0
+
+
+def test_a_traceback_names_the_docs_line(redis_url):
+    returncode, output = run_as_pasted("x = 1\nundefined_name\n", redis_url, "docs/x.md", 40)
+    assert returncode == 1 and 'File "docs/x.md", line 42' in output and "NameError" in output, output
+
+
+def test_an_app_answering_500_fails(redis_url):
+    body = ("async def broken(request):\n    return JSONResponse({}, status_code=500)\n"
+            "app = Starlette(routes=[Route('/ok', broken)])\n")
+    returncode, output = run_as_pasted(APP.format(body=body), redis_url)
+    assert returncode == 1 and "GET /ok answered 500" in output, output
+
+
+def test_an_app_raising_in_a_handler_fails(redis_url):
+    body = ("async def broken(request):\n    raise KeyError('user')\n"
+            "app = Starlette(routes=[Route('/items/{item_id:int}', broken, methods=['POST'])])\n")
+    returncode, output = run_as_pasted(APP.format(body=body), redis_url)
+    assert returncode == 1 and "POST /items/1 raised KeyError" in output, output
+
+
+def test_an_app_whose_start_up_fails_or_hangs_fails(redis_url):
+    failing = ("from contextlib import asynccontextmanager\n@asynccontextmanager\nasync def life(app):\n"
+               "    raise RuntimeError('no principal')\n    yield\n"
+               "app = Starlette(routes=[Route('/', JSONResponse)], lifespan=life)\n")
+    hanging = failing.replace("raise RuntimeError('no principal')", "import asyncio; await asyncio.Event().wait()")
+    returncode, output = run_as_pasted(APP.format(body=failing), redis_url)
+    assert returncode == 1 and "no principal" in output, output
+    returncode, output = run_as_pasted(APP.format(body=hanging), redis_url, step_timeout=0.5)
+    assert returncode == 1 and "lifespan.startup got no answer within 0.5 s" in output, output
+
+
+def test_a_request_that_hangs_fails(redis_url):
+    body = ("import asyncio\nasync def stuck(request):\n    await asyncio.Event().wait()\n"
+            "app = Starlette(routes=[Route('/stuck', stuck)])\n")
+    returncode, output = run_as_pasted(APP.format(body=body), redis_url, step_timeout=0.5)
+    assert returncode == 1 and "GET /stuck got no answer within 0.5 s" in output, output
+
+
+def test_an_error_in_the_log_fails(redis_url):
+    returncode, output = run_as_pasted("import logging\nlogging.getLogger('shop').error('boom')\n", redis_url)
+    assert returncode == 1 and "logged an error: shop: boom" in output, output
+
+
+def test_a_fastapi_app_gets_a_body_and_headers_its_schema_requires(redis_url):
+    source = ("from fastapi import FastAPI, Header\nfrom pydantic import BaseModel\n"
+              "class Order(BaseModel):\n    product_id: int\n    note: str | None = None\n"
+              "app = FastAPI()\n@app.post('/orders/{shop}', status_code=201)\n"
+              "async def submit(shop: str, order: Order, x_user_id: str = Header()):\n"
+              "    assert order.product_id == 1 and x_user_id == '1'\n    return {}\n")
+    returncode, output = run_as_pasted(source, redis_url)
+    assert returncode == 0 and "POST /orders/1 -> 201" in output, output

@@ -1,0 +1,415 @@
+"""Keys built from the values the handler receives, for every way FastAPI and Pydantic bind them.
+
+Regression tests for issue 17, "The key is not always what the handler sees":
+AliasChoices spellings that locked different keys (two buyers inside "the"
+lock), `{json.*}` on a Form route and FastAPI's GzipRequest recipe that
+answered 500 `lock-middleware-missing`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+from typing import Annotated, Callable
+
+import pytest
+from fastapi import Body, FastAPI, File, Form, Header, Query, Request, UploadFile
+from fastapi.routing import APIRoute
+from pydantic import AliasChoices, BaseModel, Field
+from starlette.applications import Starlette
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from otel_lock import LockMiddleware, locked
+
+try:
+    from ._middleware_helpers import client_for, lock_key, make_manager, metered, problem, run_lifespan
+except ImportError:
+    from _middleware_helpers import client_for, lock_key, make_manager, metered, problem, run_lifespan
+
+
+class Shelf:
+    """Stock whose read-modify-write oversells without a lock (the await is the slow part of a purchase)."""
+
+    def __init__(self, stock: int = 1) -> None:
+        self.stock = stock
+        self.sold = 0
+        self.keys: list[str] = []
+
+    async def buy(self, request: Request) -> JSONResponse:
+        self.keys.append(request.state.lock.key)
+        left = self.stock
+        await asyncio.sleep(0.02)
+        if left <= 0:
+            return JSONResponse({"sold": False}, status_code=409)
+        self.stock = left - 1
+        self.sold += 1
+        return JSONResponse({"sold": True, "key": request.state.lock.key})
+
+
+class Purchase(BaseModel):
+    product_id: int = Field(validation_alias=AliasChoices("productId", "pid"))
+    quantity: int = 1
+
+
+class Line(BaseModel):
+    sku: str
+    qty: int = 1
+
+
+class Basket(BaseModel):
+    customer: Annotated[int, Field(alias="customerId")]
+    lines: list[Line]
+
+
+class Order(BaseModel):
+    basket: Basket
+
+
+class Filters(BaseModel):
+    tenant: int
+    page: int = 1
+
+
+JSON = {"content-type": "application/json"}
+
+
+def shop(manager, shelf: Shelf, template: str, handler_kind: str = "model") -> FastAPI:
+    app = FastAPI()
+
+    if handler_kind == "model":
+        @app.post("/buy")
+        @locked(template, wait=5)
+        async def buy(purchase: Purchase, request: Request):
+            return await shelf.buy(request)
+    else:
+        @app.post("/buy")
+        @locked(template, wait=5)
+        async def buy_embedded(purchase: Annotated[Purchase, Body(embed=True)], request: Request):
+            return await shelf.buy(request)
+
+    app.add_middleware(LockMiddleware, manager=manager)
+    return app
+
+
+@pytest.mark.parametrize("template, kind", [
+    ("stock:{json.pid}", "model"), ("stock:{json.productId}", "model"), ("stock:{json.product_id}", "model"),
+    ("stock:{json.purchase.pid}", "embedded"),
+])
+async def test_every_alias_choice_and_spelling_is_one_lock_one_sale(redis_url, template, kind):
+    shelf = Shelf(stock=1)
+    wrap = (lambda b: {"purchase": b}) if kind == "embedded" else (lambda b: b)
+    bodies = [{"pid": "07"}, {"pid": 7}, {"productId": 7}, {"productId": "7.0"}, {"pid": " 7"}]
+    async with make_manager(redis_url) as manager:
+        async with client_for(shop(manager, shelf, template, kind)) as client:
+            answers = await asyncio.gather(*(client.post("/buy", json=wrap(b)) for b in bodies))
+    assert sorted(r.status_code for r in answers) == [200, 409, 409, 409, 409], [r.text for r in answers]
+    assert shelf.sold == 1
+    prefix = "stock:"
+    assert set(shelf.keys) == {lock_key(prefix + "7")}
+
+
+async def test_a_value_that_fails_validation_is_not_locked_and_gets_fastapis_422(redis_url, redis_client):
+    shelf = Shelf()
+    async with make_manager(redis_url) as manager:
+        async with client_for(shop(manager, shelf, "stock:{json.pid}")) as client:
+            answers = [await client.post("/buy", json=body) for body in
+                       ({"pid": "abc"}, {"nothing": 1}, [1], {"pid": 7, "quantity": "many"})]
+            answers.append(await client.post("/buy", content=b"{not json", headers=JSON))
+    assert [r.status_code for r in answers] == [422] * 5, [r.text for r in answers]
+    assert all(r.headers["content-type"] == "application/json" for r in answers)  # FastAPI's own answer
+    assert shelf.keys == [] and await redis_client.keys("*") == []
+
+
+async def test_alias_query_header_and_parameter_model_values_are_the_handlers(redis_url):
+    async with make_manager(redis_url) as manager:
+        app = FastAPI()
+
+        @app.get("/items")
+        @locked("item:{query.item-id}:{query.n}:{header.x-tenant}:{header.x_region}")
+        async def items(n: Annotated[int, Query(alias="count")], request: Request,
+                        item_id: Annotated[int, Query(alias="item-id")],
+                        x_tenant: Annotated[int, Header()], x_region: Annotated[str, Header()] = "eu"):
+            return {"key": request.state.lock.key, "item_id": item_id, "n": n}
+
+        @app.get("/reports")
+        @locked("report:{query.tenant}:{query.page}")
+        async def reports(filters: Annotated[Filters, Query()], request: Request):
+            return {"key": request.state.lock.key}
+
+        app.add_middleware(LockMiddleware, manager=manager)
+        async with client_for(app) as client:
+            a = await client.get("/items", params={"item-id": "007", "count": "+3"}, headers={"x-tenant": "05"})
+            b = await client.get("/items", params={"item-id": "7", "count": "3"},
+                                 headers={"x-tenant": "5", "x-region": "us"})
+            c = await client.get("/reports", params={"tenant": "09"})
+            d = await client.get("/items", params={"item-id": "x", "count": "3"}, headers={"x-tenant": "5"})
+    assert a.json()["key"] == lock_key("item:7:3:5:eu"), a.text     # the default the handler receives
+    assert b.json()["key"] == lock_key("item:7:3:5:us"), b.text
+    assert c.json()["key"] == lock_key("report:9:1"), c.text
+    assert d.status_code == 422
+
+
+async def test_nested_models_lists_and_aliases_inside_them(redis_url):
+    async with make_manager(redis_url) as manager:
+        app = FastAPI()
+
+        @app.post("/orders")
+        @locked("order:{json.basket.customerId}:{json.basket.lines.0.sku}")
+        async def order(body: Order, request: Request):
+            return {"key": request.state.lock.key}
+
+        app.add_middleware(LockMiddleware, manager=manager)
+        async with client_for(app) as client:
+            a = await client.post("/orders", json={"basket": {"customerId": "042", "lines": [{"sku": "a:b"}]}})
+            b = await client.post("/orders", json={"basket": {"customerId": 42, "lines": []}})
+    assert a.json()["key"] == lock_key("order:42:a%3Ab")
+    # No first line: the key cannot be built. The client's mistake, not the template's.
+    assert b.status_code == 400 and problem(b)["type"] == "lock-key-invalid"
+
+
+async def test_form_values_are_locked_as_the_handler_receives_them(redis_url):
+    shelf = Shelf(stock=1)
+    async with make_manager(redis_url) as manager:
+        app = FastAPI()
+
+        @app.post("/buy")
+        @locked("stock:{form.pid}", wait=5)
+        async def buy(product_id: Annotated[int, Form(alias="pid")], request: Request):
+            return await shelf.buy(request)
+
+        app.add_middleware(LockMiddleware, manager=manager)
+        async with client_for(app) as client:
+            forms = [{"pid": "07"}, {"pid": "7"}, {"pid": "+7"}]
+            urlencoded = [client.post("/buy", data=f) for f in forms]
+            multipart = [client.post("/buy", data={"pid": "7.0"}, files={"note": ("n.txt", b"x")})]
+            answers = await asyncio.gather(*urlencoded, *multipart)
+            invalid = await client.post("/buy", data={"pid": "seven"})
+    assert sorted(r.status_code for r in answers) == [200, 409, 409, 409], [r.text for r in answers]
+    assert shelf.sold == 1 and set(shelf.keys) == {lock_key("stock:7")}
+    assert invalid.status_code == 422
+
+
+class Signup(BaseModel):
+    email: str
+    plan: str = "free"
+
+
+async def test_form_models_and_upload_metadata(redis_url):
+    async with make_manager(redis_url) as manager:
+        app = FastAPI()
+
+        @app.post("/signup")
+        @locked("signup:{form.email}:{form.plan}")
+        async def signup(data: Annotated[Signup, Form()], request: Request):
+            return {"key": request.state.lock.key}
+
+        @app.post("/upload")
+        @locked("upload:{form.doc.filename}:{form.doc.size}")
+        async def upload(doc: Annotated[UploadFile, File()], request: Request):
+            return {"key": request.state.lock.key, "read": len(await doc.read())}
+
+        app.add_middleware(LockMiddleware, manager=manager)
+        async with client_for(app) as client:
+            a = await client.post("/signup", data={"email": "a@b.example"})
+            b = await client.post("/upload", files={"doc": ("report.pdf", b"%PDF" * 10, "application/pdf")})
+    assert a.json()["key"] == lock_key("signup:a%40b.example:free")
+    assert b.json() == {"key": lock_key("upload:report.pdf:40"), "read": 40}  # the handler still reads it all
+
+
+async def test_a_starlette_route_reads_raw_form_fields(redis_url):
+    async def handler(request):
+        form = await request.form()
+        return JSONResponse({"key": request.state.lock.key, "sku": form["sku"]})
+
+    async with make_manager(redis_url) as manager:
+        app = Starlette(routes=[Route("/s", locked("sku:{form.sku}")(handler), methods=["POST"])])
+        app.add_middleware(LockMiddleware, manager=manager)
+        async with client_for(app) as client:
+            a = await client.post("/s", data={"sku": "A 1"})
+            b = await client.post("/s", files={"sku": (None, b"B2")})
+            c = await client.post("/s", data={"other": "x"})
+    assert a.json() == {"key": lock_key("sku:A%201"), "sku": "A 1"}
+    assert b.json()["key"] == lock_key("sku:B2")
+    assert c.status_code == 400 and problem(c)["type"] == "lock-key-invalid"
+
+
+class GzipRequest(Request):
+    """FastAPI's documented recipe (docs: "Custom Request and APIRoute class")."""
+
+    async def body(self) -> bytes:
+        if not hasattr(self, "_body"):
+            body = await super().body()
+            if "gzip" in self.headers.getlist("Content-Encoding"):
+                body = gzip.decompress(body)
+            self._body = body
+        return self._body
+
+
+class GzipRoute(APIRoute):
+    def get_route_handler(self) -> Callable:
+        original_route_handler = super().get_route_handler()
+
+        async def custom_route_handler(request: Request):
+            request = GzipRequest(request.scope, request.receive)
+            return await original_route_handler(request)
+
+        return custom_route_handler
+
+
+async def test_gzip_bodies_of_the_documented_route_class_recipe_are_one_lock(redis_url, redis_client):
+    shelf = Shelf(stock=1)
+    async with make_manager(redis_url) as manager:
+        app = FastAPI()
+        app.router.route_class = GzipRoute
+
+        @app.post("/buy")
+        @locked("stock:{json.pid}", wait=5)
+        async def buy(purchase: Purchase, request: Request):
+            return await shelf.buy(request)
+
+        app.add_middleware(LockMiddleware, manager=manager)
+        assert (await run_lifespan(app))[0]["type"] == "lifespan.startup.complete"
+        async with client_for(app) as client:
+            zipped = [client.post("/buy", content=gzip.compress(json.dumps(b).encode()),
+                                  headers={**JSON, "content-encoding": "gzip"})
+                      for b in ({"pid": "07"}, {"productId": 7})]
+            plain = [client.post("/buy", json={"pid": 7.0})]
+            answers = await asyncio.gather(*zipped, *plain)
+            invalid = await client.post("/buy", content=gzip.compress(b'{"pid": "x"}'),
+                                        headers={**JSON, "content-encoding": "gzip"})
+    assert sorted(r.status_code for r in answers) == [200, 409, 409], [r.text for r in answers]
+    assert shelf.sold == 1 and set(shelf.keys) == {lock_key("stock:7")}
+    assert invalid.status_code == 422
+    assert await redis_client.keys("*:{stock:7}") == []
+
+
+def _mistake(handler_factory) -> FastAPI:
+    app = FastAPI()
+    handler_factory(app)
+    return app
+
+
+def json_on_form(app):
+    @app.post("/signup")
+    @locked("signup:{json.email}")
+    async def signup(email: Annotated[str, Form()]):
+        return {}
+
+
+def form_on_json(app):
+    @app.post("/buy")
+    @locked("stock:{form.pid}")
+    async def buy(purchase: Purchase):
+        return {}
+
+
+def unknown_field(app):
+    @app.post("/buy")
+    @locked("stock:{json.sku}")
+    async def buy(purchase: Purchase):
+        return {}
+
+
+def whole_model(app):
+    @app.post("/orders")
+    @locked("order:{json.basket}")
+    async def order(body: Order):
+        return {}
+
+
+def whole_upload(app):
+    @app.post("/upload")
+    @locked("upload:{form.doc}")
+    async def upload(doc: UploadFile):
+        return {}
+
+
+def optional_param(app):
+    @app.get("/items")
+    @locked("items:{query.tenant}")
+    async def items(tenant: str | None = None):
+        return {}
+
+
+def list_without_index(app):
+    @app.post("/orders")
+    @locked("order:{json.basket.lines.sku}")
+    async def order(body: Order):
+        return {}
+
+
+def gzip_header_not_an_argument(app):
+    app.router.route_class = GzipRoute
+
+    @app.post("/buy")
+    @locked("stock:{json.pid}:{header.x-shop}")
+    async def buy(purchase: Purchase):
+        return {}
+
+
+def gzip_sync_handler(app):
+    app.router.route_class = GzipRoute
+
+    @app.post("/buy")
+    @locked("stock:{json.pid}")
+    def buy(purchase: Purchase):
+        return {}
+
+
+@pytest.mark.parametrize("factory, route, words", [
+    (json_on_form, "/signup", "write {form.email}"),
+    (form_on_json, "/buy", "write {json.pid}"),
+    (unknown_field, "/buy", "Purchase has no field 'sku' (its fields: product_id (productId, pid), quantity)"),
+    (whole_model, "/orders", "not one value"),
+    (whole_upload, "/upload", "{form.doc.filename}"),
+    (optional_param, "/items", "optional with no default"),
+    (list_without_index, "/orders", "is a list: index it"),
+    (gzip_header_not_an_argument, "/buy", "{header.x-shop} is not among the handler's own parameters"),
+    (gzip_sync_handler, "/buy", "make the handler `async def`"),
+], ids=lambda v: v.__name__ if callable(v) else None)
+async def test_what_cannot_be_bound_fails_the_start_up_naming_route_and_fix(redis_url, factory, route, words):
+    async with make_manager(redis_url) as manager:
+        app = _mistake(factory)
+        app.add_middleware(LockMiddleware, manager=manager)
+        messages = await run_lifespan(app)
+    assert messages[0]["type"] == "lifespan.startup.failed"
+    assert f"route {route}" in messages[0]["message"] and words in messages[0]["message"], messages[0]["message"]
+
+
+async def test_without_lifespan_an_unbindable_route_answers_500_and_never_400(redis_url, redis_client):
+    async with make_manager(redis_url) as manager:
+        app = _mistake(json_on_form)
+        app.add_middleware(LockMiddleware, manager=manager)
+        async with client_for(app) as client:
+            response = await client.post("/signup", data={"email": "a@b"})
+    assert response.status_code == 500
+    assert problem(response)["type"] == "lock-annotation-invalid" and "{form.email}" in problem(response)["detail"]
+    assert await redis_client.keys("*") == []
+
+
+async def test_a_value_fastapi_rejects_is_counted_nowhere_and_takes_no_lock(redis_url):
+    provider, reader = metered()
+    async with make_manager(redis_url, meter_provider=provider) as manager:
+        async with client_for(shop(manager, Shelf(), "stock:{json.pid}")) as client:
+            assert (await client.post("/buy", json={"pid": "x"})).status_code == 422
+    data = reader.get_metrics_data()
+    names = {m.name for rm in (data.resource_metrics if data else []) for sm in rm.scope_metrics for m in sm.metrics}
+    assert "otel_lock.wait.duration" not in names
+
+
+def list_param(app):
+    @app.get("/items")
+    @locked("items:{query.tag}")
+    async def items(tag: Annotated[list[str], Query()]):
+        return {}
+
+
+async def test_a_placeholder_naming_a_list_parameter_fails_the_start_up(redis_url):
+    async with make_manager(redis_url) as manager:
+        app = _mistake(list_param)
+        app.add_middleware(LockMiddleware, manager=manager)
+        messages = await run_lifespan(app)
+    assert messages[0]["type"] == "lifespan.startup.failed"
+    assert "route /items" in messages[0]["message"] and "not one value" in messages[0]["message"]

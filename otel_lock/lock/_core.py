@@ -27,11 +27,12 @@ from opentelemetry import trace
 from ._attempt import Request
 from ._background import Background
 from ._breaker import Breaker
-from ._errors import LockBusy, LockError, LockTimeout, RedisUnavailable
+from ._errors import LockBusy, LockError, LockTimeout, RedisMisconfigured, RedisUnavailable
 from ._held import NEVER, HeldLock, Lease, LockContext, LockInfo, forget, held_here, remember
 from ._options import ManagerOptions, check_key, check_seconds, default_name, unknown_argument
 from ._periodic import once_per_period, run_every
 from ._runtime import Runtime, Runtimes, watch_fork
+from ._scripts import MODEL, MODEL_TTL
 from ._watchdog import Watchdog
 from ..telemetry._instruments import LockCounts, Telemetry, current_traceparent
 
@@ -231,6 +232,8 @@ class Core:
     async def _take(self, key: str, wait: float, lease: float, renew_every: float, owner: str | None, name: str,
                     cancel_on_lost: bool, share_with_children: bool, planned: bool = False) -> HeldLock:
         runtime = self._runtimes.here()
+        if not runtime.checked:
+            await runtime.first_use(self._check_server)
         loop = runtime.loop
         start = loop.time()
         redis_key = self._redis_key(key)
@@ -294,6 +297,16 @@ class Core:
             "lock.attempts": request.attempts, "lock.contended": request.contended, "lock.outcome": outcome}))
         if kind:
             self.telemetry.set_error(span, kind, self._topology.where())
+
+    async def _check_server(self, transport: Any) -> None:
+        """At first use on a loop: the namespace speaks this data model (else RedisMisconfigured)."""
+        held = await transport.check_model(f"{self.namespace}:model", MODEL, MODEL_TTL)
+        if held is not None:
+            raise RedisMisconfigured(
+                f"namespace {self.namespace!r} on {self._topology.where()} is in use by otel-lock data model {held}; "
+                f"this otel-lock writes model {MODEL}, and two layouts in one namespace would not see each other's "
+                f"locks. Finish the rollout in a new namespace (namespace='{self.namespace}-v{MODEL}'), or stop "
+                f"every manager of model {held} and delete the key {self.namespace}:model")
 
     def _next_owner(self) -> str:
         return f"{self.id}:{next(self._ids)}"

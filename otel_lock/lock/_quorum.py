@@ -33,6 +33,7 @@ from ._errors import LockError, LockTimeout, RedisUnavailable
 from ._held import Lease, LockInfo
 from ._redlock_cleanup import Cleanup
 from ._redlock_scripts import Masters
+from ._scripts import model_check
 
 
 @dataclass
@@ -245,6 +246,16 @@ class QuorumTransport:
         record_batch(self.masters.calls[0].telemetry, batch_outcomes([l.name for l in leases], out),
                      time.perf_counter() - began)
         return out
+
+    async def check_model(self, key: str, model: int, ttl: int) -> int | None:
+        """Claim the namespace on every master that answers; another model on any of them is refused."""
+        answers = await self.masters.call(model_check, (key,), [model, ttl], "check", "model")
+        answered = [int(a) for a in answers if not isinstance(a, LockError)]
+        if len(answered) < self.quorum:
+            errors = [a for a in answers if isinstance(a, LockError)]
+            raise errors[0]
+        others = [a for a in answered if a != model]
+        return others[0] if others else None
 
     # -- operators ---------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import os
 import weakref
-from typing import Any, AsyncIterator, Callable, Protocol
+from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
 from ._background import Background
 from ._held import Lease
@@ -57,9 +57,18 @@ class Runtime:
         self.client = client
         self.owns_client = owns_client
         self.closed = False
+        self.checked = False  # the first-use checks (data model, server) passed on this loop
+        self._checking: asyncio.Future[None] | None = None
         self.pid = os.getpid()
         self._closer = _on_shutdown(weakref.ref(self))
         _start(self._closer)
+
+    async def first_use(self, check: Callable[[Any], Awaitable[None]]) -> None:
+        """Run `check(transport)` once for every caller that arrives before it passed; a failure is not kept."""
+        if self._checking is None or (self._checking.done() and self._checking.exception() is not None):
+            self._checking = asyncio.ensure_future(check(self.transport))
+        await asyncio.shield(self._checking)
+        self.checked = True
 
     async def aclose(self) -> None:
         """Stop the watchdog and the subscriber, finish clean-ups, close connections (never a child's copy)."""

@@ -157,6 +157,11 @@ class ScriptTransport:
         record_batch(self.calls.telemetry, batch_outcomes([l.name for l in leases], out), time.perf_counter() - began)
         return out
 
+    async def check_model(self, key: str, model: int, ttl: int) -> int | None:
+        """Claim the namespace for `model`; None when ours, else the model that holds it."""
+        held = await self.call(_scripts.model_check, (key,), [model, ttl], "check", "model")
+        return None if int(held) == model else int(held)
+
     # -- operators -------------------------------------------------------------
 
     async def force_release(self, redis_key: str, name: str) -> tuple[bool, str]:

@@ -65,11 +65,13 @@ def pack(args: Sequence[Any]) -> bytes:
 
 
 def _encodable(value: Any) -> Any:
-    """What hiredis refuses and redis-py takes (bytearray), or redis-py's DataError for the rest."""
+    """An argument hiredis refused, as redis-py's encoder takes it (bytearray, int subclasses), or DataError."""
+    if isinstance(value, (str, bytes, memoryview)):
+        return value
     if isinstance(value, bytearray):
         return bytes(value)
-    if isinstance(value, (str, bytes, memoryview, float)) or (isinstance(value, int) and not isinstance(value, bool)):
-        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return repr(value).encode()  # an IntEnum goes as redis-py sends it
     raise DataError(f"Invalid input of type: '{type(value).__name__}'. "
                     "Convert to a bytes, string, int or float first.")
 

@@ -568,3 +568,34 @@ def test_a_call_from_another_running_loop_raises_at_once_and_disturbs_no_caller(
         home.call_soon_threadsafe(home.stop)
         thread.join(10)
         home.close()
+
+
+# -- the same through the lock -------------------------------------------------------------
+
+
+async def test_an_unencodable_key_fails_alone_and_every_other_lock_call_gets_its_own_answer(world):
+    """Issue 16 as seen from outside: try_lock("busy") returned a hold while another manager held "busy"."""
+    from otel_lock import LockManager
+
+    url = f"redis://127.0.0.1:{world.server.port}/0"
+    other, locks = LockManager.from_url(url), LockManager.from_url(url)
+    try:
+        busy = await other.acquire("busy")
+        for round_ in range(5):
+            answers = await asyncio.gather(locks.try_lock(f"bad:{SURROGATE}"), locks.try_lock("busy"),
+                                           locks.try_lock(f"free:{round_}"), locks.try_lock("busy", owner=SURROGATE),
+                                           return_exceptions=True)
+            assert isinstance(answers[0], UnicodeEncodeError) and isinstance(answers[3], UnicodeEncodeError)
+            assert answers[1] is None, f"a hold of a lock another manager holds: {answers[1]}"
+            free = answers[2]
+            with admin(world.server.port) as a:
+                assert a.hget(free.key, "owner").decode() == free.owner
+            await free.release()
+        with pytest.raises(UnicodeEncodeError):
+            await locks.acquire(f"bad:{SURROGATE}", wait=2.0)  # a waiter too: at once, nothing left queued
+        with admin(world.server.port) as a:
+            assert a.keys("otel-lock:{bad*") == []
+        assert await busy.release()
+    finally:
+        await other.aclose()
+        await locks.aclose()

@@ -282,8 +282,8 @@ class LockManager(Ending, CommonOptions):
                 error_type = "redis_unavailable"
                 telemetry.set_error(span, "redis unavailable")
                 raise
-            except LockError:
-                error_type = "redis_error"
+            except LockError as error:
+                error_type = _error_type(error)  # redis_error or redis_misconfigured
                 telemetry.set_error(span, "redis error")
                 raise
             finally:

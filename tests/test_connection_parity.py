@@ -185,7 +185,8 @@ for _reply in ["ERR plain", "WRONGTYPE wrong kind", "NOSCRIPT gone", "LOADING lo
                "NOAUTH Authentication required.", "NOPERM no rights", "OOM command not allowed", "WRONGPASS bad",
                "EXECABORT aborted", "TRYAGAIN later", "CLUSTERDOWN down", "MASTERDOWN down", "CROSSSLOT slots",
                "MOVED 1 127.0.0.1:1", "ASK 1 127.0.0.1:1", "ERR max number of clients reached",
-               "ERR invalid password", "MISCONF no disk", "BUSY script", "NOREPLICAS few", "ERR DB index is out of range"]:
+               "ERR invalid password", "MISCONF no disk", "BUSY script", "NOREPLICAS few", "ERR DB index is out of range",
+               "ERR"]:
     async def _error_reply(world: World, make: Callable[..., Client], reply: str = _reply) -> tuple[Outcome, Client]:
         client = make(world.port)
         return await outcome(client.run("EVAL", "return redis.error_reply(ARGV[1])", 0, reply)), client
@@ -599,3 +600,16 @@ async def test_an_unencodable_key_fails_alone_and_every_other_lock_call_gets_its
     finally:
         await other.aclose()
         await locks.aclose()
+
+
+async def test_an_error_reply_redis_py_cannot_parse_fails_only_its_caller(world):
+    """A script's malformed redirect: redis-py's parser raises ValueError; on a shared socket that must stay one reply."""
+    connection = Connection(port=world.port)
+    try:
+        calls = [connection.execute("ECHO", f"e{i}") for i in range(10)]
+        calls.insert(5, connection.execute("EVAL", "return redis.error_reply('MOVED nonsense')", 0))
+        answers = await asyncio.gather(*calls, return_exceptions=True)
+        assert isinstance(answers.pop(5), ResponseError)
+        assert answers == [f"e{i}".encode() for i in range(10)]
+    finally:
+        await connection.aclose()

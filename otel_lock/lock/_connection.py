@@ -37,7 +37,7 @@ from typing import Any, Awaitable, Callable, Sequence, cast
 import hiredis
 import redis.asyncio as aioredis
 from redis._parsers import BaseParser
-from redis.exceptions import AuthenticationError, BusyLoadingError, DataError
+from redis.exceptions import AuthenticationError, BusyLoadingError, DataError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -76,6 +76,19 @@ def _encodable(value: Any) -> Any:
                     "Convert to a bytes, string, int or float first.")
 
 
+def _reply_error(message: str) -> Exception:
+    """The exception redis-py's own parser makes of an error reply (NOSCRIPT, LOADING, NOPERM, OOM, maxclients...).
+
+    A reply it cannot parse (a script's `error_reply("MOVED nonsense")`) is a
+    plain ResponseError for its caller, never a broken socket for everyone.
+    """
+    try:
+        error: Exception = BaseParser.parse_error(message)  # type: ignore[no-untyped-call]
+    except Exception:
+        return ResponseError(message)
+    return error
+
+
 def _is_push(reply: Any) -> bool:
     """A published message, as opposed to the reply to a command sent while subscribed (PING).
 
@@ -90,8 +103,7 @@ class _Protocol(asyncio.Protocol):
     """Feeds bytes to hiredis; hands each reply to the oldest waiting future, or to `on_push`."""
 
     def __init__(self, on_push: Callable[[Any], None] | None, on_lost: Callable[[], None] | None) -> None:
-        # Error replies become redis-py's own exception classes (LOADING, NOPERM, OOM, maxclients...).
-        self.reader = hiredis.Reader(replyError=BaseParser.parse_error)
+        self.reader = hiredis.Reader(replyError=_reply_error)
         self.pending: collections.deque[asyncio.Future[Any]] = collections.deque()
         self.transport: asyncio.Transport | None = None
         self.on_push = on_push
@@ -180,6 +192,11 @@ class Connection:
     def server(self) -> str:
         """host:port (or the unix socket's path): for messages, never with credentials."""
         return self._path or f"{self._host}:{self._port}"
+
+    @property
+    def username(self) -> str | None:
+        """The ACL user it logs in as (None: the default user)."""
+        return self._username
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.server} db={self._db}>"
@@ -357,6 +374,8 @@ class Connection:
     async def aclose(self) -> None:
         protocol = self._protocol
         self._protocol, self._loop = None, None
+        if not self._connecting.locked():
+            self._connecting = asyncio.Lock()  # free of the loop it may have been bound to
         if protocol is not None and protocol.transport is not None:
             protocol.on_lost = None
             try:

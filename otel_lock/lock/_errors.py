@@ -99,16 +99,16 @@ class _Rule:
     classes: tuple[type[BaseException], ...] = ()
     codes: tuple[str, ...] = ()
     words: tuple[str, ...] = ()
-    fix: str | Callable[[str, str | None], str] = ""
+    fix: str | Callable[[str, str | None, str], str] = ""
 
     def matches(self, error: BaseException, message: str) -> bool:
         return (isinstance(error, self.classes) or message.split(" ", 1)[0] in self.codes
                 or any(word in message for word in self.words))
 
 
-def _acl_fix(message: str, key: str | None) -> str:
+def _acl_fix(message: str, key: str | None, user: str) -> str:
     """The ACL rule a NOPERM (or a script's refused call) asks for, with the lock's own names."""
-    user = re.search(r"User (\S+) has no permissions", message)
+    named = re.search(r"User (\S+) has no permissions", message)
     namespace = key.partition(":{")[0] if key and ":{" in key else "<namespace>"
     lowered = message.lower()
     if "channel" in lowered:
@@ -119,7 +119,7 @@ def _acl_fix(message: str, key: str | None) -> str:
         command = re.search(r"run the '([^']+)' command", message)
         rule = f"+{command.group(1).lower()}" if command else LOCK_COMMANDS
     return (f"the ACL user lacks a right the lock needs: grant it with "
-            f"`ACL SETUSER {user.group(1) if user else '<user>'} {rule}` (or in the ACL file)")
+            f"`ACL SETUSER {named.group(1) if named else user} {rule}` (or in the ACL file)")
 
 
 # First match wins. Misconfiguration first: redis-py makes a refused password a ConnectionError.
@@ -209,8 +209,20 @@ def to_lock_error(error: BaseException, what: str, *, key: str | None = None, cl
     where = "Redis" if client is None else f"Redis at {server_name(client)}"
     text = _text(error)
     message = f"{where} {state} ({what}): {type(error).__name__}: {text}".rstrip(": .")
-    fix = "" if rule is None else rule.fix if isinstance(rule.fix, str) else rule.fix(text, key)
+    fix = "" if rule is None else rule.fix if isinstance(rule.fix, str) else rule.fix(text, key, user_name(client))
     return cls(f"{message}; {fix}" if fix else message, key=key)
+
+
+def user_name(client: Any) -> str:
+    """The ACL user a lean connection or a redis-py client logs in as ("default" without one)."""
+    user = getattr(client, "username", None)
+    if user is None:
+        client = getattr(client, "_cluster", client)
+        kw = getattr(getattr(client, "connection_pool", None), "connection_kwargs", None)
+        if not isinstance(kw, dict) and callable(getattr(client, "get_connection_kwargs", None)):
+            kw = client.get_connection_kwargs()  # a RedisCluster
+        user = kw.get("username") if isinstance(kw, dict) else None
+    return str(user) if user else "default"
 
 
 def server_name(client: Any) -> str:

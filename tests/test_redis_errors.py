@@ -23,7 +23,7 @@ from redis.exceptions import (AuthenticationError, BusyLoadingError, ClusterDown
                               MasterDownError, NoPermissionError, OutOfMemoryError, ReadOnlyError, ResponseError,
                               TimeoutError, TryAgainError)
 
-from _redis_states import add_acl_users, admin, loading_server
+from _redis_states import ByteProxy, add_acl_users, admin, loading_server
 from otel_lock import LockError, LockManager, RedisMisconfigured, RedisUnavailable
 from otel_lock.cli._redis_server import RedisServer, free_port
 from otel_lock.lock._errors import (LOCK_COMMANDS, MISCONFIGURED, UNAVAILABLE, error_type, is_unavailable,
@@ -52,7 +52,7 @@ async def refused(call, cls: type[LockError], *words: str, port: int, secret: st
         await call()
     message = str(info.value)
     assert f"127.0.0.1:{port}" in message, message
-    assert "acquire of shop:{" in message or "subscribe" in message, message
+    assert any(op in message for op in ("acquire of shop:{", "subscribe", "listing locks", "forced release")), message
     for word in words:
         assert word in message, f"{word!r} not in {message!r}"
     if secret:
@@ -141,6 +141,20 @@ async def test_a_refused_connection_is_unavailable_and_names_the_server():
         await locks.aclose()
 
 
+async def test_a_reset_in_the_middle_of_a_reply_is_unavailable_and_names_the_server(server):
+    proxy = await ByteProxy(server.port).start()
+    locks = manager(proxy.port)
+    try:
+        warm = await locks.try_lock("warm")  # scripts loaded, the socket open
+        await warm.release()
+        proxy.cut_replies_after(3)
+        await refused(lambda: locks.try_lock("k"), RedisUnavailable, "lost", port=proxy.port)
+        assert await locks.try_lock("k") is not None  # a new socket: answers again
+    finally:
+        await locks.aclose()
+        await proxy.aclose()
+
+
 # -- misconfigured: RedisMisconfigured, the fix in the message, no outage ------------------
 
 
@@ -182,6 +196,9 @@ async def test_a_database_out_of_range_is_misconfigured(server):
     try:
         await refused(lambda: locks.try_lock("k"), RedisMisconfigured, "databases", port=server.port)
         assert not any(circuit_open(e) for e in await attempts(locks, 4))
+        # the operator's calls (redis-py's pool) say the same
+        await refused(locks.held_locks, RedisMisconfigured, "databases", port=server.port)
+        await refused(lambda: locks.force_release("k"), RedisMisconfigured, "databases", port=server.port)
     finally:
         await locks.aclose()
 

@@ -12,7 +12,7 @@ redis-py client (TCP or unix socket, RESP2, password auth); anything else
 
 It behaves as redis-py does, call for call (tests/test_connection_parity.py
 feeds both the same cases): arguments are encoded by redis-py's rules, error
-replies become the exceptions redis-py's own parser picks. Two rules keep
+replies become the exceptions redis-py's own parser picks. Three rules keep
 every caller's reply its own on the shared socket:
 
 - A command is encoded completely before its reply slot is queued or a byte
@@ -21,6 +21,9 @@ every caller's reply its own on the shared socket:
   (1 MiB: `proto-max-bulk-len`, `client-query-buffer-limit`) is sent on a
   connection of its own, so a server that refuses it and hangs up fails only
   that command.
+- A new socket asks the server first (AUTH / SELECT, or a PING), so a server
+  that refuses the client (maxclients, a missing password) fails the
+  connection, not the first callers' commands.
 
 A connection serves the event loop that opened its socket; a call from any
 other loop (or after that loop closed) raises RuntimeError at once.
@@ -102,7 +105,9 @@ def _is_push(reply: Any) -> bool:
 class _Protocol(asyncio.Protocol):
     """Feeds bytes to hiredis; hands each reply to the oldest waiting future, or to `on_push`."""
 
-    def __init__(self, on_push: Callable[[Any], None] | None, on_lost: Callable[[], None] | None) -> None:
+    def __init__(self, on_push: Callable[[Any], None] | None, on_lost: Callable[[], None] | None,
+                 server: str = "Redis") -> None:
+        self.server = server
         self.reader = hiredis.Reader(replyError=_reply_error)
         self.pending: collections.deque[asyncio.Future[Any]] = collections.deque()
         self.transport: asyncio.Transport | None = None
@@ -145,7 +150,7 @@ class _Protocol(asyncio.Protocol):
             future = self.pending.popleft()
             if not future.done():
                 future.set_exception(self.refusal or RedisConnectionError(
-                    f"connection to Redis lost: {exc or 'closed by the server'}"))
+                    f"connection to {self.server} lost: {exc or 'closed by the server'}"))
         if self.on_lost is not None:
             self.on_lost()
 
@@ -214,7 +219,7 @@ class Connection:
     def _check_loop(self) -> asyncio.AbstractEventLoop:
         """The running loop, if it is the one this connection's socket belongs to."""
         loop = asyncio.get_running_loop()
-        if self._loop is not None and loop is not self._loop:
+        if loop is not self._loop and self._loop is not None:
             state = "a closed" if self._loop.is_closed() else "another"
             raise RuntimeError(f"this Redis connection ({self.server}) was opened on {state} event loop: "
                                "a connection serves only the loop that opened it")
@@ -225,7 +230,7 @@ class Connection:
         async with self._connecting:
             if self.connected:
                 return
-            protocol = _Protocol(None, None)
+            protocol = _Protocol(None, None, self.server)
             try:
                 async with asyncio.timeout(self._connect_timeout):
                     if self._path:
@@ -277,14 +282,20 @@ class Connection:
 
     async def execute(self, *args: Any) -> Any:
         data = pack(args)  # bad input fails here: nothing queued, nothing sent
-        self._check_loop()
+        loop = self._check_loop()
         if len(data) > ALONE_ABOVE:
             return (await self._alone(data, 1))[0]
-        if not self.connected:
-            await self.connect()
         protocol = self._protocol
-        assert protocol is not None  # connect() set it
-        (future,) = self._queue(protocol, data, 1)
+        if protocol is None or protocol.closed:
+            await self.connect()
+            protocol = self._protocol
+            assert protocol is not None  # connect() set it
+        if protocol.transport is None:
+            raise RedisConnectionError(f"connection to {protocol.server} lost")
+        # the hot path of _queue(): one reply slot, then the bytes, nothing in between
+        future: asyncio.Future[Any] = loop.create_future()
+        protocol.pending.append(future)
+        protocol.transport.write(data)
         return await self._wait(protocol, future)
 
     async def execute_many(self, commands: list[tuple[Any, ...]]) -> list[Any]:
@@ -305,7 +316,7 @@ class Connection:
     def _queue(protocol: _Protocol, data: bytes, count: int) -> list[asyncio.Future[Any]]:
         """Reply slots for `count` commands, then their bytes: nothing can fail in between."""
         if protocol.closed or protocol.transport is None:
-            raise protocol.refusal or RedisConnectionError("connection to Redis lost")
+            raise protocol.refusal or RedisConnectionError(f"connection to {protocol.server} lost")
         loop = asyncio.get_running_loop()
         futures: list[asyncio.Future[Any]] = [loop.create_future() for _ in range(count)]
         protocol.pending.extend(futures)

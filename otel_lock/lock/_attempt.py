@@ -18,7 +18,7 @@ from functools import partial
 from typing import Any, Coroutine, Protocol
 
 from . import _scripts
-from ._errors import LockError, LockTimeout, RedisUnavailable
+from ._errors import LockError, LockTimeout, RedisUnavailable, to_lock_error
 from ._waiting import PROMOTED, Grant, Waiter, Waiting
 from ..telemetry._instruments import LockCounts
 
@@ -132,7 +132,7 @@ class Attempt:
         except LockError:
             raise
         except Exception as exc:
-            raise RedisUnavailable(f"Redis is unavailable (subscribe): {exc}", key=self.keys[0]) from exc
+            raise to_lock_error(exc, "subscribe", key=self.keys[0], client=getattr(self.manager, "redis", None)) from exc
 
     async def _wait(self, waiter: Waiter, pttl: int) -> Reply:
         waiting = self.manager._waiting

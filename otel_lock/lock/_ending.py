@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Coroutine
 
 from . import _scripts
 from ._attempt import _cancelling
-from ._errors import LockError, RedisUnavailable, is_unavailable
+from ._errors import LockError, RedisUnavailable, error_type
 from ._held import HELD, HeldLock, Lease
 from ._watchdog import Watchdog
 from ..telemetry._instruments import LockCounts, Telemetry
@@ -162,4 +162,4 @@ class Ending(HoldEnds):
 
 
 def _error_type(error: BaseException) -> str:
-    return "redis_unavailable" if is_unavailable(error) else "redis_error"
+    return error_type(error)

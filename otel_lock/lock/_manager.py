@@ -36,7 +36,7 @@ from ._background import Background
 from ._cluster import SCHEME as CLUSTER_SCHEME
 from ._cluster import cluster_client, is_cluster
 from ._connection import Connection
-from ._errors import LockBusy, LockError, LockLost, LockTimeout, RedisUnavailable, is_unavailable
+from ._errors import LockBusy, LockError, LockLost, LockTimeout, RedisUnavailable, to_lock_error
 from ._ending import Ending, _error_type
 from ._options import (MAX_KEY_LENGTH, _MANAGER_OPTIONS, CommonOptions, _check_seconds, _glob_escape, _text,
                        default_name)
@@ -183,9 +183,7 @@ class LockManager(Ending, CommonOptions):
         try:
             return await self._held_locks()
         except (RedisError, OSError) as exc:
-            if is_unavailable(exc):
-                raise RedisUnavailable(f"Redis is unavailable (listing locks): {exc}") from exc
-            raise LockError(f"Redis refused to list locks: {exc}") from exc
+            raise to_lock_error(exc, "listing locks", client=self.redis) from exc
 
     async def _held_locks(self) -> list[LockInfo]:
         pattern = _glob_escape(self.namespace) + ":{*}"
@@ -212,7 +210,7 @@ class LockManager(Ending, CommonOptions):
         try:
             owner = await self.redis.hget(keys[0], "owner")
         except (RedisError, OSError) as exc:
-            raise RedisUnavailable(f"Redis is unavailable (forced release of {keys[0]}): {exc}", key=keys[0]) from exc
+            raise to_lock_error(exc, f"forced release of {keys[0]}", key=keys[0], client=self.redis) from exc
         released = bool(await self._call(_scripts.force_release, keys, [self.fence_ttl_ms], "release",
                                          default_name(key)))
         if released:
@@ -284,8 +282,8 @@ class LockManager(Ending, CommonOptions):
                 error_type = "redis_unavailable"
                 telemetry.set_error(span, "redis unavailable")
                 raise
-            except LockError:
-                error_type = "redis_error"
+            except LockError as error:
+                error_type = _error_type(error)  # redis_error or redis_misconfigured
                 telemetry.set_error(span, "redis error")
                 raise
             finally:
@@ -407,9 +405,7 @@ class LockManager(Ending, CommonOptions):
                 "lock.name": name, "lock.operation": operation, "error.type": error_type})
             self.telemetry.errors.add(1, {"lock.name": name, "lock.operation": operation, "error.type": error_type})
             self._breaker.record(error_type != "redis_unavailable")
-            if error_type == "redis_unavailable":
-                raise RedisUnavailable(f"Redis is unavailable ({operation} {keys[0]}): {exc}", key=keys[0]) from exc
-            raise LockError(f"Redis refused {operation} of {keys[0]}: {exc}", key=keys[0]) from exc
+            raise to_lock_error(exc, f"{operation} of {keys[0]}", key=keys[0], client=self._client) from exc
 
 
 def _lock_keys(redis_key: str) -> tuple[str, str, str, str]:

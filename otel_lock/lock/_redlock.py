@@ -31,7 +31,7 @@ from ._redlock_rounds import Round, grant, keep
 from ._errors import LockBusy, LockError, LockTimeout, RedisUnavailable
 from ._background import Background
 from ._held import HELD, NEVER, HeldLock, Lease, LockContext
-from ._ending import HoldEnds
+from ._ending import HoldEnds, _error_type
 from ._manager import LockManager
 from ._options import CommonOptions, _check_seconds, default_name
 from ..telemetry._instruments import LockCounts, Telemetry, get_telemetry
@@ -223,8 +223,8 @@ class RedLockManager(HoldEnds, CommonOptions):
             except LockTimeout:
                 self.telemetry.set_error(span, outcome)
                 raise
-            except LockError:
-                error_type = "redis_error"
+            except LockError as error:
+                error_type = _error_type(error)  # redis_error or redis_misconfigured
                 self.telemetry.set_error(span, "redis error")
                 raise
             finally:

@@ -29,7 +29,7 @@ from typing import Any, Sequence
 
 from redis.exceptions import RedisError
 
-from ._errors import LockError, RedisUnavailable, is_unavailable
+from . import _errors
 from ._scripts import Script
 from ..telemetry._instruments import Telemetry, suppressed
 
@@ -116,14 +116,12 @@ class Masters:
                 with suppressed():
                     answer = await script(self.clients[index], keys, args)
         except (RedisError, OSError) as exc:  # asyncio's TimeoutError is an OSError
-            error_type = "redis_unavailable" if is_unavailable(exc) else "redis_error"
+            error_type = _errors.error_type(exc)
             self.telemetry.redis_duration.record(time.perf_counter() - began, {
                 "lock.name": name, "lock.operation": operation, "error.type": error_type})
             self.telemetry.errors.add(1, {"lock.name": name, "lock.operation": operation, "error.type": error_type})
-            what = f"master {index} ({operation} {keys[0]})"
-            if error_type == "redis_unavailable":
-                return RedisUnavailable(f"Redis {what} is unavailable: {type(exc).__name__}: {exc}", key=keys[0])
-            return LockError(f"Redis {what} refused: {exc}", key=keys[0])
+            return _errors.to_lock_error(exc, f"{operation} of {keys[0]} on master {index}", key=keys[0],
+                                         client=self.clients[index])
         self.telemetry.redis_duration.record(time.perf_counter() - began,
                                              {"lock.name": name, "lock.operation": operation})
         return answer

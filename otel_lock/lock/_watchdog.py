@@ -21,7 +21,7 @@ from redis.exceptions import NoScriptError, RedisError
 from . import _scripts
 from ..telemetry._instruments import Telemetry, suppressed
 from ._cluster import slot_of
-from ._errors import is_unavailable
+from ._errors import error_type
 from ._held import NEVER, Lease
 from ._replicas import check_acks, with_wait
 
@@ -141,7 +141,7 @@ class Watchdog:
         for chunk, answers in zip(chunks, results):
             error = ""
             if isinstance(answers, BaseException):
-                error = "redis_unavailable" if is_unavailable(answers) else "redis_error"
+                error = error_type(answers)
             outcomes.update(((lease.name, error), None) for lease in chunk)
         for name, error in outcomes:
             attributes = {"lock.name": name, "lock.operation": "renew"}

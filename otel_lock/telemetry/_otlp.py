@@ -80,6 +80,7 @@ class OtlpPush:
         def restart_in_child() -> None:  # a forked child (gunicorn --preload) has no thread of its parent's
             push = me()
             if push is not None and not push._closed:
+                push._export_lock = threading.Lock()  # the parent's thread may have held it at the fork
                 push._start_thread()
         os.register_at_fork(after_in_child=restart_in_child)
 

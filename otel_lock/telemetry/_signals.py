@@ -7,8 +7,8 @@ again, and with the default action in place that kills the process on the
 spot, with the last batch of spans and the last metrics still in memory.
 
 So `setup()` installs a handler in the main thread that stands in for the
-default action: it runs `shutdown()` (bounded by its timeout), puts the
-default back and raises the signal again, so the process still dies of
+default action: it runs `shutdown()` (on a thread of its own, bounded), puts
+the default back and raises the signal again, so the process still dies of
 it (the exit status supervisors expect). A handler someone else installed
 before `setup()` (gunicorn's, an app's, Python's KeyboardInterrupt for
 SIGINT) is called instead: that path unwinds normally and the `atexit` hook
@@ -29,6 +29,7 @@ from typing import Any, Callable
 log = logging.getLogger("otel_lock.telemetry")
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+FLUSH_BOUND = 15.0  # seconds; TelemetrySetup.shutdown() bounds itself to 10 s
 _previous: dict[int, Any] = {}
 _at_exit: list[Callable[[], bool]] = []
 
@@ -57,7 +58,12 @@ def _handler(shutdown: Callable[[], bool], previous: Any) -> Callable[[int, Fram
             # the process ends, and a normal exit runs the atexit hook.
             previous(signum, frame)
             return
-        shutdown()  # the default action would end the process now: flush first
+        # The default action would end the process now: flush first. On a thread of its own,
+        # bounded: the signal may have interrupted this thread inside a lock the flush needs
+        # (a record's), and a SIGTERM must never hang the process.
+        flusher = threading.Thread(target=shutdown, name="otel-lock flush on signal", daemon=True)
+        flusher.start()
+        flusher.join(FLUSH_BOUND)
         signal.signal(signum, signal.SIG_DFL)
         signal.raise_signal(signum)
     return on_signal

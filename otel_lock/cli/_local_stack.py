@@ -280,7 +280,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"runbooks    {prometheus.url}/consoles/{RUNBOOKS_CONSOLE}")
         print("grafana     not started: add a Prometheus datasource with uid `prometheus` pointing at the URL "
               f"above and import the dashboards in {dashboards_dir()}")
-        print("Ctrl-C stops everything.", flush=True)
         asyncio.run(_run_until_signal(replicas.urls if args.load else None))
     finally:
         stack.stop()
@@ -305,6 +304,8 @@ async def _run_until_signal(load_targets: list[str] | None) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    # Only now: a Ctrl-C before the handlers were in place ended the stack as "interrupted" (130).
+    print("Ctrl-C stops everything.", flush=True)
     if load_targets is None:
         await stop.wait()
         return

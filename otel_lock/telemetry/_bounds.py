@@ -83,6 +83,9 @@ class ValueLimit:
         self._warned = False
         self._lock = threading.Lock()
 
+    def __contains__(self, value: str) -> bool:
+        return value in self._seen
+
     def admit(self, value: str) -> str:
         if value in self._seen:
             return value
@@ -92,10 +95,11 @@ class ValueLimit:
                 return value
             warn, self._warned = not self._warned, True
         if warn:
+            # The value's shape only (key_name): an explicit name may carry an id or an address.
             log.warning(
-                "otel-lock: %s has %d distinct values, its limit (%s); %r and every further new value are "
-                "recorded as %r. Give locks a template or an explicit name (`name=`) instead of a raw key, "
-                "or raise %s.", self.what, self.limit, LIMIT_ENV, value[:80], OVERFLOW, LIMIT_ENV)
+                "otel-lock: %s has %d distinct values, its limit (%s); every further new value (the first "
+                "looks like %r) is recorded as %r. Give locks a template or an explicit name without ids "
+                "(`name=`), or raise %s.", self.what, self.limit, LIMIT_ENV, key_name(value), OVERFLOW, LIMIT_ENV)
         return OVERFLOW
 
 
@@ -112,3 +116,7 @@ class Limits:
         """The value to record (`OVERFLOW` past the limit), or None for an attribute the instrument lacks."""
         limit = self._by_attribute.get(attribute)
         return None if limit is None else limit.admit(value)
+
+    def admitted(self, attribute: str, value: str) -> bool:
+        limit = self._by_attribute.get(attribute)
+        return limit is not None and value in limit

@@ -8,8 +8,8 @@ included, lands in one overflow series without route or status. So the
 instrumentation gets a meter provider of its own (`BoundedMeterProvider`,
 over whatever provider the app uses) whose instruments keep an allow-list:
 
-- method (known methods only, else ``_OTHER``), status code, scheme and
-  protocol version (known values only), the route template
+- method, scheme and protocol version (known values only, else ``_OTHER``),
+  status code, the route template
   (`http.target` / `http.route`, set from the matched route, never the raw
   path), `error.type`; each also capped per instrument (`_bounds`);
 - nothing derived from Host, client address, user agent or headers.
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from opentelemetry import metrics
 from opentelemetry.metrics import NoOpHistogram
 
-from ._bounds import OVERFLOW, Limits
+from ._bounds import Limits
 from ._names import prom_value
 
 if TYPE_CHECKING:
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from opentelemetry.metrics import ObservableUpDownCounter, UpDownCounter
     from opentelemetry.util.types import Attributes
 
+OTHER = "_OTHER"
 _METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH"})
 # attribute -> the values it may take (None: any value the server itself chose, within the limit)
 ALLOWED: dict[str, frozenset[str] | None] = {
@@ -58,7 +59,7 @@ def allowed(attributes: Attributes, limits: Limits) -> dict[str, Any]:
         known = ALLOWED[name]
         text = prom_value(value)
         if known is not None and text not in known:
-            kept[name] = OVERFLOW if name.endswith(("version", "flavor")) else "_OTHER"
+            kept[name] = OTHER  # as the HTTP conventions fold unknown methods
             continue
         admitted = limits.admit(name, text)
         kept[name] = value if admitted is text else admitted

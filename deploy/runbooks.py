@@ -52,55 +52,87 @@ def inline(text: str, anchors: set[str], headings: frozenset[str] = frozenset())
     return re.sub(r"\[([^\]]+)\]\(([^)\s]+)\)", link, out)
 
 
+_ITEM = re.compile(r"(\d+\.|-) ")
+
+
+class _Page:
+    """The section's lines, read block by block; each reader returns the HTML of one block."""
+
+    def __init__(self, section: str) -> None:
+        self.lines = section.splitlines()
+        self.i = 0
+        self.headings = frozenset(slug(h) for h in re.findall(r"^#+ (.+)$", section, flags=re.M))
+        self.anchors = set(re.findall(r'<a id="([\w-]+)">', section)) | self.headings
+
+    def text(self, markdown: str) -> str:
+        return inline(markdown, self.anchors, self.headings)
+
+    def block(self) -> str:
+        line = self.lines[self.i]
+        if line.startswith("```"):
+            return self.code()
+        if line.startswith("#"):
+            self.i += 1
+            level, title = len(line) - len(line.lstrip("#")), line.lstrip("#").strip()
+            return f'<h{level} id="{slug(title)}">{self.text(title)}</h{level}>'
+        if line.startswith("|"):
+            return self.table()
+        if _ITEM.match(line):
+            return self.items()
+        return self.paragraph()
+
+    def code(self) -> str:
+        end = next((j for j in range(self.i + 1, len(self.lines)) if self.lines[j] == "```"), len(self.lines))
+        body = html.escape("\n".join(self.lines[self.i + 1:end]), quote=False)
+        self.i = end + 1
+        return f"<pre><code>{body}</code></pre>"
+
+    def table(self) -> str:
+        rows = []
+        while self.i < len(self.lines) and self.lines[self.i].startswith("|"):
+            line = self.lines[self.i]
+            self.i += 1
+            if not re.fullmatch(r"[|\s:-]+", line):
+                cells = [self.text(cell.strip()) for cell in line.strip().strip("|").split(" | ")]
+                rows.append("<tr>" + "".join(f"<td>{cell}</td>" for cell in cells) + "</tr>")
+        return "<table>" + "".join(rows) + "</table>"
+
+    def items(self) -> str:
+        tag = "ol" if self.lines[self.i][0].isdigit() else "ul"
+        items: list[str] = []
+        while self.i < len(self.lines) and (_ITEM.match(self.lines[self.i]) or self.lines[self.i].startswith("   ")):
+            line = self.lines[self.i]
+            self.i += 1
+            if _ITEM.match(line):
+                items.append(_ITEM.sub("", line, count=1))
+            else:
+                items[-1] += " " + line.strip()
+        return f"<{tag}>" + "".join(f"<li>{self.text(item)}</li>" for item in items) + f"</{tag}>"
+
+    def paragraph(self) -> str:
+        words = []
+        while self.i < len(self.lines):
+            line = self.lines[self.i]
+            if not line.strip() or line.startswith(("#", "|", "```")) or _ITEM.match(line):
+                break
+            words.append(line.strip())
+            self.i += 1
+        return "<p>" + self.text(" ".join(words)) + "</p>"
+
+
 def render(markdown: str) -> str:
-    section = markdown[markdown.index(FIRST):markdown.index(LAST)]
-    headings = frozenset(slug(h) for h in re.findall(r"^#+ (.+)$", section, flags=re.M))
-    anchors = set(re.findall(r'<a id="([\w-]+)">', section)) | headings
+    page = _Page(markdown[markdown.index(FIRST):markdown.index(LAST)])
     blocks: list[str] = []
-    lines = section.splitlines()
-    i = 0
-    while i < len(lines):
-        line = lines[i]
-        if not line.strip():
-            i += 1
-        elif line.startswith("```"):
-            end = lines.index("```", i + 1) if "```" in lines[i + 1:] else len(lines)
-            blocks.append("<pre><code>" + html.escape("\n".join(lines[i + 1:end]), quote=False) + "</code></pre>")
-            i = end + 1
-        elif line.startswith("#"):
-            level, text = len(line) - len(line.lstrip("#")), line.lstrip("#").strip()
-            blocks.append(f'<h{level} id="{slug(text)}">{inline(text, anchors)}</h{level}>')
-            i += 1
-        elif line.startswith("|"):
-            rows = []
-            while i < len(lines) and lines[i].startswith("|"):
-                if not re.fullmatch(r"[|\s:-]+", lines[i]):
-                    cells = [inline(cell.strip(), anchors) for cell in lines[i].strip().strip("|").split(" | ")]
-                    rows.append("<tr>" + "".join(f"<td>{cell}</td>" for cell in cells) + "</tr>")
-                i += 1
-            blocks.append("<table>" + "".join(rows) + "</table>")
-        elif re.match(r"(\d+\.|-) ", line):
-            tag = "ol" if line[0].isdigit() else "ul"
-            items: list[str] = []
-            while i < len(lines) and (re.match(r"(\d+\.|-) ", lines[i]) or lines[i].startswith("   ")):
-                if re.match(r"(\d+\.|-) ", lines[i]):
-                    items.append(re.sub(r"^(\d+\.|-) ", "", lines[i]))
-                else:
-                    items[-1] += " " + lines[i].strip()
-                i += 1
-            blocks.append(f"<{tag}>" + "".join(f"<li>{inline(item, anchors)}</li>" for item in items) + f"</{tag}>")
+    while page.i < len(page.lines):
+        if page.lines[page.i].strip():
+            blocks.append(page.block())
         else:
-            paragraph = []
-            while i < len(lines) and lines[i].strip() and not lines[i].startswith(("#", "|", "```")) \
-                    and not re.match(r"(\d+\.|-) ", lines[i]):
-                paragraph.append(lines[i].strip())
-                i += 1
-            blocks.append("<p>" + inline(" ".join(paragraph), anchors, headings) + "</p>")
+            page.i += 1
     body = "\n".join(blocks)
-    page = (f'<!doctype html>\n<html lang="en"><head><meta charset="utf-8"><title>otel-lock runbooks</title>'
+    text = (f'<!doctype html>\n<html lang="en"><head><meta charset="utf-8"><title>otel-lock runbooks</title>'
             f"<style>{STYLE}</style></head>\n<body>\n<p>Generated from docs/observability.md by "
             f"deploy/runbooks.py.</p>\n{body}\n</body></html>\n")
-    return page.replace("{{", '{{"{{"}}')  # Prometheus runs the page through Go's text/template
+    return text.replace("{{", '{{"{{"}}')  # Prometheus runs the page through Go's text/template
 
 
 def main(argv: list[str]) -> int:

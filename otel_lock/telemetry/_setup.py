@@ -151,14 +151,7 @@ def setup(
     SIGINT flush and shut the providers down before the process exits.
     """
     global _current
-    if not isinstance(service_name, str) or not service_name.strip():
-        raise ValueError(f"service_name must be a non-empty string, not {service_name!r}")
-    if service_instance_id is not None and (not isinstance(service_instance_id, str) or not service_instance_id):
-        raise ValueError(f"service_instance_id must be a non-empty string or None, not {service_instance_id!r}")
-    if resource_attributes is not None and not isinstance(resource_attributes, Mapping):
-        raise ValueError(f"resource_attributes must be a mapping, not {type(resource_attributes).__name__}")
-    if redact is not None and (not isinstance(redact, str) or redact not in MODES):
-        raise ValueError(f"redact must be one of {', '.join(MODES)}, not {redact!r}")
+    _check_arguments(service_name, service_instance_id, resource_attributes, redact)
     exporters = _metrics_exporters()
     with _lock:
         if _current is not None:
@@ -182,6 +175,18 @@ def setup(
         if _current.installed:
             _signals.install(_current.shutdown, signals=flush_on_signal)
         return _current
+
+
+def _check_arguments(service_name: object, service_instance_id: object, resource_attributes: object,
+                     redact: object) -> None:
+    if not isinstance(service_name, str) or not service_name.strip():
+        raise ValueError(f"service_name must be a non-empty string, not {service_name!r}")
+    if service_instance_id is not None and (not isinstance(service_instance_id, str) or not service_instance_id):
+        raise ValueError(f"service_instance_id must be a non-empty string or None, not {service_instance_id!r}")
+    if resource_attributes is not None and not isinstance(resource_attributes, Mapping):
+        raise ValueError(f"resource_attributes must be a mapping, not {type(resource_attributes).__name__}")
+    if redact is not None and (not isinstance(redact, str) or redact not in MODES):
+        raise ValueError(f"redact must be one of {', '.join(MODES)}, not {redact!r}")
 
 
 def _metrics_exporters() -> set[str] | None:

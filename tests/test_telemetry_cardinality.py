@@ -11,6 +11,7 @@ a real Prometheus scrapes /metrics throughout.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import random
 import shutil
@@ -160,6 +161,8 @@ def test_observed_gauges_fold_names_and_forget_idle_ones():
         counts.active[f"report-{i}"] -= 1
     assert len(counts.active) <= DEFAULT_LIMIT + 1, "idle names past the limit are forgotten"
     assert OBSERVED["active"].labels == ("lock.name",)
+    del counts
+    gc.collect()
 
 
 # -- end to end: 20,000 keys, random Hosts, a real Prometheus ---------------------------------
@@ -237,6 +240,8 @@ async def test_twenty_thousand_keys_and_random_hosts_leave_the_series_flat(insta
             ups = await _query(api, 'min_over_time(up{job="otel-lock-replicas"}[1h])')
     finally:
         await locks.aclose()
+        del locks, app  # its counts hold 2,000 names: gone before the next test's setup() reads every manager
+        gc.collect()
         prometheus.stop()
         server.shutdown()
         server.server_close()

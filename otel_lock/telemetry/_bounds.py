@@ -83,9 +83,6 @@ class ValueLimit:
         self._warned = False
         self._lock = threading.Lock()
 
-    def __contains__(self, value: str) -> bool:
-        return value in self._seen
-
     def admit(self, value: str) -> str:
         if value in self._seen:
             return value
@@ -117,6 +114,3 @@ class Limits:
         limit = self._by_attribute.get(attribute)
         return None if limit is None else limit.admit(value)
 
-    def admitted(self, attribute: str, value: str) -> bool:
-        limit = self._by_attribute.get(attribute)
-        return limit is not None and value in limit

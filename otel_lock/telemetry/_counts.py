@@ -190,10 +190,7 @@ Observation = tuple[dict[str, str], float]
 def observe(which: str, counts: Iterable[LockCounts], limits: Limits) -> list[Observation]:
     """The points of one observed gauge of `_names.OBSERVED`, names past the limit folded into one."""
     if which in ("active", "pending"):
-        # A name at 0 that was never reported is not news: it takes no place under the limit.
-        current = {name: value for name, value in totals(counts, which).items()
-                   if value or limits.admitted("lock.name", name)}
-        by_name = _fold(current, limits, "lock.name", lambda a, b: a + b)
+        by_name = _fold(totals(counts, which), limits, "lock.name", lambda a, b: a + b)
         return [({"lock.name": name}, value) for name, value in by_name.items()]
     if which in ("hold_age", "lease"):
         index = 0 if which == "hold_age" else 1

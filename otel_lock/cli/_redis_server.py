@@ -157,7 +157,7 @@ def find_server(spec: str | None = None) -> ServerBinary:
     if os.sep in spec:
         if not (os.path.isfile(spec) and os.access(spec, os.X_OK)):
             raise RedisServerNotFound(f"{SERVER_ENV}={spec}: no executable file there")
-        return ServerBinary(spec, os.path.abspath(spec))
+        return ServerBinary(Path(spec).name, os.path.abspath(spec))
     raise RedisServerNotFound(f"{SERVER_ENV}={spec!r}: expected one of {', '.join(NAMES)} or a path to a binary")
 
 
@@ -170,7 +170,9 @@ def use_server(spec: str | None = None) -> ServerBinary:
     so its pid is the server's) goes first on PATH and is removed at exit.
     """
     binary = find_server(spec)
-    os.environ[SERVER_ENV] = binary.path  # child processes resolve the same binary
+    chosen = os.environ.get(SERVER_ENV, "") if spec is None else spec
+    if chosen:
+        os.environ[SERVER_ENV] = chosen  # child processes resolve the same binary
     if binary.library_path is None and shutil.which("redis-server") == binary.path:
         return binary
     shims = tempfile.mkdtemp(prefix="otel-lock-server-")
@@ -180,7 +182,6 @@ def use_server(spec: str | None = None) -> ServerBinary:
     if binary.library_path is not None and cli.is_file():  # Redis Stack's own redis-cli links OpenSSL 1.1 too
         _shim(Path(shims) / "redis-cli", str(cli), binary.library_path)
     os.environ["PATH"] = os.pathsep.join([shims, os.environ.get("PATH", "")])
-    os.environ[SERVER_ENV] = str(Path(shims) / "redis-server")
     return binary
 
 
@@ -246,9 +247,9 @@ class RedisServer:
             "--save", "", "--appendonly", "no", "--dir", self._dir,
             "--protected-mode", "no", *self.extra_args,
         ]
-        errors = Path(self._dir) / "stderr"
-        with errors.open("wb") as stderr:
-            self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=stderr, env=binary.env())
+        errors = Path(self._dir) / "log"  # its log, read only when it fails to start
+        with errors.open("wb") as log:
+            self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=binary.env())
         deadline = time.monotonic() + timeout
         while not _ping(self.port):
             if self.process.poll() is not None:

@@ -526,9 +526,10 @@ class _Rights:
         missing = self._missing(commands)
         if isinstance(self.channel_refused, str) or missing:
             rule = ([f"&{where}"] if isinstance(self.channel_refused, str) else []) + ["+" + m for m in missing]
-            return Check("channels", "missing", "warning", f"the user may not {'/'.join(c.upper() for c in commands)} "
-                         f"on {where}: the manager polls instead of being woken (slower hand-overs)",
-                         self._rule(*rule))
+            what = f"use the channels {where}" if isinstance(self.channel_refused, str) else \
+                "run " + " or ".join(m.upper() for m in missing)
+            return Check("channels", "missing", "warning", f"the user may not {what}: the manager polls "
+                         "instead of being woken (slower hand-overs)", self._rule(*rule))
         if self.channel_refused is False or self._unknown(commands):
             return Check("channels", "unknown", "note", f"could not tell whether {commands[1].upper()} on {where} "
                          "is allowed")

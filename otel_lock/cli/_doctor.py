@@ -20,18 +20,26 @@ from ._redis_server import redact_url
 __all__ = ["run_doctor"]
 
 SOCKET_TIMEOUT = 2.0
+# redis-py's Cluster client reads the slot map and the command table before anything else
+_CLUSTER_RIGHTS = " (a Cluster client's user needs +cluster|slots and +command)"
 _MARKS = {"ok": "ok", "note": "note", "warning": "WARNING", "refusal": "REFUSED"}
 
 
 def run_doctor(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     from . import _describe_redis_error
 
-    from redis.exceptions import RedisError
+    from redis.exceptions import RedisClusterException, RedisError
 
     from ..lock import LockError
 
     try:
         reports = asyncio.run(_reports(args.redis_url, args.namespace, args.require_noeviction))
+    except RedisClusterException as exc:
+        # redis-py says "Cluster mode is not enabled" for any failure to read the slot map: say what it was
+        cause = _redis_cause(exc)
+        print(f"otel-lock doctor: cannot read the slot map of the Cluster at {redact_url(args.redis_url)}: "
+              f"{_first_line(cause)}" + (_CLUSTER_RIGHTS if "permission" in str(cause) else ""), file=sys.stderr)
+        return 1
     except (RedisError, LockError, OSError) as exc:
         print(f"otel-lock doctor: {_describe_redis_error(exc, args.redis_url)}", file=sys.stderr)
         return 1
@@ -107,6 +115,23 @@ async def _check(client: Any, namespace: str, require_noeviction: bool, where: s
 
     return await check_server(client.execute_command, namespace=namespace, cluster=cluster,
                               require_noeviction=require_noeviction, subscribe=subscribe, address=where)
+
+
+def _redis_cause(exc: BaseException) -> BaseException:
+    """The first Redis error under `exc` (its cause or context), else `exc` itself."""
+    from redis.exceptions import RedisError
+
+    seen, current = set(), exc.__cause__ or exc.__context__
+    while current is not None and id(current) not in seen:
+        if isinstance(current, RedisError):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return exc
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def _print(reports: list[ServerReport], args: argparse.Namespace, out: TextIO) -> None:

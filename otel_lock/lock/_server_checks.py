@@ -409,6 +409,8 @@ class _Rights:
         self.how = "unknown"
 
     async def probe(self) -> None:
+        if self.cluster:
+            await self._own_slot()
         if self.user is not None and _is_ok(await _try(self.run, "ACL", "DRYRUN", self.user, "PING")):
             self.how = "ACL DRYRUN"
             await self._dryrun()
@@ -423,6 +425,18 @@ class _Rights:
                 if not _answered(exc):
                     raise
                 self._note(self.sub, _first_line(exc))
+
+    async def _own_slot(self) -> None:
+        """On a Cluster node, probe keys and channel in a slot this node serves (else: MOVED)."""
+        from ._cluster import slot_tag
+
+        slot = _first_own_slot(await _try(self.run, "CLUSTER", "NODES"))
+        if slot is None:
+            return
+        tag = "{" + slot_tag(slot) + "}"
+        namespace = self.keys[0].split(":" + _PROBE_TAG, 1)[0]
+        self.keys = tuple(f"{namespace}:{tag}:check-{kind}" for kind in "hsz")
+        self.channel = f"{namespace}:{_PROBE_CHANNEL}:{tag}"
 
     async def _dryrun(self) -> None:
         keys = dict(zip("hsz", self.keys))
@@ -445,6 +459,8 @@ class _Rights:
         except Exception as exc:  # noqa: BLE001
             if not _answered(exc):
                 raise
+            if str(exc).startswith(("MOVED", "ASK")):
+                return  # a Cluster node that would not say which slots it serves (CLUSTER NODES): unknown
             if isinstance(exc, NoScriptError) or str(exc).startswith("NOSCRIPT"):
                 # not loaded (SCRIPT LOAD was refused), but the ACL let EVALSHA and its keys through
                 self._note("EVALSHA", None)
@@ -537,6 +553,22 @@ class _Rights:
 
 
 # -- small helpers ------------------------------------------------------------------
+
+
+def _first_own_slot(reply: Any) -> int | None:
+    """The first slot the answering node serves, from CLUSTER NODES (redis-py's parsed dict or the text)."""
+    if isinstance(reply, dict):
+        for node in reply.values():
+            if isinstance(node, dict) and "myself" in _text(node.get("flags")) and node.get("slots"):
+                return int(_text(node["slots"][0][0]))
+        return None
+    for line in _text(reply).splitlines():
+        fields = line.split()
+        if len(fields) > 8 and "myself" in fields[2]:
+            for part in fields[8:]:
+                if part[:1].isdigit():
+                    return int(part.split("-")[0])
+    return None
 
 
 def _answered(exc: BaseException) -> bool:

@@ -5,7 +5,8 @@ prom       otel_lock.telemetry.setup(prometheus=True, otlp=False): /metrics, the
            prometheus-client fast path (children bound per label set); HTTP metrics through the SDK's
            Prometheus reader; no tracer SDK
 otlp       setup() with OTEL_EXPORTER_OTLP_ENDPOINT and OTEL_METRICS_EXPORTER=otlp: traces and metrics over
-           OTLP/HTTP to a local receiver (spans batched, metrics every second), one SDK reader
+           OTLP/HTTP to a local receiver (spans batched, metrics every second); the lock's metrics on the
+           fast path, exported with the SDK's in one request (issue 18)
 
 For the demo endpoint each telemetry mode also runs without the ASGI
 instrumentation (`prom-lock`, `otlp-lock`: the lock's telemetry alone), so

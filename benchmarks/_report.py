@@ -145,7 +145,7 @@ def render_middleware(data: dict, collect: list | None = None) -> str:
 TELEMETRY_LABELS = {
     "off": "off (no SDK)",
     "prom": "/metrics (prometheus-client fast path)",
-    "otlp": "OTLP/HTTP (SDK, one reader)",
+    "otlp": "OTLP/HTTP (fast path, one export)",
     "prom-lock": "/metrics, lock telemetry only (no ASGI instrumentation)",
     "otlp-lock": "OTLP, lock telemetry only (no ASGI instrumentation)",
     # results of earlier runs (issue 4)

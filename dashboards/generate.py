@@ -37,6 +37,22 @@ def sel(*matchers: str) -> str:
     return "{" + ",".join((SCOPE, *matchers)) + "}"
 
 
+def born(series: str, window: str = "$__rate_interval") -> str:
+    """Increase of a counter over `window`, a series born inside it counted whole.
+
+    A counter series appears with its first event already counted (born at
+    1), so `rate()`/`increase()` have no earlier sample and miss it: a
+    replica's first lost lease, circuit opening or 503 would never be drawn.
+    A series that did not exist `window` ago contributes its whole value.
+    """
+    return f"(({series} unless {series} offset {window}) or increase({series}[{window}]))"
+
+
+def events_per_second(by: str, series: str) -> str:
+    """`sum by (by) (rate(series))`, first events included (see `born`)."""
+    return f"sum by ({by}) ({born(series)}) / ($__rate_interval_ms / 1000)"
+
+
 def variables(lock_name: bool = False) -> list[dict]:
     found = [{"name": "datasource", "label": "Prometheus", "type": "datasource", "query": "prometheus",
               "current": {}, "hide": 0, "refresh": 1, "regex": "", "options": []}]
@@ -236,7 +252,7 @@ def redis_row(scope: str = "") -> list[dict]:
                     for i, q in enumerate((0.5, 0.99))], "s"),
         timeseries("Redis commands/s by operation and error.type",
                    "Lock scripts sent to Redis per second; failed ones carry error.type.",
-                   [target(f"sum by (lock_operation, error_type) (rate({REDIS}_count{by_op}{RATE}))",
+                   [target(events_per_second("lock_operation, error_type", f"{REDIS}_count{by_op}"),
                            "{{lock_operation}} {{error_type}}")], "ops"),
         timeseries("Redis connections in use and pending requests",
                    "Connections the lock managers hold open (db.client.connection.count, state=used) and "
@@ -251,7 +267,7 @@ def redis_row(scope: str = "") -> list[dict]:
                    "and how often it opened, per replica. Open for a minute pages (OtelLockCircuitOpen).",
                    [target(f"max by (instance, db_client_connection_pool_name) (otel_lock_circuit_state{sel()})",
                            "state {{instance}} {{db_client_connection_pool_name}}"),
-                    target(f"sum by (instance) (increase(otel_lock_circuit_opened_total{sel()}{RATE}))",
+                    target(f"sum by (instance) ({born(f'otel_lock_circuit_opened_total{sel()}')})",
                            "opened {{instance}}", "B")]),
     ]
 
@@ -265,7 +281,8 @@ def overview() -> dict:
              red_above=1e12),
         stat("Timeouts/s", "Callers that gave up after their wait (HTTP 409 + Retry-After). A try_lock miss "
              "(busy) is not a timeout and is not counted.",
-             [target(f"sum(rate({WAIT}_count{sel(TIMEOUT)}{RATE})) or vector(0)")], "reqps",
+             [target(f"sum({born(f'{WAIT}_count{sel(TIMEOUT)}')}) / ($__rate_interval_ms / 1000) or vector(0)")],
+             "reqps",
              red_above=0.01),
         stat("Leases lost", "Leases lost in the selected range, counted as OtelLockLeaseLost counts them: "
              "by the watchdog or at release (lost or expired), once per loss, including a replica's very "
@@ -285,7 +302,7 @@ def overview() -> dict:
         timeseries("Acquisitions/s by lock and outcome",
                    "Every attempt, by lock name and outcome (acquired, busy = a try_lock miss, grey, not an "
                    "error; timeout, error, cancelled).",
-                   [target(f"sum by (lock_name, lock_outcome) (rate({WAIT}_count{sel()}{RATE}))",
+                   [target(events_per_second("lock_name, lock_outcome", f"{WAIT}_count{sel()}"),
                            "{{lock_name}} {{lock_outcome}}")],
                    "reqps", links=True, overrides=outcome_colors()),
         timeseries("Contention ratio",
@@ -301,11 +318,11 @@ def overview() -> dict:
                 "the slow request, whose acquire span links to the holder that made it wait.",
                 f"sum by (le) (increase({WAIT}_bucket{sel(NOT_BUSY)}{RATE}))"),
         timeseries("Timeouts by lock", "Acquisitions that gave up after their wait.",
-                   [target(f"sum by (lock_name) (rate({WAIT}_count{sel(TIMEOUT)}{RATE}))",
+                   [target(events_per_second("lock_name", f"{WAIT}_count{sel(TIMEOUT)}"),
                            "{{lock_name}}")], "reqps", links=True),
         timeseries("Errors by operation and error.type",
                    "Failed Redis round trips of acquire, release and renew (redis_unavailable, redis_error).",
-                   [target(f"sum by (lock_operation, error_type) (rate(otel_lock_errors_total{sel()}{RATE}))",
+                   [target(events_per_second("lock_operation, error_type", f"otel_lock_errors_total{sel()}"),
                            "{{lock_operation}} {{error_type}}")], "reqps"),
         timeseries("Active locks", "Locks held right now (expired holds not counted), summed over replicas.",
                    [target(f"sum by (lock_name) (otel_lock_active{sel()})", "{{lock_name}}")], links=True),
@@ -319,22 +336,22 @@ def overview() -> dict:
                                {"color": "orange", "value": DEFAULT_LEASE * 0.8},
                                {"color": "red", "value": DEFAULT_LEASE}]),
         timeseries("Releases by outcome", "How holds ended: released, expired (fixed lease ran out), lost, error.",
-                   [target(f"sum by (lock_name, lock_release_outcome) (rate({HOLD}_count{sel()}{RATE}))",
+                   [target(events_per_second("lock_name, lock_release_outcome", f"{HOLD}_count{sel()}"),
                            "{{lock_name}} {{lock_release_outcome}}")], "ops",
                    overrides=[color("lock_release_outcome", "lost", "red"),
                               color("lock_release_outcome", "expired", "orange")]),
         timeseries("Renewals by outcome (lost in red)",
                    "Watchdog lease renewals: ok, error (Redis failed, retried), lost (another owner or "
                    "no confirmation within the lease).",
-                   [target(f"sum by (lock_renewal_outcome) (rate(otel_lock_renewals_total{sel()}{RATE}))",
+                   [target(events_per_second("lock_renewal_outcome", f"otel_lock_renewals_total{sel()}"),
                            "{{lock_renewal_outcome}}")], "ops", overrides=lost_red),
         *redis_row(),
         row("Idempotency"),
         timeseries("Idempotency-Key outcomes by route",
                    "stored (first request), replayed (retry answered from the store), conflict (409, in "
                    "flight), mismatch (422, key reused with another body), missing_key / invalid_key (400).",
-                   [target(f"sum by (http_route, idempotency_outcome) "
-                           f"(rate(otel_lock_idempotency_requests_total{sel()}{RATE}))",
+                   [target(events_per_second("http_route, idempotency_outcome",
+                                             f"otel_lock_idempotency_requests_total{sel()}"),
                            "{{http_route}} {{idempotency_outcome}}")], "reqps", stack=True,
                    overrides=[color("idempotency_outcome", "conflict", "orange"),
                               color("idempotency_outcome", "mismatch", "red")]),
@@ -344,8 +361,8 @@ def overview() -> dict:
                            f"{sel()}{RATE}))", "{{http_method}} {{http_target}}")], "reqps"),
         timeseries("Error responses by route and status",
                    "4xx and 5xx answers: 409 lock-timeout or out-of-stock, 400/422 idempotency, 503 Redis.",
-                   [target(f"sum by (http_target, http_status_code) (rate(http_server_duration_milliseconds_count"
-                           f"{sel(HTTP_ERRORS)}{RATE}))",
+                   [target(events_per_second("http_target, http_status_code",
+                                             f"http_server_duration_milliseconds_count{sel(HTTP_ERRORS)}"),
                            "{{http_status_code}} {{http_target}}")], "reqps"),
         timeseries("Request duration p95 by route", "Server-side latency including the lock wait.",
                    [target(f"histogram_quantile(0.95, sum by (http_target, le) "
@@ -380,7 +397,7 @@ def one_lock() -> dict:
              "percentunit", red_above=0.8),
         timeseries("Attempts by outcome", "Acquired, busy (try_lock miss, not an error), timeout, error, "
                    "cancelled; contended or not.",
-                   [target(f"sum by (lock_outcome, lock_contended) (rate({WAIT}_count{one}{RATE}))",
+                   [target(events_per_second("lock_outcome, lock_contended", f"{WAIT}_count{one}"),
                            "contended={{lock_contended}} {{lock_outcome}}")], "reqps",
                    overrides=outcome_colors()),
         timeseries("Wait p50 / p95 / p99", "Wait time of this lock; exemplars link to traces.",
@@ -401,17 +418,17 @@ def one_lock() -> dict:
                    [target(f"max by (instance) (otel_lock_hold_age_seconds{one})", "held for {{instance}}"),
                     target(f"max by (instance) (otel_lock_lease_seconds{one})", "lease {{instance}}", "B")], "s"),
         timeseries("Releases by outcome", "released, expired, lost, error.",
-                   [target(f"sum by (lock_release_outcome) (rate({HOLD}_count{one}{RATE}))",
+                   [target(events_per_second("lock_release_outcome", f"{HOLD}_count{one}"),
                            "{{lock_release_outcome}}")], "ops",
                    overrides=[color("lock_release_outcome", "lost", "red"),
                               color("lock_release_outcome", "expired", "orange")]),
         timeseries("Renewals by outcome (lost in red)", "Watchdog renewals of this lock.",
-                   [target(f"sum by (lock_renewal_outcome) (rate(otel_lock_renewals_total{one}{RATE}))",
+                   [target(events_per_second("lock_renewal_outcome", f"otel_lock_renewals_total{one}"),
                            "{{lock_renewal_outcome}}")], "ops",
                    overrides=[color("lock_renewal_outcome", "lost", "red"),
                               color("lock_renewal_outcome", "error", "orange")]),
         timeseries("Errors by operation and error.type", "Redis failures on acquire, release, renew.",
-                   [target(f"sum by (lock_operation, error_type) (rate(otel_lock_errors_total{one}{RATE}))",
+                   [target(events_per_second("lock_operation, error_type", f"otel_lock_errors_total{one}"),
                            "{{lock_operation}} {{error_type}}")], "reqps"),
         *redis_row(name)[:2],
     ]

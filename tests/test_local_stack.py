@@ -44,10 +44,14 @@ def test_stack_runs_and_stops_everything_on_ctrl_c():
         output = "".join(lines)
         urls = re.findall(r"^(?:replica|prometheus)\s+(http://\S+)", output, flags=re.M)
         assert len(urls) == 3, output
+        [runbooks] = re.findall(r"^runbooks\s+(http://\S+)", output, flags=re.M)
         with httpx.Client(timeout=5.0) as client:
             for url in urls[:2]:
                 assert client.get(url + "/healthz").status_code == 200
             assert client.get(urls[2] + "/-/ready").status_code == 200
+            # the page every alert's runbook_url opens, served by this Prometheus
+            page = client.get(runbooks)
+            assert page.status_code == 200 and 'id="lease-lost"' in page.text and 'id="target-down"' in page.text
         os.kill(process.pid, signal.SIGINT)
         assert process.wait(30) == 0
     finally:

@@ -126,11 +126,12 @@ async def test_a_manager_made_before_setup_records_into_the_fast_path(clean, red
     assert len(own) == len(set(own)), "a family exposed twice breaks the Prometheus scrape"
 
 
-async def test_both_destinations_record_each_measurement_once_per_destination(clean, monkeypatch, redis_client):
+async def test_both_destinations_read_one_recording(clean, monkeypatch, redis_client):
+    """/metrics and OTLP read the same children: each measurement is recorded once and exported by both."""
     with OtlpReceiver() as receiver:
         monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint)
         installed = telemetry.setup("shop", "r1", prometheus=True)
-        assert installed.otlp and installed.lock_meter_provider is not None
+        assert installed.otlp
         locks = LockManager(redis_client, namespace="fast-both")
         try:
             async with locks.lock("stock:1", name="stock:{id}"):
@@ -140,12 +141,13 @@ async def test_both_destinations_record_each_measurement_once_per_destination(cl
         text = await scrape(installed)
         own = families(text)
         assert len(own) == len(set(own))
-        assert "otel_lock_wait_duration_seconds" in own
-        assert installed.lock_meter_provider.force_flush() and installed.meter_provider.force_flush()
+        assert 'otel_lock_wait_duration_seconds_count{lock_contended="false",lock_name="stock:{id}",' \
+               'lock_outcome="acquired"} 1.0' in text
+        assert installed.meter_provider.force_flush()
         assert receiver.wait_for(lambda: any(m.name == "otel_lock.wait.duration" for m in receiver.metrics))
         waits = [m for m in receiver.metrics if m.name == "otel_lock.wait.duration"]
-        # One provider exports the lock's metrics: the global one (HTTP metrics) stays silent about them.
         assert sum(p.count for m in waits for p in m.histogram.data_points) == 1
+        # the HTTP instrumentation's provider has no second copy: one otel_lock scope per export
         telemetry._reset_for_tests()
 
 
@@ -154,10 +156,15 @@ def test_otel_metrics_exporter_otlp_means_no_prometheus_reader(clean, monkeypatc
         monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint)
         monkeypatch.setenv("OTEL_METRICS_EXPORTER", "otlp")
         installed = telemetry.setup("shop", "r1")
-        assert installed.registry is None and installed.lock_meter_provider is None
         assert len(installed.meter_provider._metric_readers) == 1
-        # Lock metrics go to the global provider (its one OTLP reader), not the fast path.
-        assert get_telemetry().wait_duration.__class__.__module__.startswith("opentelemetry")
+        # /metrics answers with the replica's resource only (Prometheus' `up`, OtelLockTelemetryMissing)
+        text = generate_latest(installed.registry).decode()
+        assert [line.split("{")[0] for line in text.splitlines() if not line.startswith("#")] == ["target_info"]
+        assert 'service_instance_id="r1"' in text
+        # Lock metrics are recorded on the fast path and leave by OTLP.
+        get_telemetry().errors.add(1, {"lock.name": "a", "lock.operation": "acquire", "error.type": "x"})
+        assert installed.meter_provider.force_flush()
+        assert receiver.wait_for(lambda: any(m.name == "otel_lock.errors" for m in receiver.metrics))
         telemetry._reset_for_tests()  # while the receiver still answers the final export
 
 

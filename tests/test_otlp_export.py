@@ -60,3 +60,35 @@ async def test_lock_spans_and_metrics_arrive_over_otlp(receiver, redis_client):
 def test_explicit_otlp_false_wins_over_the_environment(receiver):
     installed = telemetry.setup(otlp=False)
     assert not installed.otlp
+
+
+def test_a_forked_child_keeps_exporting(receiver):
+    """gunicorn --preload: setup() in the parent, the lock's metrics recorded in a forked worker still leave."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import os, sys
+        from otel_lock import telemetry
+        from otel_lock.telemetry._instruments import get_telemetry
+
+        telemetry.setup("forked", flush_on_signal=False)
+        pid = os.fork()
+        if pid == 0:
+            get_telemetry().errors.add(1, {"lock.name": "from-child", "lock.operation": "acquire",
+                                           "error.type": "redis_unavailable"})
+            import time
+            time.sleep(2)  # several export intervals of the child's own thread, then a hard exit (no hooks)
+            os._exit(0)
+        os.waitpid(pid, 0)
+    """)
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("OTEL_")},
+           "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_METRIC_EXPORT_INTERVAL": "200"}
+    subprocess.run([sys.executable, "-c", script], env=env, timeout=60, check=True)
+
+    def names():
+        return {a.value.string_value for m in receiver.metrics if m.name == "otel_lock.errors"
+                for p in m.sum.data_points for a in p.attributes if a.key == "lock.name"}
+    assert receiver.wait_for(lambda: "from-child" in names())

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from benchmarks._report import update_docs
+from otel_lock.cli._redis_server import use_server
 
 from . import DEPLOYMENTS, FAULTS, FULL, FULL_SETS, QUICK, QUICK_SETS, check
 from ._faults import FAILOVER_LEASE, FAILOVER_WINDOW, LONG, SHORT
@@ -90,8 +91,11 @@ def main(argv: list[str] | None = None) -> int:
                          f"{', '.join(FAULTS[name].where)}")
     sets = FULL_SETS if args.full else QUICK_SETS
 
+    # $OTEL_LOCK_REDIS_SERVER (redis-7.4, valkey-9, ...) becomes `redis-server` for every deployment
+    server = use_server()
+    print(f"server: {server.name} ({server.version()})")
     began = time.monotonic()
-    run = {"commit": _commit(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    run = {"commit": _commit(), "server": server.version(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "profile": profile.__dict__, "stalls": {"short": list(SHORT), "long": list(LONG)}, "rows": []}
     for deployment in deployments:
         faults = [f for f in given if deployment in FAULTS[f].where] if given else sets[deployment]

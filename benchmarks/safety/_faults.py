@@ -198,6 +198,57 @@ async def client_kill(run, rng) -> None:
                 await client.aclose()
 
 
+EVICT_HEADROOM = 2 << 20  # bytes of maxmemory above what Redis uses when the fault starts
+FILL_VALUE = b"x" * 1024
+FILL_BATCH = 100
+
+
+def evict(policy: str):
+    """A `maxmemory` just above what Redis uses, `policy`, and a writer that keeps it full.
+
+    The filler's keys carry a TTL (cache entries, idempotency records), so a
+    volatile-* policy has more than the locks to choose from. Its PSETEX is a
+    command the locks never send (the meter leaves it out). `injected` counts
+    the lock keys Redis evicted (keyspace notifications of `evicted`).
+    """
+    async def act(run, rng) -> None:
+        client = aioredis.Redis.from_url(run.server.url, socket_timeout=5)
+        events = aioredis.Redis.from_url(run.server.url, socket_timeout=None).pubsub()
+        counter = asyncio.create_task(_count_evicted_locks(run, events))
+        try:
+            used = int((await client.info("memory"))["used_memory"])
+            await client.config_set("maxmemory-policy", policy)
+            await client.config_set("maxmemory", used + EVICT_HEADROOM)
+            i = 0
+            while True:
+                pipe = client.pipeline(transaction=False)
+                for _ in range(FILL_BATCH):
+                    pipe.psetex(f"filler:{i}", 600_000, FILL_VALUE)
+                    i += 1
+                await pipe.execute()
+                await asyncio.sleep(0.005)
+        finally:
+            counter.cancel()
+            await asyncio.gather(counter, return_exceptions=True)
+            await events.aclose()
+            await client.aclose()
+    return act
+
+
+async def _count_evicted_locks(run, events) -> None:
+    client = aioredis.Redis.from_url(run.server.url, socket_timeout=5)
+    try:
+        await client.config_set("notify-keyspace-events", "Ee")
+    finally:
+        await client.aclose()
+    await events.subscribe("__keyevent@0__:evicted")
+    async for message in events.listen():
+        key = message.get("data")
+        if message.get("type") == "message" and isinstance(key, bytes) and key.startswith(b"safety:{") \
+                and key.endswith(b"}"):
+            run.injected += 1
+
+
 # -- Sentinel -------------------------------------------------------------------
 
 
@@ -343,6 +394,9 @@ FAULTS = {f.name: f for f in [
           proxy=True, where=("single",)),
     Fault("client-kill", "CLIENT KILL TYPE normal and TYPE pubsub on every master every 0.2-0.4 s",
           act=client_kill),
+    Fault("evict", "maxmemory 2 MB above use, volatile-lru, a writer of TTL'd 1 KB keys keeping Redis full",
+          act=evict("volatile-lru"), forgets=True, where=("single",)),
+    Fault("evict-allkeys", "the same with allkeys-lru", act=evict("allkeys-lru"), forgets=True, where=("single",)),
     Fault("failover-kill", "stall replication, then SIGKILL the master: Sentinel promotes the replica",
           act=sentinel_kill, forgets=True, where=("sentinel",), **FAILOVER),
     Fault("failover-kill-wait", "the same, the workers with wait_replicas=1", act=sentinel_kill,
@@ -361,7 +415,7 @@ FAULTS = {f.name: f for f in [
 
 QUICK_SET = ["none", "stall-hold-short", "stall-hold-long", "stall-wait-long", "sigstop-short", "sigstop-long",
              "sigkill-holder", "sigkill-waiter", "restart-aof", "restart-noaof", "proxy-stall-long", "proxy-cut",
-             "client-kill"]
+             "client-kill", "evict"]
 
 # Per deployment: the quick set (CI for single and cluster) and the full set (`--full --deployment ...`).
 QUICK_SETS = {

@@ -193,6 +193,10 @@ def summarise(holds: list[Hold]) -> dict:
         # a stale holder is told in time if its first overlap (the earliest begin) was
         "stale_told_next": sum(told_by_next_await(min(os, key=lambda o: o.begin)) for os in stale.values()),
         "max_overlap": max((o.length for o in found), default=0.0),
+        # the longest a stale holder ran on, untold, after its first overlap began (a forgotten or
+        # evicted lock is told at the holder's next renewal: at most the renewal interval plus a round trip)
+        "max_told_after": max((min(os, key=lambda o: o.begin).stale.lost_at - min(o.begin for o in os)
+                               for os in stale.values() if os[0].stale.lost_at is not None), default=0.0),
         "max_idle": max_idle(holds),
         "token_regressions": token_regressions(holds),
     }

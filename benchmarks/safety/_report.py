@@ -31,6 +31,7 @@ def row(run) -> dict:
         "deployment": deployment, "library": run.lib, "fault": run.fault.name, **summary,
         "next_await": f"{summary['stale_told_next']}/{summary['stale_holders']}" if has_tokens else "n/a",
         "max_overlap_ms": round(summary["max_overlap"] * 1000),
+        "max_told_after_ms": round(max(0.0, summary["max_told_after"]) * 1000),
         "max_idle_ms": round(summary["max_idle"] * 1000),
         "overrun_ms": round(max(overruns, default=0.0) * 1000),
         "commands": run.meter.total,

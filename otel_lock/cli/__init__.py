@@ -1,4 +1,4 @@
-"""The `otel-lock` command: demo, serve, locks, unlock, stack.
+"""The `otel-lock` command: demo, serve, locks, unlock, stack, doctor.
 
 Heavy imports (uvicorn, the demo app, the lock core) happen inside each
 subcommand, so `otel-lock --help` is instant and a bad argument is reported
@@ -170,6 +170,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_redis(unlock, "redis://127.0.0.1:6379/0")
     unlock.add_argument("--reason", required=True, type=_reason, help="why, for the audit record (required)")
 
+    doctor = commands.add_parser(
+        "doctor", help="check a Redis for the lock: eviction, memory, persistence, ACL, version, replication",
+        description="Check the server(s) a Redis URL names as a lock manager would at first use: eviction "
+                    "policy, memory, persistence, ACL rights (scripts, keys, wake channels), version, "
+                    "replication and a round trip; every master of a redis+cluster:// URL. Exit status 0 "
+                    "when the lock may use it (warnings allowed), 1 when a check refuses it or it cannot "
+                    "be reached.")
+    _add_redis(doctor, "redis://127.0.0.1:6379/0")
+    doctor.add_argument("--json", action="store_true", help="print the reports as JSON")
+    doctor.add_argument("--require-noeviction", action="store_true",
+                        help="refuse an evicting or unknown maxmemory-policy, as require_noeviction=True does")
+
     commands.add_parser("stack", help="run the compose topology without Docker: redis-server, two replicas, Debian prometheus (arguments are passed on)",
                         add_help=False)
     return parser
@@ -223,8 +235,13 @@ def _serve(args: argparse.Namespace) -> int:
     settings = DemoSettings.from_env(redis_url=args.redis_url, namespace=args.namespace, replica_name=name,
                                      job_interval=args.job_interval)
     app = setup.instrument_app(create_app(settings))
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                lifespan="on")
+    try:
+        # On SIGTERM uvicorn shuts the app down, then raises the signal again: setup()'s
+        # handler flushes the telemetry before the process dies of it (telemetry._signals).
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                    lifespan="on")
+    finally:
+        setup.shutdown()  # a normal return, Ctrl-C (KeyboardInterrupt) or a start-up failure: flush too
     return 0
 
 
@@ -348,6 +365,12 @@ def _unlock(args: argparse.Namespace) -> int:
     return 0
 
 
+def _doctor(args: argparse.Namespace) -> int:
+    from ._doctor import run_doctor
+
+    return run_doctor(args)
+
+
 _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "demo": _demo, "serve": _serve, "locks": _locks, "unlock": _unlock,
+    "demo": _demo, "serve": _serve, "locks": _locks, "unlock": _unlock, "doctor": _doctor,
 }

@@ -78,7 +78,8 @@ def run_demo(options: DemoOptions, out: TextIO = sys.stdout) -> int:
                 return 1
             redis_url = server.url
             assert server.process is not None  # start() returned: it is running
-            _say(out, f"redis     : started redis-server on {redis_url} (pid {server.process.pid})")
+            name = server.binary.name if server.binary else "redis-server"
+            _say(out, f"redis     : started {name} on {redis_url} (pid {server.process.pid})")
         else:
             problem = _unreachable(redis_url)
             if problem:

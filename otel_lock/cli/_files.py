@@ -36,12 +36,13 @@ def dashboards_dir() -> Path:
 
 
 def check_prometheus_files() -> tuple[Path, list[Path]]:
-    """The Prometheus config and its rule files, or DataFilesMissing naming what is absent."""
+    """The Prometheus config and its rule files (and the runbooks page), or DataFilesMissing naming what is absent."""
     directory = prometheus_dir()
     config = directory / "prometheus.yml"
     rules = sorted((directory / "rules").glob("*.yml"))
-    if not config.is_file() or not rules:
-        missing = config if not config.is_file() else directory / "rules" / "*.yml"
+    runbooks = directory / "consoles" / "otel-lock-runbooks.html"
+    if not config.is_file() or not rules or not runbooks.is_file():
+        missing = (config if not config.is_file() else runbooks if rules else directory / "rules" / "*.yml")
         raise DataFilesMissing(
             f"{missing} not found: this otel-lock installation lacks its Prometheus files "
             "(reinstall the wheel, or run from a checkout of the repository)")

@@ -6,7 +6,9 @@ stack's scrape config and alert rules rendered for local ports; optionally a
 load loop. Prints the URLs and stops everything by pid on Ctrl-C.
 
 There is no collector here: Prometheus scrapes the replicas' /metrics
-directly (same metric names, no exemplars). Grafana is not started; point a
+directly (same metric names, no exemplars). Alert links open the runbooks
+this Prometheus serves itself (a console template, deploy/prometheus/consoles,
+under its --web.external-url). Grafana is not started; point a
 local Grafana at the printed Prometheus URL with the datasource uid
 `prometheus` and import the dashboards whose folder it prints. The config,
 rules and dashboards come from the installed package or a checkout
@@ -38,8 +40,10 @@ if TYPE_CHECKING:
 
 DEPLOY = prometheus_dir()
 REPLICA_JOB = "otel-lock-replicas"
-# The absolute link bases written in deploy/prometheus/rules/*.yml.
-DEFAULT_RUNBOOK_BASE = "https://github.com/otel-lock/otel-lock/blob/main/docs/observability.md"
+# The link bases written in deploy/prometheus/rules/*.yml: the runbooks each Prometheus
+# serves itself (a console template, under its --web.external-url), and a local Grafana.
+RUNBOOKS_CONSOLE = "otel-lock-runbooks.html"
+DEFAULT_RUNBOOK_BASE = "{{ $externalURL }}/consoles/" + RUNBOOKS_CONSOLE
 DEFAULT_GRAFANA_URL = "http://localhost:3000"
 # The demo replicas keep concrete lock keys and owners out of their spans.
 REPLICA_ENV = {"OTEL_LOCK_REDACT": "hash"}
@@ -73,8 +77,9 @@ def render_prometheus_config(targets: list[str], rule_files: list[str], *, scrap
 def render_rules(text: str, *, runbook_base: str | None = None, grafana_url: str | None = None) -> str:
     """A rules file with its runbook and dashboard links pointed at this deployment.
 
-    `runbook_base` replaces the docs page (keep `#anchor`s working: point it at
-    a copy of docs/observability.md); `grafana_url` the Grafana root.
+    `runbook_base` replaces the runbooks page Prometheus serves (keep the
+    `#anchor`s working: point it at a copy of docs/observability.md or of
+    deploy/prometheus/consoles/otel-lock-runbooks.html); `grafana_url` the Grafana root.
     """
     for default, new in ((DEFAULT_RUNBOOK_BASE, runbook_base), (DEFAULT_GRAFANA_URL, grafana_url)):
         if new is not None:
@@ -134,8 +139,10 @@ class Prometheus:
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
                 [self.binary, f"--config.file={config_path}", f"--storage.tsdb.path={self._dir / 'data'}",
-                 f"--web.listen-address=127.0.0.1:{self.port}", "--enable-feature=exemplar-storage",
-                 "--web.enable-lifecycle", "--log.level=warn"],
+                 f"--web.listen-address=127.0.0.1:{self.port}", f"--web.external-url={self.url}",
+                 # The runbooks the alert links point at, served by this Prometheus (no libraries needed).
+                 f"--web.console.templates={DEPLOY / 'consoles'}", f"--web.console.libraries={self._dir / 'none'}",
+                 "--enable-feature=exemplar-storage", "--web.enable-lifecycle", "--log.level=warn"],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         self._wait_ready(timeout)
         return self
@@ -239,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--job-interval", type=float, default=5.0, help="background job period in seconds")
     parser.add_argument("--load", action="store_true", help="also run the contended load loop")
     parser.add_argument("--runbook-base", default=None,
-                        help=f"absolute URL of docs/observability.md for alert links (default: {DEFAULT_RUNBOOK_BASE})")
+                        help="absolute URL of your copy of the runbooks (docs/observability.md) for alert links "
+                             "(default: the runbooks page this Prometheus serves, /consoles/" + RUNBOOKS_CONSOLE + ")")
     parser.add_argument("--grafana-url", default=None,
                         help=f"Grafana root for alert dashboard links (default: {DEFAULT_GRAFANA_URL})")
     parser.add_argument("--render-rules-to", metavar="DIR", default=None,
@@ -269,9 +277,9 @@ def main(argv: list[str] | None = None) -> int:
         for url in replicas.urls:
             print(f"replica     {url}   (/metrics, /healthz, /api/stock/1001)")
         print(f"prometheus  {prometheus.url}   (alerts: {prometheus.url}/alerts)")
+        print(f"runbooks    {prometheus.url}/consoles/{RUNBOOKS_CONSOLE}")
         print("grafana     not started: add a Prometheus datasource with uid `prometheus` pointing at the URL "
               f"above and import the dashboards in {dashboards_dir()}")
-        print("Ctrl-C stops everything.", flush=True)
         asyncio.run(_run_until_signal(replicas.urls if args.load else None))
     finally:
         stack.stop()
@@ -296,6 +304,8 @@ async def _run_until_signal(load_targets: list[str] | None) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    # Only now: a Ctrl-C before the handlers were in place ended the stack as "interrupted" (130).
+    print("Ctrl-C stops everything.", flush=True)
     if load_targets is None:
         await stop.wait()
         return

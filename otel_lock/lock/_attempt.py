@@ -155,7 +155,7 @@ class Attempt:
         except Exception as exc:
             if self.transport.refused_channels(exc):
                 return False
-            raise RedisUnavailable(f"Redis is unavailable (subscribe): {exc}", key=self.request.keys[0]) from exc
+            raise self.transport.calls.error(exc, "subscribe", self.request.keys[0]) from exc
 
     async def _wait(self) -> Reply:
         waiting, waiter = self.transport.waiting, self._waiter

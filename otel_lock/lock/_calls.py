@@ -2,7 +2,8 @@
 
 Every topology's calls end here, so a script's round trip is timed and
 classified the same way on one server, a Sentinel master, a Cluster node or
-one master of a RedLock quorum.
+one master of a RedLock quorum. What an error means (transient, or a
+misconfiguration with its fix) is decided in `_errors.py`.
 """
 
 from __future__ import annotations
@@ -13,29 +14,24 @@ from typing import Any, Awaitable
 from redis.exceptions import RedisError
 
 from ._breaker import Breaker
-from ._errors import LockError, RedisUnavailable, is_unavailable
+from ._errors import LockError, error_type, server_name, to_lock_error
 from ..telemetry._instruments import Telemetry
 
-
-def error_type(error: BaseException) -> str:
-    """`error.type` of a failed Redis call."""
-    return "redis_unavailable" if isinstance(error, RedisUnavailable) or is_unavailable(error) else "redis_error"
-
-
-def lock_error(error: BaseException, what: str, key: str | None, where: str) -> LockError:
-    """The exception a caller gets for a failed Redis call: transient or not, naming the server."""
-    if is_unavailable(error):
-        return RedisUnavailable(f"Redis at {where} is unavailable ({what}): {error}", key=key)
-    return LockError(f"Redis at {where} refused {what}: {error}", key=key)
+__all__ = ["Calls", "batch_outcomes", "error_type", "record_batch"]
 
 
 class Calls:
-    """Times and classifies the calls of one manager (its telemetry and breaker), for one server address."""
+    """Times and classifies the calls of one manager (its telemetry and breaker) to one server."""
 
-    __slots__ = ("telemetry", "breaker", "where")
+    __slots__ = ("telemetry", "breaker", "client")
 
-    def __init__(self, telemetry: Telemetry, breaker: Breaker | None, where: str) -> None:
-        self.telemetry, self.breaker, self.where = telemetry, breaker, where
+    def __init__(self, telemetry: Telemetry, breaker: Breaker | None, client: Any) -> None:
+        self.telemetry, self.breaker, self.client = telemetry, breaker, client
+
+    @property
+    def where(self) -> str:
+        """The server, as `host:port` (no credentials)."""
+        return server_name(self.client)
 
     async def __call__(self, call: Awaitable[Any], operation: str, name: str, key: str) -> Any:
         began = time.perf_counter()
@@ -57,7 +53,10 @@ class Calls:
         self.telemetry.errors.add(1, attributes)
         if self.breaker is not None:
             self.breaker.record(kind != "redis_unavailable")
-        return lock_error(exc, f"{operation} {key}", key, self.where)
+        return self.error(exc, f"{operation} of {key}", key)
+
+    def error(self, exc: BaseException, what: str, key: str | None) -> LockError:
+        return to_lock_error(exc, what, key=key, client=self.client)
 
 
 def record_batch(telemetry: Telemetry, outcomes: dict[tuple[str, str], None], seconds: float) -> None:

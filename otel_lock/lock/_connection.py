@@ -9,42 +9,87 @@ concurrent lock calls share one socket without waiting for each other;
 hiredis parses. It is used only when the manager's client is a plain
 redis-py client (TCP or unix socket, RESP2, password auth); anything else
 (TLS, RESP3, credential providers, Cluster) goes through redis-py itself.
+
+It behaves as redis-py does, call for call (tests/test_connection_parity.py
+feeds both the same cases): arguments are encoded by redis-py's rules, error
+replies become the exceptions redis-py's own parser picks. Three rules keep
+every caller's reply its own on the shared socket:
+
+- A command is encoded completely before its reply slot is queued or a byte
+  is written, so bad input (a lone surrogate, a wrong type) fails alone.
+- A command larger than the smallest limit a server may set on one request
+  (1 MiB: `proto-max-bulk-len`, `client-query-buffer-limit`) is sent on a
+  connection of its own, so a server that refuses it and hangs up fails only
+  that command.
+- A new socket asks the server first (AUTH / SELECT, or a PING), so a server
+  that refuses the client (maxclients, a missing password) fails the
+  connection, not the first callers' commands.
+
+A connection serves the event loop that opened its socket; a call from any
+other loop (or after that loop closed) raises RuntimeError at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import copy
 import socket
-from typing import Any, Awaitable, Callable, cast
+from typing import Any, Awaitable, Callable, Sequence, cast
 
 import hiredis
 import redis.asyncio as aioredis
+from redis._parsers import BaseParser
+from redis.exceptions import AuthenticationError, BusyLoadingError, DataError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import (AuthenticationError, BusyLoadingError, ClusterDownError, MasterDownError, NoScriptError, ReadOnlyError,
-                              ResponseError, TryAgainError)
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-
-_pack = hiredis.pack_command  # RESP encoding in C: half the time of a Python encoder
-
-
-def _error(reply: hiredis.ReplyError) -> Exception:
-    """The redis-py exception for an error reply, as redis-py's own parser would pick it."""
-    message = str(reply)
-    code = message.split(" ", 1)[0]
-    if code == "NOSCRIPT":
-        return NoScriptError(message)
-    if code == "LOADING":
-        return BusyLoadingError(message)  # a ConnectionError: Redis is not ready yet
-    return _RESPONSE_ERRORS.get(code, ResponseError)(message)
+_pack: Callable[[tuple[Any, ...]], bytes] = hiredis.pack_command  # RESP encoding in C: half the time of a Python encoder
+ALONE_ABOVE = 1 << 20  # bytes; the smallest proto-max-bulk-len and client-query-buffer-limit
 
 
-# Error replies that mean "this server cannot serve right now", not "you asked wrong".
-_RESPONSE_ERRORS: dict[str, type[Exception]] = {
-    "MASTERDOWN": MasterDownError, "TRYAGAIN": TryAgainError, "READONLY": ReadOnlyError,
-    "CLUSTERDOWN": ClusterDownError, "WRONGPASS": AuthenticationError, "NOAUTH": AuthenticationError,
-}
+def pack(args: Sequence[Any]) -> bytes:
+    """One command in RESP, with redis-py's encoding rules; raises before anything is queued or sent.
+
+    As redis-py: str (UTF-8, strict), bytes, bytearray, memoryview, int and
+    float are sent; a lone surrogate raises UnicodeEncodeError; bool, None
+    and anything else raise DataError. A command name with spaces
+    ("CONFIG GET") is split into its words.
+    """
+    head = args[0] if args else None
+    if isinstance(head, str) and " " in head:
+        args = (*head.encode().split(), *args[1:])
+    elif isinstance(head, bytes) and b" " in head:
+        args = (*head.split(), *args[1:])
+    try:
+        return _pack(args if type(args) is tuple else tuple(args))
+    except TypeError:
+        return _pack(tuple(_encodable(a) for a in args))
+
+
+def _encodable(value: Any) -> Any:
+    """An argument hiredis refused, as redis-py's encoder takes it (bytearray, int subclasses), or DataError."""
+    if isinstance(value, (str, bytes, memoryview)):
+        return value
+    if isinstance(value, bytearray):
+        return bytes(value)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return repr(value).encode()  # an IntEnum goes as redis-py sends it
+    raise DataError(f"Invalid input of type: '{type(value).__name__}'. "
+                    "Convert to a bytes, string, int or float first.")
+
+
+def _reply_error(message: str) -> Exception:
+    """The exception redis-py's own parser makes of an error reply (NOSCRIPT, LOADING, NOPERM, OOM, maxclients...).
+
+    A reply it cannot parse (a script's `error_reply("MOVED nonsense")`) is a
+    plain ResponseError for its caller, never a broken socket for everyone.
+    """
+    try:
+        error: Exception = BaseParser.parse_error(message)  # type: ignore[no-untyped-call]
+    except Exception:
+        return ResponseError(message)
+    return error
 
 
 def _is_push(reply: Any) -> bool:
@@ -60,14 +105,17 @@ def _is_push(reply: Any) -> bool:
 class _Protocol(asyncio.Protocol):
     """Feeds bytes to hiredis; hands each reply to the oldest waiting future, or to `on_push`."""
 
-    def __init__(self, on_push: Callable[[Any], None] | None, on_lost: Callable[[], None] | None) -> None:
-        self.reader = hiredis.Reader()
+    def __init__(self, on_push: Callable[[Any], None] | None, on_lost: Callable[[], None] | None,
+                 server: str = "Redis") -> None:
+        self.server = server
+        self.reader = hiredis.Reader(replyError=_reply_error)
         self.pending: collections.deque[asyncio.Future[Any]] = collections.deque()
         self.transport: asyncio.Transport | None = None
         self.on_push = on_push
         self.on_lost = on_lost
         self.closed = False
         self.stuck = False
+        self.refusal: Exception | None = None  # an error the server sent unasked, before hanging up
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # a stream connection's transport
@@ -83,31 +131,39 @@ class _Protocol(asyncio.Protocol):
             if self.on_push is not None and (not self.pending or _is_push(reply)):
                 self.on_push(reply)
                 continue
+            if not self.pending:
+                # Nothing asked: the server tells why it hangs up (maxclients, a protocol error).
+                if isinstance(reply, Exception):
+                    self.refusal = reply
+                continue
             future = self.pending.popleft()
             if future.done():
                 continue  # its caller was cancelled; the reply is still this one's
-            if isinstance(reply, hiredis.ReplyError):
-                future.set_exception(_error(reply))
+            if isinstance(reply, Exception):
+                future.set_exception(reply)
             else:
                 future.set_result(reply)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        error = RedisConnectionError(f"connection to Redis lost: {exc or 'closed by the server'}")
         while self.pending:
             future = self.pending.popleft()
             if not future.done():
-                future.set_exception(error)
+                future.set_exception(self.refusal or RedisConnectionError(
+                    f"connection to {self.server} lost: {exc or 'closed by the server'}"))
         if self.on_lost is not None:
             self.on_lost()
 
     def abort(self) -> None:
         if self.transport is not None:
-            self.transport.abort()
+            try:
+                self.transport.abort()
+            except RuntimeError:
+                pass  # its event loop is closed: nothing can be delivered on it any more
 
 
 class Connection:
-    """One socket; `execute()` is safe to call from many tasks at once."""
+    """One socket; `execute()` is safe to call from many tasks of one event loop at once."""
 
     def __init__(self, *, host: str = "127.0.0.1", port: int = 6379, path: str | None = None, db: int = 0,
                  username: str | None = None, password: str | None = None, timeout: float | None = 2.0,
@@ -118,6 +174,7 @@ class Connection:
         self._timeout, self._connect_timeout = timeout, connect_timeout
         self._on_push, self._on_lost = on_push, on_lost
         self._protocol: _Protocol | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop of the open socket
         self._connecting = asyncio.Lock()
 
     @classmethod
@@ -137,6 +194,19 @@ class Connection:
                    timeout=timeout, connect_timeout=kw.get("socket_connect_timeout") or timeout, **extra)
 
     @property
+    def server(self) -> str:
+        """host:port (or the unix socket's path): for messages, never with credentials."""
+        return self._path or f"{self._host}:{self._port}"
+
+    @property
+    def username(self) -> str | None:
+        """The ACL user it logs in as (None: the default user)."""
+        return self._username
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.server} db={self._db}>"
+
+    @property
     def in_flight(self) -> int:
         """Commands sent and not answered yet."""
         protocol = self._protocol
@@ -146,61 +216,134 @@ class Connection:
     def connected(self) -> bool:
         return self._protocol is not None and not self._protocol.closed
 
+    def _check_loop(self) -> asyncio.AbstractEventLoop:
+        """The running loop, if it is the one this connection's socket belongs to."""
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop and self._loop is not None:
+            state = "a closed" if self._loop.is_closed() else "another"
+            raise RuntimeError(f"this Redis connection ({self.server}) was opened on {state} event loop: "
+                               "a connection serves only the loop that opened it")
+        return loop
+
     async def connect(self) -> None:
+        loop = self._check_loop()
         async with self._connecting:
             if self.connected:
                 return
-            loop = asyncio.get_running_loop()
-            protocol = _Protocol(None, None)
+            protocol = _Protocol(None, None, self.server)
             try:
                 async with asyncio.timeout(self._connect_timeout):
                     if self._path:
                         await loop.create_unix_connection(lambda: protocol, self._path)
                     else:
                         await loop.create_connection(lambda: protocol, self._host, self._port)
-                    if self._password:
-                        auth = ("AUTH", self._username, self._password) if self._username else ("AUTH", self._password)
-                        await self._send(protocol, auth)
-                    if self._db:
-                        await self._send(protocol, ("SELECT", self._db))
+                    await self._handshake(protocol)
             except BaseException as exc:
                 # A refused AUTH or SELECT (a rotated password, a wrong db) must
                 # not leave its socket behind: one per attempt would exhaust maxclients.
                 protocol.abort()
                 if isinstance(exc, TimeoutError):
-                    raise RedisTimeoutError(f"connecting to Redis timed out after {self._connect_timeout} s") from exc
+                    raise RedisTimeoutError(f"connecting to Redis at {self.server} timed out after "
+                                            f"{self._connect_timeout} s") from exc
                 if isinstance(exc, OSError):
-                    raise RedisConnectionError(f"cannot connect to Redis: {exc}") from exc
+                    raise RedisConnectionError(f"cannot connect to Redis at {self.server}: {exc}") from exc
                 raise
             protocol.on_push, protocol.on_lost = self._on_push, self._on_lost
-            self._protocol = protocol
+            self._protocol, self._loop = protocol, loop
+
+    async def _handshake(self, protocol: _Protocol) -> None:
+        """AUTH and SELECT in one write, or a PING: a server that refuses this client says so now.
+
+        AUTH is sent as redis-py sends it over RESP2 (the password alone when
+        the URL names no user), so a password given to a server that has none
+        is refused, as Redis means it to be. Without AUTH or SELECT a PING
+        still makes the server answer, so maxclients and a missing password
+        show here, not as the reply to a caller's script (an unauthenticated
+        script call can even make Redis hang up on everyone queued behind
+        it); any other refusal of the PING (ACL, LOADING) is left to the
+        commands that follow.
+        """
+        commands: list[tuple[Any, ...]] = []
+        if self._password:
+            commands.append(("AUTH", self._username, self._password) if self._username else ("AUTH", self._password))
+        if self._db:
+            commands.append(("SELECT", self._db))
+        probe = not commands
+        if probe:
+            commands.append(("PING",))
+        futures = self._queue(protocol, b"".join(pack(c) for c in commands), len(commands))
+        replies = await asyncio.gather(*futures, return_exceptions=True)
+        for reply in replies:
+            if not isinstance(reply, Exception):
+                continue
+            if not probe or isinstance(reply, AuthenticationError) or (
+                    isinstance(reply, RedisConnectionError) and not isinstance(reply, BusyLoadingError)):
+                raise reply
 
     async def execute(self, *args: Any) -> Any:
+        data = pack(args)  # bad input fails here: nothing queued, nothing sent
+        loop = self._check_loop()
+        if len(data) > ALONE_ABOVE:
+            return (await self._alone(data, 1))[0]
+        protocol = self._protocol
+        if protocol is None or protocol.closed:
+            await self.connect()
+            protocol = self._protocol
+            assert protocol is not None  # connect() set it
+        if protocol.transport is None:
+            raise RedisConnectionError(f"connection to {protocol.server} lost")
+        # the hot path of _queue(): one reply slot, then the bytes, nothing in between
+        future: asyncio.Future[Any] = loop.create_future()
+        protocol.pending.append(future)
+        protocol.transport.write(data)
+        return await self._wait(protocol, future)
+
+    async def execute_many(self, commands: list[tuple[Any, ...]]) -> list[Any]:
+        """Several commands in one write (one round trip); error replies are returned in place."""
+        packed = [pack(c) for c in commands]  # all of them before any is queued
+        self._check_loop()
+        if any(len(p) > ALONE_ABOVE for p in packed):
+            return await self._alone(b"".join(packed), len(packed))
         if not self.connected:
             await self.connect()
         protocol = self._protocol
         assert protocol is not None  # connect() set it
-        return await self._send(protocol, args)
-
-    async def execute_many(self, commands: list[tuple[Any, ...]]) -> list[Any]:
-        """Several commands in one write (one round trip); errors are returned in place."""
-        if not self.connected:
-            await self.connect()
-        protocol = self._protocol
-        assert protocol is not None and protocol.transport is not None  # connect() set them
-        loop = asyncio.get_running_loop()
-        futures: list[asyncio.Future[Any]] = [loop.create_future() for _ in commands]
-        protocol.pending.extend(futures)
-        protocol.transport.write(b"".join(_pack(c) for c in commands))
+        futures = self._queue(protocol, b"".join(packed), len(packed))
         results: list[Any] = await self._wait(protocol, asyncio.gather(*futures, return_exceptions=True))
         return results
 
-    async def _send(self, protocol: _Protocol, args: tuple[Any, ...]) -> Any:
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        protocol.pending.append(future)
-        assert protocol.transport is not None  # set by connection_made, before any command
-        protocol.transport.write(_pack(args))
-        return await self._wait(protocol, future)
+    @staticmethod
+    def _queue(protocol: _Protocol, data: bytes, count: int) -> list[asyncio.Future[Any]]:
+        """Reply slots for `count` commands, then their bytes: nothing can fail in between."""
+        if protocol.closed or protocol.transport is None:
+            raise protocol.refusal or RedisConnectionError(f"connection to {protocol.server} lost")
+        loop = asyncio.get_running_loop()
+        futures: list[asyncio.Future[Any]] = [loop.create_future() for _ in range(count)]
+        protocol.pending.extend(futures)
+        protocol.transport.write(data)
+        return futures
+
+    async def _alone(self, data: bytes, count: int) -> list[Any]:
+        """Commands too large to share the socket, on a connection of their own (closed after)."""
+        solo = self._sibling()
+        try:
+            await solo.connect()
+            protocol = solo._protocol
+            assert protocol is not None  # connect() set it
+            futures = self._queue(protocol, data, count)
+            results: list[Any] = await solo._wait(protocol, asyncio.gather(*futures, return_exceptions=True))
+        finally:
+            await solo.aclose()
+        if count == 1 and isinstance(results[0], Exception):
+            raise results[0]
+        return results
+
+    def _sibling(self) -> "Connection":
+        """An unopened connection to the same server (a subclass's way of finding it included)."""
+        solo = copy.copy(self)
+        solo._protocol, solo._loop, solo._connecting = None, None, asyncio.Lock()
+        solo._on_push = solo._on_lost = None
+        return solo
 
     async def _wait(self, protocol: _Protocol, future: asyncio.Future[Any]) -> Any:
         if self._timeout is None:
@@ -212,7 +355,7 @@ class Connection:
             return await future
         except RedisConnectionError as exc:
             if protocol.stuck:
-                raise RedisTimeoutError(f"Redis did not answer within {self._timeout} s") from exc
+                raise RedisTimeoutError(f"Redis at {self.server} did not answer within {self._timeout} s") from exc
             raise
         finally:
             handle.cancel()
@@ -228,6 +371,9 @@ class Connection:
     def evalsha(self, sha: str, numkeys: int, *args: Any) -> Awaitable[Any]:
         return self.execute("EVALSHA", sha, numkeys, *args)
 
+    def eval(self, source: str, numkeys: int, *args: Any) -> Awaitable[Any]:
+        return self.execute("EVAL", source, numkeys, *args)
+
     def script_load(self, source: str) -> Awaitable[Any]:
         return self.execute("SCRIPT", "LOAD", source)
 
@@ -237,7 +383,13 @@ class Connection:
             self._protocol.abort()
 
     async def aclose(self) -> None:
-        protocol, self._protocol = self._protocol, None
+        protocol = self._protocol
+        self._protocol, self._loop = None, None
+        if not self._connecting.locked():
+            self._connecting = asyncio.Lock()  # free of the loop it may have been bound to
         if protocol is not None and protocol.transport is not None:
             protocol.on_lost = None
-            protocol.transport.close()
+            try:
+                protocol.transport.close()
+            except RuntimeError:
+                pass  # opened on a loop that is closed now: nothing left to flush

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import logging
 import uuid
 from functools import partial
@@ -27,14 +28,17 @@ from opentelemetry import trace
 from ._attempt import Request
 from ._background import Background
 from ._breaker import Breaker
-from ._errors import LockBusy, LockError, LockTimeout, RedisMisconfigured, RedisUnavailable
+from ._errors import LockBusy, LockError, LockTimeout, RedisMisconfigured, RedisUnavailable, error_type, to_lock_error
 from ._held import NEVER, HeldLock, Lease, LockContext, LockInfo, forget, held_here, remember
-from ._options import ManagerOptions, check_key, check_seconds, default_name, unknown_argument
+from ._options import ManagerOptions, check_breaker, check_key, check_seconds, default_name, unknown_argument
 from ._periodic import once_per_period, run_every
 from ._runtime import Runtime, Runtimes, watch_fork
 from ._scripts import MODEL, MODEL_TTL
+from ._server_checks import ServerReport
 from ._watchdog import Watchdog
-from ..telemetry._instruments import LockCounts, Telemetry, current_traceparent
+from opentelemetry.metrics import MeterProvider
+
+from ..telemetry._instruments import LockCounts, current_traceparent, get_telemetry
 
 log = logging.getLogger("otel_lock")
 T = TypeVar("T")
@@ -65,17 +69,24 @@ class Core:
 
     namespace: str
 
-    def __init__(self, options: ManagerOptions, topology: Topology, telemetry: Telemetry, counts: LockCounts,
-                 breaker: Breaker) -> None:
+    _topology: Topology  # set by the subclass's constructor, after this one
+
+    def __init__(self, options: ManagerOptions, tracer_provider: trace.TracerProvider | None,
+                 meter_provider: MeterProvider | None, breaker_failures: int, breaker_cooldown: float) -> None:
         self.options = options
         self.namespace = options.namespace
-        self.telemetry = telemetry
-        self._counts = counts
-        self._breaker = breaker
-        self._topology = topology
+        self.telemetry = get_telemetry(tracer_provider, meter_provider)
+        counts = self._counts = LockCounts(meter_provider)
+        self.telemetry.gauges.add(counts)
+        failures, cooldown = check_breaker(breaker_failures, breaker_cooldown)
+        # New acquisitions fail at once while Redis keeps failing (docs/lock.md, "Circuit breaker").
+        self._breaker = Breaker.for_pool(failures, cooldown, self.telemetry, counts, options.namespace)
         self.id: str = uuid.uuid4().hex[:12]
         self._ids = itertools.count(1)
         self._runtimes = Runtimes(self._open)
+        # What the first use found of the server(s): `otel-lock doctor`'s checks (docs/lock.md, "Servers").
+        self.server_reports: tuple[ServerReport, ...] = ()
+        self._reports_pid = 0
         counts.watch_connections(self._connection_figures, pool_name=options.namespace)
         watch_fork(self)
 
@@ -299,7 +310,24 @@ class Core:
             self.telemetry.set_error(span, kind, self._topology.where())
 
     async def _check_server(self, transport: Any) -> None:
-        """At first use on a loop: the namespace speaks this data model (else RedisMisconfigured)."""
+        """At first use in a process: the server checks; on every loop: the namespace's data model.
+
+        A refused server (too old, no script or key rights, evicting with
+        `require_noeviction=True`) and another data model are RedisMisconfigured
+        naming the fix; warnings (an evicting policy, no channel rights) are
+        logged once, and without channel rights waiters poll.
+        """
+        if self._reports_pid != os.getpid():
+            reports = await transport.server_reports(self.namespace, self.options.require_noeviction)
+            for report in reports:
+                report.log()
+            self.server_reports = tuple(reports)
+            self._reports_pid = os.getpid()
+        for report in self.server_reports:
+            report.raise_for_refusals()
+        if not all(report.can_subscribe for report in self.server_reports):
+            missing = [r.check("channels") for r in self.server_reports if not r.can_subscribe]
+            transport.poll_instead(f"{missing[0].detail} (fix: {missing[0].fix})")
         held = await transport.check_model(f"{self.namespace}:model", MODEL, MODEL_TTL)
         if held is not None:
             raise RedisMisconfigured(
@@ -457,12 +485,11 @@ class Core:
         """An operator call on this loop's transport, its Redis errors as LockError / RedisUnavailable."""
         from redis.exceptions import RedisError
 
-        from ._calls import lock_error
         transport = self._runtimes.here().transport
         try:
             return await ask(transport)
         except (RedisError, OSError) as exc:
-            raise lock_error(exc, what, key, self._topology.where()) from exc
+            raise to_lock_error(exc, what, key=key, client=transport.records) from exc
 
 
 def _error_type(error: BaseException | None) -> str:
@@ -470,7 +497,7 @@ def _error_type(error: BaseException | None) -> str:
         return ""
     if isinstance(error, LockTimeout):
         return "timeout"
-    return "redis_unavailable" if isinstance(error, RedisUnavailable) else "redis_error"
+    return error_type(error)  # redis_unavailable, redis_misconfigured or redis_error
 
 
 def _glob_escape(text: str) -> str:

@@ -7,7 +7,6 @@ the transport of `_scripted.py` over the link of `_topology.py`.
 
 from __future__ import annotations
 
-import asyncio
 import os
 from typing import Any, Callable
 from urllib.parse import urlsplit
@@ -27,17 +26,17 @@ from ._clients import settings_of, twin
 from ._cluster import SCHEME as CLUSTER_SCHEME
 from ._cluster import cluster_client
 from ._core import Core, Topology
-from ._options import ManagerOptions, check_breaker, check_seconds, refuse_theirs
+from ._options import ManagerOptions, check_seconds, refuse_theirs
 from ._replicas import check_replicas
 from ._scripted import ScriptTransport
 from ._sentinel import SCHEME as SENTINEL_SCHEME
 from ._sentinel import master_client
 from ._topology import link_for
-from ..telemetry._instruments import LockCounts, Telemetry, get_telemetry
+from ..telemetry._instruments import LockCounts, Telemetry
 
 _MANAGER_OPTIONS = ("namespace", "lease", "wait", "cancel_on_lost", "fence_ttl", "poll_cap", "renew_interval",
                     "tracer_provider", "meter_provider", "wait_replicas", "wait_replicas_timeout",
-                    "breaker_failures", "breaker_cooldown")
+                    "breaker_failures", "breaker_cooldown", "require_noeviction")
 
 
 class OneRedis(Topology):
@@ -52,6 +51,10 @@ class OneRedis(Topology):
         self._home_pid = os.getpid()
         self._home_free = True
         self._spare: Any = None
+
+    def own(self, make: Callable[[], Any]) -> None:
+        """The given client was built for this manager (from_url): it closes it, and builds the next ones."""
+        self.make, self.owns_given = make, True
 
     def client_for_loop(self) -> tuple[Any, bool]:
         """(client, whether the runtime closes it): the given client on its first loop, else a twin."""
@@ -71,7 +74,7 @@ class OneRedis(Topology):
         client, owns = self.client_for_loop()
         link = link_for(client, self.wait_replicas, self.wait_timeout_ms)
         channel = f"{self.options.namespace}:wake:{identity}" + (f"-{index}" if index else "")
-        transport = ScriptTransport(link, Calls(self.telemetry, self.breaker, link.settings.address()), channel,
+        transport = ScriptTransport(link, Calls(self.telemetry, self.breaker, link.client), channel,
                                     self.options.fence_ttl_ms, self.options.poll_cap, self.counts.pending, background)
         return transport, client, owns
 
@@ -104,28 +107,18 @@ class LockManager(Core):
                  tracer_provider: trace.TracerProvider | None = None,
                  meter_provider: MeterProvider | None = None, wait_replicas: int = 0,
                  wait_replicas_timeout: float = 0.5, breaker_failures: int = 5,
-                 breaker_cooldown: float = 1.0) -> None:
-        self._init(redis, lambda: twin(redis), False, ManagerOptions.checked(
-            namespace, lease, renew_interval, wait, cancel_on_lost, fence_ttl, poll_cap), tracer_provider,
-            meter_provider, wait_replicas, wait_replicas_timeout, breaker_failures, breaker_cooldown)
-
-    def _init(self, given: Any, make: Callable[[], Any] | None, owns: bool, options: ManagerOptions,
-              tracer_provider: trace.TracerProvider | None, meter_provider: MeterProvider | None,
-              wait_replicas: int, wait_replicas_timeout: float, breaker_failures: int, breaker_cooldown: float) -> None:
-        sample = given if given is not None else None
-        if isinstance(sample, RedisCluster) and wait_replicas:
+                 breaker_cooldown: float = 1.0, require_noeviction: bool = False) -> None:
+        options = ManagerOptions.checked(namespace, lease, renew_interval, wait, cancel_on_lost, fence_ttl, poll_cap,
+                                         require_noeviction)
+        if isinstance(redis, RedisCluster) and wait_replicas:
             raise ValueError("wait_replicas is not supported with Redis Cluster (it needs WAIT on the "
                              "connection that ran the script; see docs/lock.md)")
-        replicas, replicas_timeout = check_replicas(sample, wait_replicas, wait_replicas_timeout)
+        replicas, replicas_timeout = check_replicas(redis, wait_replicas, wait_replicas_timeout)
         self.wait_replicas: int = replicas
         self.wait_replicas_timeout: float = replicas_timeout
-        telemetry = get_telemetry(tracer_provider, meter_provider)
-        counts = LockCounts(meter_provider)
-        telemetry.gauges.add(counts)
-        failures, cooldown = check_breaker(breaker_failures, breaker_cooldown)
-        breaker = Breaker.for_pool(failures, cooldown, telemetry, counts, options.namespace)
-        self._one = OneRedis(given, make, owns, options, telemetry, breaker, counts, replicas, replicas_timeout)
-        super().__init__(options, self._one, telemetry, counts, breaker)
+        super().__init__(options, tracer_provider, meter_provider, breaker_failures, breaker_cooldown)
+        self._topology = self._one = OneRedis(redis, lambda: twin(redis), False, options, self.telemetry,
+                                              self._breaker, self._counts, replicas, replicas_timeout)
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> LockManager:
@@ -142,13 +135,8 @@ class LockManager(Core):
         refuse_theirs(options, "LockManager.from_url()")
         mine = {k: options.pop(k) for k in _MANAGER_OPTIONS if k in options}
         make = client_factory(url, scheme, options)
-        manager = cls.__new__(cls)
-        manager._init(make(), make, True, ManagerOptions.checked(
-            mine.get("namespace", "otel-lock"), mine.get("lease", 30.0), mine.get("renew_interval"),
-            mine.get("wait", 5.0), mine.get("cancel_on_lost", False), mine.get("fence_ttl", 3600.0),
-            mine.get("poll_cap", 0.5)), mine.get("tracer_provider"), mine.get("meter_provider"),
-            mine.get("wait_replicas", 0), mine.get("wait_replicas_timeout", 0.5), mine.get("breaker_failures", 5),
-            mine.get("breaker_cooldown", 1.0))
+        manager = cls(make(), **mine)
+        manager._one.own(make)  # its clients are its own: one per event loop, built from the URL
         return manager
 
     def _topology_client(self) -> Any:

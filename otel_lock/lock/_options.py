@@ -44,8 +44,10 @@ def refuse_theirs(options: dict[str, Any], where: str) -> None:
 
 
 def default_name(key: str) -> str:
-    """`lock.name` when none is given: the key up to its first ':', so ids stay off metrics."""
-    return key.split(":", 1)[0]
+    """`lock.name` when none is given: the key's leading word or its id's shape, never the id (telemetry._bounds)."""
+    from ..telemetry._bounds import key_name
+
+    return key_name(key)
 
 
 def check_seconds(what: str, value: float, *, allow_zero: bool, allow_inf: bool = False) -> float:
@@ -86,10 +88,11 @@ class ManagerOptions:
     renew_interval: float = 10.0
     min_lease: float = 0.01
     min_lease_why: str = ""
+    require_noeviction: bool = False  # refuse a server that may evict keys (docs/lock.md, "Servers")
 
     @classmethod
     def checked(cls, namespace: str, lease: float, renew_interval: float | None, wait: float, cancel_on_lost: bool,
-                fence_ttl: float, poll_cap: float, min_lease: float = 0.01) -> ManagerOptions:
+                fence_ttl: float, poll_cap: float, require_noeviction: bool = False) -> ManagerOptions:
         if not isinstance(namespace, str) or not namespace or "{" in namespace or "}" in namespace:
             raise ValueError(f"namespace must be a non-empty string without '{{' or '}}', not {namespace!r}")
         lease_s = check_seconds("lease", lease, allow_zero=False)
@@ -101,7 +104,8 @@ class ManagerOptions:
             raise ValueError(f"lease ({lease} s) must be longer than the renewal interval ({every} s)")
         return cls(namespace, lease_s, check_seconds("wait", wait, allow_zero=True, allow_inf=True),
                    bool(cancel_on_lost), check_seconds("fence_ttl", fence_ttl, allow_zero=False),
-                   check_seconds("poll_cap", poll_cap, allow_zero=False), every, min_lease)
+                   check_seconds("poll_cap", poll_cap, allow_zero=False), every,
+                   require_noeviction=bool(require_noeviction))
 
     @property
     def fence_ttl_ms(self) -> int:

@@ -34,6 +34,7 @@ from ._held import Lease, LockInfo
 from ._redlock_cleanup import Cleanup
 from ._redlock_scripts import Masters
 from ._scripts import model_check
+from ._server_checks import ServerReport, check_server
 
 
 @dataclass
@@ -256,6 +257,15 @@ class QuorumTransport:
             raise errors[0]
         others = [a for a in answered if a != model]
         return others[0] if others else None
+
+    async def server_reports(self, namespace: str, require_noeviction: bool) -> list[ServerReport]:
+        """The server checks of every master (a master that does not answer fails them: no report without it)."""
+        return [await check_server(client.execute_command, namespace=namespace, cluster=False,
+                                   require_noeviction=require_noeviction, address=calls.where)
+                for client, calls in zip(self.masters.clients, self.masters.calls)]
+
+    def poll_instead(self, why: str) -> None:
+        """RedLock waiters always poll."""
 
     # -- operators ---------------------------------------------------------------------
 

@@ -8,7 +8,7 @@ quorum".
 
 from __future__ import annotations
 
-import asyncio
+import dataclasses
 import os
 from typing import Any, Callable, Sequence
 from urllib.parse import urlsplit
@@ -22,13 +22,14 @@ from ._breaker import Breaker
 from ._calls import Calls
 from ._clients import settings_of, twin
 from ._core import Core, Topology
-from ._options import ManagerOptions, check_breaker, check_seconds, refuse_theirs
+from ._options import ManagerOptions, check_seconds, refuse_theirs
 from ._quorum import QuorumTransport
 from ._redlock_scripts import Masters
-from ..telemetry._instruments import LockCounts, Telemetry, get_telemetry
+from ..telemetry._instruments import Telemetry
 
 _OPTIONS = ("namespace", "lease", "wait", "cancel_on_lost", "fence_ttl", "poll_cap", "renew_interval",
-            "master_timeout", "tracer_provider", "meter_provider", "breaker_failures", "breaker_cooldown")
+            "master_timeout", "tracer_provider", "meter_provider", "breaker_failures", "breaker_cooldown",
+            "require_noeviction")
 MIN_MASTERS = 3
 
 
@@ -55,6 +56,10 @@ class Quorum(Topology):
         self._home_pid = os.getpid()
         self._home_free = True
 
+    def own(self, urls: list[str], url_options: dict[str, Any]) -> None:
+        """The given clients were built for this manager (from_urls): it closes them, and builds the next ones."""
+        self.urls, self.url_options, self.owns = urls, url_options, True
+
     def clients_for_loop(self) -> tuple[list[Any], bool]:
         if self._home_free and os.getpid() == self._home_pid:
             self._home_free = False
@@ -70,7 +75,7 @@ class Quorum(Topology):
     def open(self, identity: str, next_owner: Callable[[], str], index: int,
              background: Background) -> tuple[Any, Any, bool]:
         clients, owns = self.clients_for_loop()
-        calls = [Calls(self.telemetry, None, settings_of(c).address()) for c in clients]
+        calls = [Calls(self.telemetry, None, c) for c in clients]
         masters = Masters(clients, self.master_timeout, calls)
         transport = QuorumTransport(masters, self.breaker, self.options.fence_ttl_ms, self.options.poll_cap,
                                     next_owner, background)
@@ -88,39 +93,28 @@ class RedLockManager(Core):
                  poll_cap: float = 0.05, renew_interval: float | None = None, master_timeout: float | None = None,
                  tracer_provider: trace.TracerProvider | None = None,
                  meter_provider: MeterProvider | None = None, breaker_failures: int = 5,
-                 breaker_cooldown: float = 1.0) -> None:
+                 breaker_cooldown: float = 1.0, require_noeviction: bool = False) -> None:
         _check_masters(clients, "clients", "redis.asyncio clients", "LockManager")
         if len({id(c) for c in clients}) != len(clients):
             raise ValueError("the same client is given twice: each master must be a different Redis")
-        self._init(list(clients), None, {}, False, namespace, lease, wait, cancel_on_lost, fence_ttl, poll_cap,
-                   renew_interval, master_timeout, tracer_provider, meter_provider, breaker_failures, breaker_cooldown)
-
-    def _init(self, clients: list[Any], urls: list[str] | None, url_options: dict[str, Any], owns: bool,
-              namespace: str, lease: float, wait: float, cancel_on_lost: bool, fence_ttl: float, poll_cap: float,
-              renew_interval: float | None, master_timeout: float | None,
-              tracer_provider: trace.TracerProvider | None, meter_provider: MeterProvider | None,
-              breaker_failures: int, breaker_cooldown: float) -> None:
-        options = ManagerOptions.checked(namespace, lease, renew_interval, wait, cancel_on_lost, fence_ttl, poll_cap)
+        options = ManagerOptions.checked(namespace, lease, renew_interval, wait, cancel_on_lost, fence_ttl, poll_cap,
+                                         require_noeviction)
         self.master_timeout: float = min(0.25, options.lease / 10) if master_timeout is None else check_seconds(
             "master_timeout", master_timeout, allow_zero=False)
         if self.master_timeout * 4 > options.lease:
             raise ValueError(f"master_timeout ({master_timeout} s) must be at most a quarter of the lease "
                              f"({options.lease} s): a round takes up to two of them and must leave validity")
         # a per-call lease must leave a round its validity too
-        options = ManagerOptions(options.namespace, options.lease, options.wait, options.cancel_on_lost,
-                                 options.fence_ttl, options.poll_cap, options.renew_interval, self.master_timeout * 4,
-                                 f" (4 x master_timeout {self.master_timeout:g} s: a round takes up to two of them "
-                                 "and must leave validity)")
-        telemetry = get_telemetry(tracer_provider, meter_provider)
-        counts = LockCounts(meter_provider)
-        telemetry.gauges.add(counts)
-        failures, cooldown = check_breaker(breaker_failures, breaker_cooldown)
-        # One breaker for the manager, fed by acquire rounds: it opens when a majority of the
-        # masters is unreachable round after round (docs/lock.md, "Circuit breaker").
-        breaker = Breaker.for_pool(failures, cooldown, telemetry, counts, options.namespace)
+        options = dataclasses.replace(
+            options, min_lease=self.master_timeout * 4,
+            min_lease_why=f" (4 x master_timeout {self.master_timeout:g} s: a round takes up to two of them and "
+                          "must leave validity)")
+        # The breaker is fed by acquire rounds: it opens when a majority of the masters is
+        # unreachable round after round (docs/lock.md, "Circuit breaker").
+        super().__init__(options, tracer_provider, meter_provider, breaker_failures, breaker_cooldown)
         self.quorum: int = len(clients) // 2 + 1
-        self._quorum = Quorum(clients, urls, url_options, owns, self.master_timeout, options, telemetry, breaker)
-        super().__init__(options, self._quorum, telemetry, counts, breaker)
+        self._topology = self._quorum = Quorum(list(clients), None, {}, False, self.master_timeout, options,
+                                               self.telemetry, self._breaker)
 
     @classmethod
     def from_urls(cls, urls: Sequence[str], **options: Any) -> RedLockManager:
@@ -140,12 +134,8 @@ class RedLockManager(Core):
         # each call is bounded by master_timeout anyway; the socket timeout only closes a dead connection
         options.setdefault("socket_timeout", 2.0)
         options.setdefault("socket_connect_timeout", options["socket_timeout"])
-        manager = cls.__new__(cls)
-        manager._init([aioredis.Redis.from_url(url, **options) for url in urls], list(urls), options, True,
-                      mine.get("namespace", "otel-lock"), mine.get("lease", 30.0), mine.get("wait", 5.0),
-                      mine.get("cancel_on_lost", False), mine.get("fence_ttl", 3600.0), mine.get("poll_cap", 0.05),
-                      mine.get("renew_interval"), mine.get("master_timeout"), mine.get("tracer_provider"),
-                      mine.get("meter_provider"), mine.get("breaker_failures", 5), mine.get("breaker_cooldown", 1.0))
+        manager = cls([aioredis.Redis.from_url(url, **options) for url in urls], **mine)
+        manager._quorum.own(list(urls), options)  # its clients are its own: one set per event loop
         return manager
 
     def _topology_client(self) -> Any:

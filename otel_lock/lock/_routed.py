@@ -23,7 +23,7 @@ from typing import Any
 
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import AskError, MovedError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ._cluster import slot_of
@@ -129,6 +129,9 @@ class RoutedConnections:
     def evalsha(self, sha: str, numkeys: int, *args: Any) -> Any:
         return self.execute(slot_of(str(args[0])), "EVALSHA", sha, numkeys, *args)
 
+    def eval(self, source: str, numkeys: int, *args: Any) -> Any:
+        return self.execute(slot_of(str(args[0])), "EVAL", source, numkeys, *args)
+
     async def script_load(self, source: str) -> Any:
         """Load on every master: a replica promoted after a failover starts without scripts."""
         if not self._slots:
@@ -145,8 +148,6 @@ class RoutedConnections:
 
 def _redirect(error: ResponseError) -> tuple[str, int, Address]:
     """('MOVED' or 'ASK', slot, address) of a redirection, else ('', -1, ('', 0))."""
-    parts = str(error).split()
-    if len(parts) == 3 and parts[0] in ("MOVED", "ASK"):
-        host, _, port = parts[2].rpartition(":")
-        return parts[0], int(parts[1]), (host, int(port))
+    if isinstance(error, AskError):  # a MovedError is one too; redis-py's parser has read slot and address
+        return "MOVED" if isinstance(error, MovedError) else "ASK", error.slot_id, error.node_addr
     return "", -1, ("", 0)

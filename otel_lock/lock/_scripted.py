@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
+from functools import partial
 from typing import Any, Coroutine
 
 from redis.exceptions import NoScriptError, RedisError
@@ -20,11 +21,12 @@ from redis.exceptions import NoScriptError, RedisError
 from . import _scripts
 from ._attempt import Attempt, Reply, Request, cancelling
 from ._background import Background
-from ._calls import Calls, batch_outcomes, lock_error, record_batch
+from ._calls import Calls, batch_outcomes, record_batch
 from ._errors import RedisUnavailable
 from ._held import Lease, LockInfo
 from ._options import default_name
-from ._topology import Link, ReplicatedLink
+from ._server_checks import ServerReport, check_server
+from ._topology import ClusterLink, LeanLink, Link, ReplicatedLink
 
 log = logging.getLogger("otel_lock")
 RELEASE_RETRY = 0.25
@@ -65,15 +67,18 @@ class ScriptTransport:
         return self.calls(self.link.call(script, keys, args), operation, name, keys[0])
 
     def refused_channels(self, error: BaseException) -> bool:
-        """A subscribe refused for lack of channel rights: poll from now on (said once)."""
+        """A subscribe refused for lack of channel rights: poll from now on (said once, with the rule to add)."""
         if "NOPERM" not in str(error):
             return False
+        self.poll_instead(str(self.calls.error(error, "subscribe", None)))
+        return True
+
+    def poll_instead(self, why: str) -> None:
+        """No wake-ups can reach this manager: waiters poll (without a queue place), with one warning."""
         if not self.polling:
             self.polling = True
-            log.warning("otel-lock: Redis refused the wake-up channel (%s); waiters poll instead of being woken. "
-                        "Grant the channels to this user: ACL SETUSER <user> resetchannels '&%s*'",
-                        error, self.waiting.channel.rsplit(":", 1)[0] + ":")
-        return True
+            log.warning("otel-lock: waiters poll instead of being woken on release (slower hand-overs, no FIFO): "
+                        "%s", why)
 
     # -- taking, re-entering, releasing --------------------------------------
 
@@ -151,7 +156,7 @@ class ScriptTransport:
         for group, answers in zip(groups, results):
             for n, i in enumerate(group):
                 if isinstance(answers, BaseException):
-                    out[i] = lock_error(answers, f"renew {keys[i]}", keys[i], self.calls.where)
+                    out[i] = self.calls.error(answers, f"renew of {keys[i]}", keys[i])
                 else:
                     out[i] = bool(answers[n])
         record_batch(self.calls.telemetry, batch_outcomes([l.name for l in leases], out), time.perf_counter() - began)
@@ -161,6 +166,20 @@ class ScriptTransport:
         """Claim the namespace for `model`; None when ours, else the model that holds it."""
         held = await self.call(_scripts.model_check, (key,), [model, ttl], "check", "model")
         return None if int(held) == model else int(held)
+
+    async def server_reports(self, namespace: str, require_noeviction: bool) -> list[ServerReport]:
+        """The server checks (`_server_checks.py`) of the server, or of every Cluster master."""
+        link = self.link
+        if isinstance(link, ClusterLink):
+            await link.redis.initialize()
+            return [await check_server(partial(link.redis.execute_command, target_nodes=node), namespace=namespace,
+                                       cluster=True, require_noeviction=require_noeviction,
+                                       address=f"{node.host}:{node.port}")
+                    for node in link.redis.get_primaries()]
+        await link.prepare()
+        run = link.connection.execute if isinstance(link, LeanLink) else link.redis.execute_command
+        return [await check_server(run, namespace=namespace, cluster=False, require_noeviction=require_noeviction,
+                                   address=self.calls.where)]
 
     # -- operators -------------------------------------------------------------
 

@@ -223,11 +223,19 @@ class ScriptClient(Protocol):
 
     def evalsha(self, sha: str, numkeys: int, /, *args: Any) -> Awaitable[Any]: ...
 
+    def eval(self, source: str, numkeys: int, /, *args: Any) -> Awaitable[Any]: ...
+
     def script_load(self, source: str, /) -> Awaitable[Any]: ...
 
 
 class Script:
-    """A script called by SHA, loaded again when Redis has forgotten it (restart, SCRIPT FLUSH)."""
+    """A script called by SHA, loaded again when Redis has forgotten it (restart, SCRIPT FLUSH).
+
+    SCRIPT LOAD keeps it for good (Redis 7.4 evicts scripts that came by
+    EVAL). A flush that lands between the load and the call is answered by
+    EVAL, which loads and runs in one command: no caller ever sees NOSCRIPT,
+    however often the scripts are flushed.
+    """
 
     def __init__(self, source: str) -> None:
         self.source: str = source
@@ -238,7 +246,10 @@ class Script:
             return await client.evalsha(self.sha, len(keys), *keys, *args)
         except NoScriptError:
             await client.script_load(self.source)
+        try:
             return await client.evalsha(self.sha, len(keys), *keys, *args)
+        except NoScriptError:  # flushed again since the load
+            return await client.eval(self.source, len(keys), *keys, *args)
 
 
 acquire = Script(ACQUIRE)

@@ -19,7 +19,7 @@ import logging
 from typing import Any, Callable
 
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import AskError, RedisError, ResponseError
 
 from ._cluster import slot_of, slot_tag
 from ._connection import Connection
@@ -88,10 +88,8 @@ class ShardedWaiting(Waiting):
                 try:
                     await subscriber.connection.execute("SSUBSCRIBE", channel)
                 except ResponseError as exc:
-                    moved = str(exc).split()
-                    if moved and moved[0] in ("MOVED", "ASK") and len(moved) == 3:
-                        host, _, port = moved[2].rpartition(":")
-                        address = (host, int(port))
+                    if isinstance(exc, AskError):  # MOVED or ASK: redis-py's parser has read the address
+                        address = exc.node_addr
                         continue
                     raise
                 subscriber.channels.add(channel)

@@ -10,10 +10,14 @@ from __future__ import annotations
 import time
 import weakref
 from collections import Counter
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Protocol
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Protocol, TypeVar
+
+from ._bounds import OVERFLOW, Limits, configured_limit
 
 if TYPE_CHECKING:
     from opentelemetry.metrics import MeterProvider
+
+_V = TypeVar("_V")
 
 # Every manager's counts, whatever its meter provider; readers filter.
 ALL_COUNTS: "weakref.WeakSet[LockCounts]" = weakref.WeakSet()
@@ -43,8 +47,8 @@ class LockCounts:
 
     def __init__(self, meter_provider: MeterProvider | None = None) -> None:
         self.meter_provider = meter_provider
-        self.active: Counter[str] = Counter()
-        self.pending: Counter[str] = Counter()
+        self.active: Counter[str] = _Tally()
+        self.pending: Counter[str] = _Tally()
         self._holds: dict[str, dict[int, Hold]] = {}
         self._connections: tuple[int, int] | None = None
         self._connection_source: Callable[[], tuple[int, int]] | None = None
@@ -114,6 +118,23 @@ class LockCounts:
             return None
 
 
+class _Tally(Counter[str]):
+    """A count per lock name that forgets names at 0 once it knows more than the name limit.
+
+    Zeros are kept below the limit (a series going to 0 is news); past it, a
+    manager fed ids as names would otherwise keep one entry per id forever.
+    Updated on the manager's event loop only.
+    """
+
+    _limit = configured_limit()
+
+    def __setitem__(self, name: str, value: int) -> None:
+        if value == 0 and len(self) > self._limit:
+            self.pop(name, None)
+        else:
+            super().__setitem__(name, value)
+
+
 def _acquired_at(hold: Hold) -> float:
     return hold.acquired_at
 
@@ -158,4 +179,38 @@ def circuits(counts: Iterable[LockCounts]) -> dict[str, int]:
         state = one.circuit_state()
         if state is not None and _SEVERITY.get(state, 0) >= _SEVERITY.get(out.get(one.pool_name, 0), 0):
             out[one.pool_name] = state
+    return out
+
+
+# -- what the readers observe, with each attribute bounded ---------------------
+
+Observation = tuple[dict[str, str], float]
+
+
+def observe(which: str, counts: Iterable[LockCounts], limits: Limits) -> list[Observation]:
+    """The points of one observed gauge of `_names.OBSERVED`, names past the limit folded into one."""
+    if which in ("active", "pending"):
+        by_name = _fold(totals(counts, which), limits, "lock.name", lambda a, b: a + b)
+        return [({"lock.name": name}, value) for name, value in by_name.items()]
+    if which in ("hold_age", "lease"):
+        index = 0 if which == "hold_age" else 1
+        oldest_by_name = _fold(oldest(counts), limits, "lock.name", max)
+        return [({"lock.name": name}, ages[index]) for name, ages in oldest_by_name.items()]
+    if which == "circuit_state":
+        worst = _fold(circuits(counts), limits, "db.client.connection.pool.name",
+                      lambda a, b: a if _SEVERITY.get(a, 0) >= _SEVERITY.get(b, 0) else b)
+        return [({"db.client.connection.pool.name": pool}, state) for pool, state in worst.items()]
+    figures = _fold(connections(counts), limits, "db.client.connection.pool.name",
+                    lambda a, b: (a[0] + b[0], a[1] + b[1]))
+    if which == "connections":
+        return [({"db.client.connection.state": "used", "db.client.connection.pool.name": pool}, used)
+                for pool, (used, _) in figures.items()]
+    return [({"db.client.connection.pool.name": pool}, pending) for pool, (_, pending) in figures.items()]
+
+
+def _fold(values: dict[str, _V], limits: Limits, attribute: str, merge: Callable[[_V, _V], _V]) -> dict[str, _V]:
+    out: dict[str, _V] = {}
+    for key, value in values.items():
+        key = limits.admit(attribute, key) or OVERFLOW
+        out[key] = merge(out[key], value) if key in out else value
     return out

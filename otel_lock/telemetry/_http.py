@@ -9,8 +9,8 @@ Starlette 1.10's experimental `starlette.middleware.opentelemetry`.
   in a minor release), and always records the raw `url.path` and
   `url.query`.
 - Contrib records `http.server.duration` per route template (the dashboards'
-  request panels and the endpoint benchmark use it), `http.server.active_requests`,
-  honours `excluded_urls` and header-capture settings, and is what most apps
+  request panels and the endpoint benchmark use it), `http.server.active_requests`
+  (both without the Host header it would add: `_http_metrics`), honours `excluded_urls` and header-capture settings, and is what most apps
   already run. Its weakness is the span: named `{method} {raw path}` at
   start, with the raw path and query in `http.target` / `http.url`.
 
@@ -41,11 +41,14 @@ def instrument(app: ASGIApp, excluded_urls: str, tracer_provider: trace.TracerPr
                meter_provider: metrics.MeterProvider | None) -> ASGIApp:
     from opentelemetry.instrumentation.asgi import OpenTelemetryMiddleware
 
+    from ._http_metrics import BoundedMeterProvider
+
     # No span per ASGI receive/send message: they double the middleware's
     # cost (measured in docs/benchmarks.md) and say nothing about locks.
+    # Its metrics keep no client-chosen value (Host): see `_http_metrics`.
     middleware: ASGIApp = OpenTelemetryMiddleware(
         _RouteSpan(app), excluded_urls=excluded_urls, exclude_spans=["receive", "send"],
-        tracer_provider=tracer_provider, meter_provider=meter_provider,
+        tracer_provider=tracer_provider, meter_provider=BoundedMeterProvider(meter_provider),
     )
     return middleware
 

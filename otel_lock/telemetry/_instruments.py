@@ -6,9 +6,10 @@ before computing attributes. Tests pass their own providers.
 
 Where metrics go: a `Telemetry` on the global meter provider (the usual
 case) records into whatever `route_default_metrics()` chose. `setup()` routes
-them to the prometheus-client fast path when /metrics is served, to an SDK
-provider with only the OTLP reader when OTLP is on, or to both; without
-`setup()` they go to the global SDK provider like any instrumentation.
+them to the fast path (`_prom`): children bound per label set, read by
+/metrics and by the OTLP reader alike. Without `setup()` they go to the
+global SDK provider like any instrumentation, through `_Bounded`, which
+holds the same per-instrument limits (`_bounds`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from .. import __version__
 from . import _counts
 from ._counts import ALL_COUNTS, LockCounts
-from ._names import HOLD_BUCKETS, OBSERVED, RECORDED, WAIT_BUCKETS
+from ._bounds import Limits, ValueLimit
+from ._names import HOLD_BUCKETS, OBSERVED, RECORDED, WAIT_BUCKETS, Spec, prom_value
 from ._redact import redact
 
 if TYPE_CHECKING:
@@ -35,7 +37,6 @@ if TYPE_CHECKING:
 
     from opentelemetry.context import Context
     from opentelemetry.util.types import Attributes, AttributeValue
-    from prometheus_client import CollectorRegistry
 
     from ._prom import FastMetrics
 
@@ -58,36 +59,55 @@ class CounterSink(Protocol):
     def add(self, amount: float, attributes: Attributes = None, context: Context | None = None) -> None: ...
 
 
-class _Tee:
-    """Record into several sinks (fast path and an OTLP-only SDK provider)."""
+class _Bounded:
+    """An SDK instrument behind the limits of `_bounds`: only declared attributes, values past the limit folded.
 
-    __slots__ = ("_sinks",)
+    Attribute sets seen before are cached (a tuple hash and a dict lookup per
+    record); folded ones are not, so the cache stays bounded too.
+    """
 
-    def __init__(self, sinks: Iterable[Any]) -> None:
-        # Any: one attribute's sinks are all histograms or all counters (see `_names`).
-        self._sinks: tuple[Any, ...] = tuple(sinks)
+    __slots__ = ("_sink", "_limits", "_known")
+
+    def __init__(self, sink: Any, spec: Spec) -> None:
+        self._sink = sink  # Any: an OTel Histogram or Counter, as the spec says (see `_names`)
+        self._limits = Limits(spec.name, spec.labels)
+        self._known: dict[tuple[tuple[str, Any], ...], Attributes] = {}
+
+    def _safe(self, attributes: Attributes) -> Attributes:
+        key = tuple(attributes.items()) if attributes else ()
+        safe = self._known.get(key)
+        if safe is not None:
+            return safe
+        kept: dict[str, Any] = {}
+        folded = False
+        for name, value in (attributes or {}).items():
+            if value is None:
+                continue
+            text = prom_value(value)
+            admitted = self._limits.admit(name, text)
+            if admitted is not None:
+                folded |= admitted is not text
+                kept[name] = value if admitted is text else admitted
+        if not folded:
+            self._known[key] = kept
+        return kept
 
     def record(self, amount: float, attributes: Attributes = None, context: Context | None = None) -> None:
-        for sink in self._sinks:
-            sink.record(amount, attributes, context)
+        self._sink.record(amount, self._safe(attributes), context)
 
     def add(self, amount: float, attributes: Attributes = None, context: Context | None = None) -> None:
-        for sink in self._sinks:
-            sink.add(amount, attributes, context)
+        self._sink.add(amount, self._safe(attributes), context)
 
 
 class _Route:
-    """Where the global-provider Telemetry records: fast path, an SDK provider, or both."""
+    """Where the global-provider Telemetry records: the fast path of `setup()`."""
 
-    def __init__(self, fast: FastMetrics | None = None, meter_provider: metrics.MeterProvider | None = None,
-                 global_provider: metrics.MeterProvider | None = None) -> None:
+    def __init__(self, fast: FastMetrics, global_provider: metrics.MeterProvider | None = None) -> None:
         self.fast = fast
         self.global_provider = global_provider
-        self.sdk = _sdk_instruments(meter_provider, None, is_route=True) if meter_provider is not None else None
 
     def instrument(self, attr: str) -> Any:
-        sinks = [s[attr] if isinstance(s, dict) else s.instruments[attr] for s in (self.sdk, self.fast) if s]
-        return sinks[0] if len(sinks) == 1 else _Tee(sinks)
+        return self.fast.instruments[attr]
 
 
 _route: _Route | None = None
@@ -126,6 +146,8 @@ class Telemetry:
                  meter_provider: metrics.MeterProvider | None = None) -> None:
         self.tracer = trace.get_tracer(SCOPE, __version__, tracer_provider=tracer_provider)
         self._meter_provider = meter_provider
+        # Span names carry lock.name too: the same bound as every instrument's.
+        self._span_names = ValueLimit("span names of otel_lock")
         # Held and waiting counts are read from the managers when a reader
         # collects, so taking a lock pays nothing for them.
         self.gauges = ALL_COUNTS
@@ -151,7 +173,7 @@ class Telemetry:
             yield INVALID_SPAN
             return
         with self.tracer.start_as_current_span(
-            f"lock acquire {name}", kind=SpanKind.INTERNAL,
+            f"lock acquire {self._span_names.admit(name)}", kind=SpanKind.INTERNAL,
             record_exception=False, set_status_on_exception=False,
         ) as span:
             yield span
@@ -167,7 +189,7 @@ class Telemetry:
         """
         if not trace.get_current_span().is_recording():
             return INVALID_SPAN
-        return self.tracer.start_span(f"lock hold {name}", kind=SpanKind.INTERNAL,
+        return self.tracer.start_span(f"lock hold {self._span_names.admit(name)}", kind=SpanKind.INTERNAL,
                                       attributes=redact(attributes), record_exception=False,
                                       set_status_on_exception=False)
 
@@ -213,19 +235,18 @@ class Telemetry:
         span.set_attributes(attributes)
 
 
-def _sdk_instruments(meter_provider: metrics.MeterProvider | None, owner: Telemetry | None,
-                     is_route: bool = False) -> dict[str, Any]:
+def _sdk_instruments(meter_provider: metrics.MeterProvider | None, owner: Telemetry) -> dict[str, Any]:
     """The OTel instruments of `_names` on one meter (observed ones read `ALL_COUNTS` at collection)."""
     meter = metrics.get_meter(SCOPE, __version__, meter_provider=meter_provider)
     made: dict[str, Any] = {}
     for spec in RECORDED:
         if spec.kind == "histogram":
-            made[spec.attr] = meter.create_histogram(spec.name, unit=spec.unit, description=spec.description,
-                                                     explicit_bucket_boundaries_advisory=spec.buckets)
+            sink: Any = meter.create_histogram(spec.name, unit=spec.unit, description=spec.description,
+                                               explicit_bucket_boundaries_advisory=spec.buckets)
         else:
-            made[spec.attr] = meter.create_counter(spec.name, unit=spec.unit, description=spec.description)
-    mine: Callable[[LockCounts], bool] = (
-        (lambda c: routed(c.meter_provider)) if is_route else _same_provider(owner))
+            sink = meter.create_counter(spec.name, unit=spec.unit, description=spec.description)
+        made[spec.attr] = _Bounded(sink, spec)
+    mine = _same_provider(owner)
     for which, gauge in OBSERVED.items():
         create = (meter.create_observable_gauge if gauge.kind == "gauge"
                   else meter.create_observable_up_down_counter)
@@ -234,11 +255,11 @@ def _sdk_instruments(meter_provider: metrics.MeterProvider | None, owner: Teleme
     return made
 
 
-def _same_provider(owner: Telemetry | None) -> Callable[[LockCounts], bool]:
-    ref = weakref.ref(owner) if owner is not None else None
+def _same_provider(owner: Telemetry) -> Callable[[LockCounts], bool]:
+    ref = weakref.ref(owner)
 
     def mine(counts: LockCounts) -> bool:
-        telemetry = ref() if ref is not None else None
+        telemetry = ref()
         # Routed away (fast path / OTLP-only provider): these copies stay silent,
         # or /metrics would show every family twice.
         if telemetry is None or routed(telemetry._meter_provider) or routed(counts.meter_provider):
@@ -250,21 +271,11 @@ def _same_provider(owner: Telemetry | None) -> Callable[[LockCounts], bool]:
 
 
 def _observe(which: str, mine: Callable[[LockCounts], bool]) -> Callable[[CallbackOptions], Iterable[Observation]]:
+    limits = Limits(OBSERVED[which].name, OBSERVED[which].labels)
+
     def observe(options: CallbackOptions) -> Iterable[Observation]:
         counts = [c for c in list(ALL_COUNTS) if mine(c)]
-        if which in ("active", "pending"):
-            return [Observation(v, {"lock.name": n}) for n, v in _counts.totals(counts, which).items()]
-        if which in ("hold_age", "lease"):
-            index = 0 if which == "hold_age" else 1
-            return [Observation(v[index], {"lock.name": n}) for n, v in _counts.oldest(counts).items()]
-        if which == "circuit_state":
-            return [Observation(state, {"db.client.connection.pool.name": p})
-                    for p, state in _counts.circuits(counts).items()]
-        figures = _counts.connections(counts)
-        if which == "connections":
-            return [Observation(used, {"db.client.connection.state": "used", "db.client.connection.pool.name": p})
-                    for p, (used, _) in figures.items()]
-        return [Observation(pending, {"db.client.connection.pool.name": p}) for p, (_, pending) in figures.items()]
+        return [Observation(value, attributes) for attributes, value in _counts.observe(which, counts, limits)]
     return observe
 
 
@@ -272,22 +283,17 @@ def _resolve(meter_provider: metrics.MeterProvider | None) -> metrics.MeterProvi
     return meter_provider if meter_provider is not None else metrics.get_meter_provider()
 
 
-def route_default_metrics(registry: CollectorRegistry | None = None, meter_provider: metrics.MeterProvider | None = None,
-                          global_provider: metrics.MeterProvider | None = None) -> None:
-    """Send the global-provider Telemetry's metrics to prometheus-client `registry` and/or `meter_provider`.
+def route_default_metrics(fast: FastMetrics | None = None, global_provider: metrics.MeterProvider | None = None) -> None:
+    """Send the global-provider Telemetry's metrics to the fast path `fast` (None: back to the global SDK provider).
 
     Called by `setup()`, which names the global provider it installed
-    (`global_provider`: managers given it explicitly are routed too);
-    `route_default_metrics()` with no arguments restores the default (the
-    global SDK provider). Telemetry objects already handed out are rebound in
-    place: managers keep working across the switch.
+    (`global_provider`: managers given it explicitly are routed too).
+    Telemetry objects already handed out are rebound in place: managers keep
+    working across the switch.
     """
     global _route
-    from ._prom import FastMetrics
-
     with _cache_lock:
-        fast = FastMetrics(registry) if registry is not None else None
-        _route = _Route(fast, meter_provider, global_provider) if (fast or meter_provider is not None) else None
+        _route = _Route(fast, global_provider) if fast is not None else None
         for telemetry in _cache.values():
             telemetry._bind()
 

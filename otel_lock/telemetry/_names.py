@@ -74,6 +74,7 @@ class GaugeSpec:
     unit: str
     prom: str
     description: str
+    labels: tuple[str, ...] = ("lock.name",)
 
 
 OBSERVED = {
@@ -88,14 +89,15 @@ OBSERVED = {
     "connections": GaugeSpec("otel_lock.redis.connection.count", "updowncounter", "{connection}",
                              "otel_lock_redis_connection_count",
                              "Redis connections open for the lock managers (state=used), "
-                             "as db.client.connection.count."),
+                             "as db.client.connection.count.",
+                             ("db.client.connection.state", "db.client.connection.pool.name")),
     "connection_pending": GaugeSpec("otel_lock.redis.connection.pending_requests", "updowncounter",
                                     "{request}", "otel_lock_redis_connection_pending_requests",
                                     "Lock commands sent or queued and not yet answered, "
-                                    "as db.client.connection.pending_requests."),
+                                    "as db.client.connection.pending_requests.", ("db.client.connection.pool.name",)),
     "circuit_state": GaugeSpec("otel_lock.circuit.state", "gauge", "{state}", "otel_lock_circuit_state",
                                "Circuit breaker of the lock managers: 0 closed, 1 open (acquisitions "
-                               "fail at once), 2 half-open (a probe may pass)."),
+                               "fail at once), 2 half-open (a probe may pass).", ("db.client.connection.pool.name",)),
 }
 
 

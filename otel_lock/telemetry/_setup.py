@@ -6,21 +6,28 @@ replicas apart, OTLP push (traces and metrics, HTTP/protobuf, configured by
 the standard ``OTEL_*`` variables) and Prometheus pull at ``/metrics``, with
 the same metric names by either path.
 
-One reader per destination, never two for one job: with /metrics on, the
-lock's own metrics are recorded straight into prometheus-client children
-bound per label set (`_prom`), and the SDK's Prometheus reader only carries
-the HTTP instrumentation's metrics. With OTLP on, the lock's metrics go to an
-SDK provider whose only reader is the OTLP exporter. A deployment that
-pushes OTLP to a collector which serves Prometheus (docker-compose.yml) sets
-``OTEL_METRICS_EXPORTER=otlp`` and records each measurement once.
+One recording, one reader per destination: the lock's own metrics are
+recorded straight into children bound per label set (`_prom`), which
+/metrics exposes through a prometheus-client collector and the OTLP reader
+adds to each export (`_otlp`); the SDK only carries the HTTP
+instrumentation's metrics. A deployment that pushes OTLP to a collector
+which serves Prometheus (docker-compose.yml) sets ``OTEL_METRICS_EXPORTER=otlp``.
+/metrics then still answers (Prometheus' `up`) with `target_info`, the
+replica's resource, so a replica whose pushed metrics stop arriving can be
+told apart from one that is down.
+
+Nothing is lost at shutdown: `TelemetrySetup.shutdown()` flushes and shuts
+the providers down, and `setup()` makes SIGTERM and SIGINT do it before the
+process exits (see `_signals`).
 
 Apps that installed their own SDK keep it: `setup()` logs a warning and
 returns their providers unchanged (the lock then records through that SDK).
 Calling `setup()` twice returns the first result, so every worker or import
 path may call it.
 
-Exemplars travel by OTLP only: the SDK samples them in the request context,
-the collector's ``prometheus`` exporter exposes them as OpenMetrics, and a
+Exemplars travel by OTLP only: the fast path samples them in the request
+context (trace-based, as the SDK; ``OTEL_METRICS_EXEMPLAR_FILTER=always_off``
+turns them off), the collector's ``prometheus`` exporter exposes them as OpenMetrics, and a
 Prometheus started with ``--enable-feature=exemplar-storage`` keeps them
 (deploy/ does this). ``/metrics`` carries none.
 """
@@ -31,8 +38,9 @@ import logging
 import os
 import socket
 import threading
+import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, cast
 
 from opentelemetry import metrics, trace
@@ -40,17 +48,21 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
 from .. import __version__
+from . import _signals
 from ._instruments import route_default_metrics
+from ._prom import FastMetrics, TargetInfo
 from ._redact import MODES, configure_redaction
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.metrics import MeterProvider as SdkMeterProvider
-    from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
+    from opentelemetry.sdk.metrics.export import MetricReader
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider as SdkTracerProvider
     from starlette.requests import Request
     from starlette.responses import Response
     from starlette.types import ASGIApp
+
+    from ._otlp import OtlpPush
 
 __all__ = ["TelemetrySetup", "setup", "metrics_endpoint", "default_instance_id"]
 
@@ -80,8 +92,8 @@ class TelemetrySetup:
     resource: Resource | None = None
     installed: bool = True
     otlp: bool = False
-    # OTLP-only provider of the lock's metrics when /metrics is on too
-    lock_meter_provider: SdkMeterProvider | None = None
+    # The OTLP metrics export (the lock's fast path and the SDK's metrics), when on
+    push: OtlpPush | None = field(default=None, repr=False)
 
     def instrument_app(self, app: ASGIApp, excluded_urls: str = DEFAULT_EXCLUDED_URLS) -> ASGIApp:
         """Wrap an ASGI app with HTTP server spans and duration per route, using these providers.
@@ -93,6 +105,15 @@ class TelemetrySetup:
         from ._http import instrument
 
         return instrument(app, excluded_urls, self.tracer_provider, self.meter_provider)
+
+    def shutdown(self, timeout: float = 10.0) -> bool:
+        """Flush what is buffered (spans, the last metrics) and shut the providers down; once, False on failure.
+
+        Only what `setup()` installed: an app's own providers are the app's to
+        shut down. Bounded by `timeout` seconds in all (a collector that does
+        not answer costs at most that), so a SIGTERM grace period is kept.
+        """
+        return _shutdown(self, timeout) if self.installed else True
 
 
 _lock = threading.Lock()
@@ -113,6 +134,7 @@ def setup(
     otlp: bool | None = None,
     resource_attributes: Mapping[str, Any] | None = None,
     redact: str | None = None,
+    flush_on_signal: bool = True,
 ) -> TelemetrySetup:
     """Install tracer and meter providers globally, once per process.
 
@@ -125,17 +147,11 @@ def setup(
     runs one reader. ``redact`` (``off``, ``hash``, ``drop``; None: read
     ``OTEL_LOCK_REDACT``) keeps lock keys and owners out of spans.
     ``OTEL_SERVICE_NAME`` wins over the default service name, never over an
-    explicit one.
+    explicit one. ``flush_on_signal`` (main thread only) makes SIGTERM and
+    SIGINT flush and shut the providers down before the process exits.
     """
     global _current
-    if not isinstance(service_name, str) or not service_name.strip():
-        raise ValueError(f"service_name must be a non-empty string, not {service_name!r}")
-    if service_instance_id is not None and (not isinstance(service_instance_id, str) or not service_instance_id):
-        raise ValueError(f"service_instance_id must be a non-empty string or None, not {service_instance_id!r}")
-    if resource_attributes is not None and not isinstance(resource_attributes, Mapping):
-        raise ValueError(f"resource_attributes must be a mapping, not {type(resource_attributes).__name__}")
-    if redact is not None and (not isinstance(redact, str) or redact not in MODES):
-        raise ValueError(f"redact must be one of {', '.join(MODES)}, not {redact!r}")
+    _check_arguments(service_name, service_instance_id, resource_attributes, redact)
     exporters = _metrics_exporters()
     with _lock:
         if _current is not None:
@@ -156,7 +172,21 @@ def setup(
         otlp_metrics = bool(otlp) and (exporters is None or "otlp" in exporters)
         _current = _install(service_name, service_instance_id, prometheus, bool(otlp), otlp_metrics,
                             resource_attributes)
+        if _current.installed:
+            _signals.install(_current.shutdown, signals=flush_on_signal)
         return _current
+
+
+def _check_arguments(service_name: object, service_instance_id: object, resource_attributes: object,
+                     redact: object) -> None:
+    if not isinstance(service_name, str) or not service_name.strip():
+        raise ValueError(f"service_name must be a non-empty string, not {service_name!r}")
+    if service_instance_id is not None and (not isinstance(service_instance_id, str) or not service_instance_id):
+        raise ValueError(f"service_instance_id must be a non-empty string or None, not {service_instance_id!r}")
+    if resource_attributes is not None and not isinstance(resource_attributes, Mapping):
+        raise ValueError(f"resource_attributes must be a mapping, not {type(resource_attributes).__name__}")
+    if redact is not None and (not isinstance(redact, str) or redact not in MODES):
+        raise ValueError(f"redact must be one of {', '.join(MODES)}, not {redact!r}")
 
 
 def _metrics_exporters() -> set[str] | None:
@@ -179,8 +209,9 @@ def current() -> TelemetrySetup | None:
 async def metrics_endpoint(request: Request) -> Response:
     """Starlette endpoint: Prometheus exposition (text or OpenMetrics, as the scraper asks).
 
-    Serves the registry `setup()` created; without `setup()`, prometheus-client's
-    default registry (where an app's own PrometheusMetricReader registers).
+    Serves the registry `setup()` created (with OTLP-only metrics it holds
+    `target_info` alone); without `setup()`, prometheus-client's default
+    registry (where an app's own PrometheusMetricReader registers).
     """
     from starlette.responses import Response
 
@@ -212,18 +243,21 @@ def _install(service_name: str, service_instance_id: str | None, prometheus: boo
     from opentelemetry.sdk.trace import TracerProvider
 
     resource = _resource(service_name, service_instance_id, resource_attributes)
+    # A registry of our own: a second app or test in the process cannot collide
+    # with prometheus-client's global one. Always there, for `target_info`.
+    registry = CollectorRegistry(auto_describe=True)
+    registry.register(TargetInfo(resource.attributes))
+    fast = FastMetrics(registry if prometheus else None, exemplars=otlp_metrics and _exemplars_on())
     readers: list[MetricReader] = []
-    registry: CollectorRegistry | None = None
     if prometheus:
         from opentelemetry.exporter.prometheus import PrometheusMetricReader
 
-        # A registry of our own: a second app or test in the process cannot collide
-        # with prometheus-client's global one. The SDK reader here only carries
-        # the HTTP instrumentation's metrics; the lock's go to the fast path.
-        registry = CollectorRegistry(auto_describe=True)
-        readers.append(PrometheusMetricReader(registry=registry))
-    if otlp_metrics:
-        readers.append(_otlp_reader())
+        # The SDK reader only carries the HTTP instrumentation's metrics; the
+        # lock's are on the fast path, target_info comes from TargetInfo.
+        readers.append(PrometheusMetricReader(disable_target_info=True, registry=registry))
+    push = _otlp_push(fast, resource) if otlp_metrics else None
+    if push is not None:
+        readers.append(push.reader)
     # Without an exporter spans would be built and dropped: keep the API's no-op
     # tracer (incoming traceparent headers still propagate) and pay nothing.
     tracer_provider: SdkTracerProvider | None = None
@@ -231,29 +265,59 @@ def _install(service_name: str, service_instance_id: str | None, prometheus: boo
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-        tracer_provider = TracerProvider(resource=resource)
+        # shutdown_on_exit=False: TelemetrySetup.shutdown() is the exit hook (`_signals`), once.
+        tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=False)
         tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
         trace.set_tracer_provider(tracer_provider)
-    meter_provider = MeterProvider(resource=resource, metric_readers=readers)
+    meter_provider = MeterProvider(resource=resource, metric_readers=readers, shutdown_on_exit=False)
     metrics.set_meter_provider(meter_provider)
-    # The lock's metrics: one reader each. With both destinations the OTLP copy
-    # comes from a provider of its own, so the Prometheus reader never sees it.
-    lock_provider = None
-    if prometheus and otlp_metrics:
-        lock_provider = MeterProvider(resource=resource, metric_readers=[_otlp_reader()])
-    if prometheus:
-        route_default_metrics(registry, lock_provider, meter_provider)
-    return TelemetrySetup(
-        tracer_provider or trace.get_tracer_provider(), meter_provider, registry, resource,
-        installed=True, otlp=bool(otlp), lock_meter_provider=lock_provider)
+    route_default_metrics(fast, meter_provider)
+    return TelemetrySetup(tracer_provider or trace.get_tracer_provider(), meter_provider, registry, resource,
+                          installed=True, otlp=bool(otlp), push=push)
 
 
-def _otlp_reader() -> PeriodicExportingMetricReader:
+def _exemplars_on() -> bool:
+    return os.environ.get("OTEL_METRICS_EXEMPLAR_FILTER", "trace_based").strip().lower() != "always_off"
+
+
+def _otlp_push(fast: FastMetrics, resource: Resource) -> OtlpPush:
     from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
-    from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 
-    # The exporter and the reader read OTEL_EXPORTER_OTLP_* and OTEL_METRIC_EXPORT_INTERVAL.
-    return PeriodicExportingMetricReader(OTLPMetricExporter())
+    from ._otlp import OtlpPush
+
+    # The exporter reads OTEL_EXPORTER_OTLP_*, the push loop OTEL_METRIC_EXPORT_INTERVAL and _TIMEOUT.
+    return OtlpPush(OTLPMetricExporter(), fast, resource)
+
+
+_shutdown_lock = threading.Lock()
+_shut_down: set[int] = set()
+
+
+def _shutdown(installed: TelemetrySetup, timeout: float) -> bool:
+    """Flush spans, then shut the meter provider down (its readers export a last time), then the tracer's."""
+    # Not setup()'s _lock: a signal may arrive while the main thread holds it.
+    with _shutdown_lock:
+        if id(installed) in _shut_down:
+            return True
+        _shut_down.add(id(installed))
+    deadline = time.monotonic() + timeout
+    ok = True
+    try:
+        if installed.otlp:
+            tracer_provider = cast("SdkTracerProvider", installed.tracer_provider)
+            ok = tracer_provider.force_flush(_millis_left(deadline)) and ok
+        # Its OTLP reader's shutdown is the push's: a last export of the lock's metrics and the SDK's.
+        cast("SdkMeterProvider", installed.meter_provider).shutdown(_millis_left(deadline))
+        if installed.otlp:
+            cast("SdkTracerProvider", installed.tracer_provider).shutdown()
+    except Exception:  # a shutdown must never stop the process from exiting
+        log.exception("otel-lock: shutting telemetry down failed")
+        return False
+    return ok
+
+
+def _millis_left(deadline: float) -> int:
+    return max(1, int((deadline - time.monotonic()) * 1000))
 
 
 def _resource(service_name: str, service_instance_id: str | None,
@@ -283,14 +347,11 @@ def _reset_for_tests() -> None:
     from opentelemetry.util._once import Once
 
     with _lock:
+        _signals.restore()
         if _current is not None and _current.installed:
-            cast("SdkMeterProvider", _current.meter_provider).shutdown()
-            if _current.lock_meter_provider is not None:
-                _current.lock_meter_provider.shutdown()
-            if _current.otlp:
-                cast("SdkTracerProvider", _current.tracer_provider).shutdown()
+            _current.shutdown()
             # Kept alive: otel_lock.telemetry._instruments caches instruments by id(provider), and a
-            # freed provider's id could be reused by the next test's provider.
+            # freed provider's id could be reused by the next test's provider (so could the setup's id).
             _retired.append(_current)
         _current = None
         route_default_metrics()

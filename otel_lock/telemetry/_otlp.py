@@ -1,0 +1,213 @@
+"""OTLP export of the fast path: the lock's metrics and the SDK's in one request per interval.
+
+The lock records into the children of `_prom.FastInstrument` whatever the
+destination. `OtlpPush` exports them every ``OTEL_METRIC_EXPORT_INTERVAL``
+(the SDK's variable and default, 60 s) together with what the SDK holds
+(the HTTP instrumentation's metrics, read through an `InMemoryMetricReader`
+on the meter provider), through the OTLP exporter: a lock cycle pays
+sub-microsecond records instead of four SDK measurements (issue 18: the OTLP
+overhead target), and with /metrics on too each measurement is recorded once
+for both. Its thread restarts in a forked child, and `shutdown()` exports a
+last time before the exporter closes.
+
+Sums and histograms are cumulative, whatever temporality the exporter
+prefers (OTLP carries it per metric; a collector's `cumulativetodelta`
+processor converts). Histogram exemplars are the last sampled measurement
+of each bucket since the previous export, as the SDK's aligned-bucket
+reservoir keeps them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import weakref
+from typing import TYPE_CHECKING, Any, Iterable
+
+from opentelemetry import context as otel_context
+from opentelemetry.sdk.metrics import Exemplar
+from opentelemetry.sdk.metrics.export import (AggregationTemporality, Gauge, Histogram, HistogramDataPoint,
+                                              InMemoryMetricReader, Metric, MetricExporter, MetricsData,
+                                              NumberDataPoint, ResourceMetrics, ScopeMetrics, Sum)
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+
+from .. import __version__
+from . import _counts
+from ._bounds import Limits
+from ._names import OBSERVED
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.resources import Resource
+
+    from ._prom import FastInstrument, FastMetrics, _Child
+
+log = logging.getLogger("otel_lock.telemetry")
+CUMULATIVE = AggregationTemporality.CUMULATIVE
+
+
+def _millis(variable: str, default: float) -> float:
+    try:
+        value = float(os.environ.get(variable, default))
+    except ValueError:
+        log.warning("otel-lock: %s=%r is not a number of milliseconds; using %s", variable,
+                    os.environ.get(variable), default)
+        return default
+    return value if value > 0 else default
+
+
+class OtlpPush:
+    """Every interval: collect the SDK's metrics and the lock's, export them in one batch."""
+
+    def __init__(self, exporter: MetricExporter, fast: FastMetrics, resource: Resource) -> None:
+        self.exporter = exporter
+        # The SDK's side: read on demand, with the exporter's preferences.
+        self.reader = _PullReader(self)
+        self._fast = fast
+        self._resource = resource
+        self._scope = InstrumentationScope("otel_lock", __version__)
+        self._started = time.time_ns()
+        self._limits = {which: Limits(spec.name, spec.labels) for which, spec in OBSERVED.items()}
+        self._interval = _millis("OTEL_METRIC_EXPORT_INTERVAL", 60_000) / 1000
+        self._timeout = _millis("OTEL_METRIC_EXPORT_TIMEOUT", 30_000)
+        self._export_lock = threading.Lock()  # the exporter is never called concurrently
+        self._stop = threading.Event()
+        self._closed = False
+        self._start_thread()
+        me = weakref.ref(self)
+
+        def restart_in_child() -> None:  # a forked child (gunicorn --preload) has no thread of its parent's
+            push = me()
+            if push is not None and not push._closed:
+                push._export_lock = threading.Lock()  # the parent's thread may have held it at the fork
+                push._start_thread()
+        os.register_at_fork(after_in_child=restart_in_child)
+
+    def _start_thread(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="otel-lock OTLP metrics", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            self.export()
+
+    def export(self, timeout_millis: float | None = None) -> bool:
+        """One batch now: the SDK's metrics and the lock's. False if nothing could be sent."""
+        with self._export_lock:
+            if self._closed:
+                return False
+            data = self._with_lock_metrics(self.reader.get_metrics_data())
+            if not data.resource_metrics:
+                return True
+            # The exporter's own HTTP client must not be traced or measured by an instrumentation.
+            token = otel_context.attach(otel_context.set_value(otel_context._SUPPRESS_INSTRUMENTATION_KEY, True))
+            try:
+                result = self.exporter.export(data, timeout_millis=timeout_millis or self._timeout)
+            except Exception:  # an export must never break the thread or the shutdown
+                log.exception("otel-lock: exporting metrics failed")
+                return False
+            finally:
+                otel_context.detach(token)
+            return result.name == "SUCCESS"
+
+    def shutdown(self, timeout_millis: float = 10_000) -> bool:
+        """Stop the thread, export a last time, close the exporter (once)."""
+        if self._closed:
+            return True
+        deadline = time.monotonic() + timeout_millis / 1000
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(max(0.0, deadline - time.monotonic()))
+        ok = self.export(max(1.0, (deadline - time.monotonic()) * 1000))
+        with self._export_lock:
+            self._closed = True
+            self.exporter.shutdown(timeout_millis=max(1.0, (deadline - time.monotonic()) * 1000))
+        return ok
+
+    def _with_lock_metrics(self, data: MetricsData | None) -> MetricsData:
+        resources = list(data.resource_metrics) if data is not None else []
+        lock = self.lock_metrics()
+        if not lock:
+            return MetricsData(resources)
+        scope = ScopeMetrics(self._scope, lock, "")
+        for i, resource in enumerate(resources):
+            if resource.resource == self._resource:
+                resources[i] = ResourceMetrics(resource.resource, [*resource.scope_metrics, scope],
+                                               resource.schema_url)
+                break
+        else:
+            resources.append(ResourceMetrics(self._resource, [scope], ""))
+        return MetricsData(resources)
+
+    def lock_metrics(self) -> list[Metric]:
+        """Every recorded instrument with data, and the observed gauges of the routed managers."""
+        now = time.time_ns()
+        found = [_recorded(instrument, now) for instrument in self._fast.instruments.values()]
+        found += self._observed(now)
+        return [metric for metric in found if metric is not None]
+
+    def _observed(self, now: int) -> list[Metric | None]:
+        from ._instruments import routed
+
+        counts = [c for c in list(_counts.ALL_COUNTS) if routed(c.meter_provider)]
+        found: list[Metric | None] = []
+        for which, spec in OBSERVED.items():
+            points = [NumberDataPoint(attributes, self._started, now, value)
+                      for attributes, value in _counts.observe(which, counts, self._limits[which])]
+            if not points:
+                found.append(None)
+                continue
+            data: Gauge | Sum = (Gauge(points) if spec.kind == "gauge"
+                                 else Sum(points, CUMULATIVE, is_monotonic=False))
+            found.append(Metric(spec.name, spec.description, spec.unit, data))
+        return found
+
+
+class _PullReader(InMemoryMetricReader):
+    """The meter provider's reader for `OtlpPush`: its force_flush and shutdown are the push's own.
+
+    So `meter_provider.force_flush()` / `.shutdown()` export the lock's metrics
+    too, as they would with the SDK's periodic reader.
+    """
+
+    def __init__(self, push: OtlpPush) -> None:
+        super().__init__(preferred_temporality=push.exporter._preferred_temporality,
+                         preferred_aggregation=push.exporter._preferred_aggregation)
+        self._push = weakref.ref(push)
+
+    def force_flush(self, timeout_millis: float = 10_000) -> bool:
+        push = self._push()
+        return push.export(timeout_millis) if push is not None else True
+
+    def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
+        push = self._push()
+        if push is not None:
+            push.shutdown(timeout_millis)
+
+
+def _recorded(instrument: FastInstrument, now: int) -> Metric | None:
+    spec = instrument.spec
+    children = instrument.children()
+    if not children:
+        return None
+    if spec.kind != "histogram":
+        sums = [NumberDataPoint(child.attributes, child.started, now, _total(child)) for child in children]
+        return Metric(spec.name, spec.description, spec.unit, Sum(sums, CUMULATIVE, is_monotonic=True))
+    points = [_histogram_point(child, spec.buckets, now) for child in children]
+    return Metric(spec.name, spec.description, spec.unit, Histogram(points, CUMULATIVE))
+
+
+def _total(child: _Child) -> float:
+    with child.lock:
+        return child.total
+
+
+def _histogram_point(child: _Child, bounds: Iterable[float], now: int) -> HistogramDataPoint:
+    with child.lock:
+        counts, total, low, high = list(child.counts), child.total, child.low, child.high
+        sampled, child.exemplars = child.exemplars, {}
+    exemplars = [Exemplar({}, value, at, span_id, trace_id)
+                 for _, (value, at, trace_id, span_id) in sorted(sampled.items())]
+    return HistogramDataPoint(child.attributes, child.started, now, sum(counts), total, counts, list(bounds),
+                              low, high, exemplars)

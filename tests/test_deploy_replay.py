@@ -1,0 +1,254 @@
+"""Issue 18 item 5: the compose stack builds and runs its own commands, replayed without Docker.
+
+The Dockerfile's COPY and RUN steps are replayed into a fresh virtualenv in a
+temporary directory, from a clean `git archive` of this checkout (tracked
+files, with uncommitted edits, nothing else lying around). Then each compose
+service's own command and healthcheck run from that virtualenv against local
+processes, as `otel-lock stack` does: Redis, both replicas (OTLP to a real
+receiver standing in for the collector), the load generator, and Prometheus
+with the compose config (runbooks served). The collector, Jaeger and Grafana
+have no local binaries here; their configs are checked in test_deploy_files.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from io import BytesIO
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from otel_lock.cli._redis_server import free_port
+
+from _telemetry_helpers import OtlpReceiver
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+SERVICES = COMPOSE["services"]
+# RUN commands the replay skips, and why; any other command fails the test.
+SKIPPED = {"useradd": "creates the image's unprivileged user (needs root; nothing to install)"}
+DEADLINE = 60.0
+
+
+def archive(destination: Path) -> None:
+    """`git archive` of the working tree's tracked files (uncommitted edits included, untracked not)."""
+    tree = subprocess.run(["git", "stash", "create"], cwd=ROOT, capture_output=True, text=True, check=True)
+    ref = tree.stdout.strip() or "HEAD"
+    data = subprocess.run(["git", "archive", "--format=tar", ref], cwd=ROOT, capture_output=True, check=True).stdout
+    with tarfile.open(fileobj=BytesIO(data)) as tar:
+        tar.extractall(destination, filter="data")
+
+
+def dockerfile_steps() -> list[tuple[str, str]]:
+    """(instruction, arguments) of deploy/Dockerfile, continuation lines joined, comments dropped."""
+    text = re.sub(r"\\\n", " ", (ROOT / "deploy" / "Dockerfile").read_text())
+    steps = []
+    for line in text.splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            instruction, _, arguments = line.strip().partition(" ")
+            steps.append((instruction.upper(), arguments.strip()))
+    return steps
+
+
+def replay(context: Path, image: Path) -> Path:
+    """Run the Dockerfile's steps with `image` as the container's root; return the virtualenv's bin."""
+    venv = image / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    workdir, env = image, {**os.environ}
+    for instruction, arguments in dockerfile_steps():
+        if instruction == "WORKDIR":
+            workdir = image / arguments.lstrip("/")
+            workdir.mkdir(parents=True, exist_ok=True)
+        elif instruction == "ENV":
+            env.update(dict(re.findall(r'(\w+)=("[^"]*"|\S+)', arguments)))
+        elif instruction == "COPY":
+            *sources, target = shlex.split(arguments)
+            for source in sources:
+                origin, into = context / source, workdir / target
+                assert origin.exists(), f"COPY {source}: not in the build context (a clean archive)"
+                if origin.is_dir():
+                    shutil.copytree(origin, into if not target.endswith("/") else into / origin.name,
+                                    dirs_exist_ok=True)
+                else:
+                    (into if target.endswith("/") or into.is_dir() else into.parent).mkdir(parents=True, exist_ok=True)
+                    shutil.copy2(origin, into / origin.name if target.endswith("/") or into.is_dir() else into)
+        elif instruction == "RUN":
+            for command in arguments.split("&&"):
+                argv = shlex.split(command)
+                if argv[0] in SKIPPED:
+                    continue
+                assert argv[:2] == ["pip", "install"], f"RUN {command.strip()!r}: not replayed, teach this test"
+                subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", *argv[2:]],
+                               cwd=workdir, env=env, check=True, timeout=900)
+        else:
+            assert instruction in ("FROM", "USER", "EXPOSE", "CMD", "HEALTHCHECK"), instruction
+    return venv / "bin"
+
+
+@pytest.fixture(scope="module")
+def image(tmp_path_factory):
+    context, root = tmp_path_factory.mktemp("context"), tmp_path_factory.mktemp("image")
+    archive(context)
+    return replay(context, root), context
+
+
+def local(argv: list[str], ports: dict[str, str]) -> list[str]:
+    """A compose argv with service addresses mapped to local ones ("app1:8000" -> "127.0.0.1:<port>")."""
+    out = []
+    for arg in argv:
+        for address, here in ports.items():
+            arg = arg.replace(address, here)
+        out.append(arg)
+    return out
+
+
+def start(argv: list[str], bin_dir: Path, env: dict[str, str], log: Path) -> subprocess.Popen:
+    run_env = {**{k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}, **env,
+               "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": ""}
+    with open(log, "wb") as out:
+        return subprocess.Popen(argv, env=run_env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, cwd=log.parent)
+
+
+def healthy(service: str, bin_dir: Path, ports: dict[str, str], process: subprocess.Popen, log: Path) -> None:
+    """Run the service's own compose healthcheck (mapped to local ports) until it passes."""
+    test = SERVICES[service]["healthcheck"]["test"]
+    assert test[0] == "CMD"
+    argv = local(test[1:], ports)
+    if argv[0] == "python":
+        argv[0] = str(bin_dir / "python")
+    elif argv[0] == "wget":  # the image's busybox wget: the same GET, from Python
+        argv = [str(bin_dir / "python"), "-c", f"import urllib.request; urllib.request.urlopen({argv[-1]!r}, timeout=2)"]
+    deadline = time.monotonic() + DEADLINE
+    while subprocess.run(argv, capture_output=True).returncode != 0:
+        assert process.poll() is None, f"{service} exited: {log.read_text(errors='replace')[-3000:]}"
+        assert time.monotonic() < deadline, f"{service} never healthy: {log.read_text(errors='replace')[-3000:]}"
+        time.sleep(0.2)
+
+
+def stop(process: subprocess.Popen) -> int:
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(5)
+    return process.returncode
+
+
+def test_the_image_carries_the_extras_its_services_run(image):
+    bin_dir, _ = image
+    installed = subprocess.run([str(bin_dir / "python"), "-c", "import uvicorn, httpx, yaml, "
+                                "opentelemetry.sdk, opentelemetry.exporter.otlp.proto.http, prometheus_client; "
+                                "from otel_lock.cli._files import check_prometheus_files, dashboards_dir; "
+                                "print(check_prometheus_files()[0]); print(sorted(p.name for p in dashboards_dir().glob('*.json')))"],
+                               capture_output=True, text=True, cwd="/")
+    assert installed.returncode == 0, installed.stderr
+    assert "/_data/deploy/prometheus/prometheus.yml" in installed.stdout  # the wheel's copy, not a checkout's
+    assert "otel-lock-lock.json" in installed.stdout and "otel-lock-overview.json" in installed.stdout
+
+
+@pytest.mark.skipif(shutil.which("prometheus") is None or shutil.which("redis-server") is None,
+                    reason="needs redis-server and prometheus on PATH (Debian packages)")
+def test_every_compose_service_command_runs_against_local_processes(image, tmp_path):
+    bin_dir, context = image
+    ports = {name: str(free_port()) for name in ("redis", "app1", "app2", "prometheus")}
+    addresses = {f"{name}:{'6379' if name == 'redis' else '9090' if name == 'prometheus' else '8000'}":
+                 f"127.0.0.1:{port}" for name, port in ports.items()}
+    processes: dict[str, subprocess.Popen] = {}
+    with OtlpReceiver() as collector:
+        try:
+            redis_argv = SERVICES["redis"]["command"] + ["--port", ports["redis"], "--bind", "127.0.0.1"]
+            processes["redis"] = start(redis_argv, bin_dir, {}, tmp_path / "redis.log")
+            healthy_redis = ["redis-cli", "-p", ports["redis"], "ping"]
+            assert SERVICES["redis"]["healthcheck"]["test"][1:] == ["redis-cli", "ping"]
+            _until(lambda: subprocess.run(healthy_redis, capture_output=True).stdout.strip() == b"PONG", "redis")
+
+            for name in ("app1", "app2"):
+                service = SERVICES[name]
+                env = {k: local([str(v)], addresses)[0] for k, v in service["environment"].items()}
+                env["OTEL_EXPORTER_OTLP_ENDPOINT"] = collector.endpoint  # the collector's stand-in
+                argv = local(service["command"], addresses)
+                argv[argv.index("--port") + 1] = ports[name]
+                argv[argv.index("--host") + 1] = "127.0.0.1"
+                processes[name] = start(argv, bin_dir, env, tmp_path / f"{name}.log")
+            for name in ("app1", "app2"):
+                healthy(name, bin_dir, {"127.0.0.1:8000": f"127.0.0.1:{ports[name]}"}, processes[name],
+                        tmp_path / f"{name}.log")
+
+            loadgen = local(SERVICES["loadgen"]["command"], {f"http://{k}": f"http://{v}" for k, v in addresses.items()})
+            loadgen[0] = str(bin_dir / "python")
+            processes["loadgen"] = start(loadgen, bin_dir, {}, tmp_path / "loadgen.log")
+
+            # Both replicas push lock metrics, made by the load generator's requests.
+            def pushed(replica: str) -> bool:
+                return any(r.attributes and any(a.key == "service.instance.id" and a.value.string_value == replica
+                                                for a in r.attributes) for r in collector.resources) and any(
+                    m.name == "otel_lock.wait.duration" for m in collector.metrics)
+            assert collector.wait_for(lambda: pushed("app1") and pushed("app2"), timeout=DEADLINE), \
+                (tmp_path / "loadgen.log").read_text(errors="replace")[-2000:]
+
+            prometheus = _compose_prometheus(context, tmp_path, addresses, ports["prometheus"])
+            processes["prometheus"] = start(prometheus, bin_dir, {}, tmp_path / "prometheus.log")
+            url = f"http://127.0.0.1:{ports['prometheus']}"
+            healthy("prometheus", bin_dir, {"127.0.0.1:9090": f"127.0.0.1:{ports['prometheus']}"},
+                    processes["prometheus"], tmp_path / "prometheus.log")
+            with httpx.Client(base_url=url, timeout=5.0) as client:
+                runbooks = client.get("/consoles/otel-lock-runbooks.html")
+                assert runbooks.status_code == 200 and 'id="lease-lost"' in runbooks.text
+                rules = client.get("/api/v1/rules").json()["data"]["groups"]
+                assert {r["name"] for g in rules for r in g["rules"]} >= {"OtelLockLeaseLost",
+                                                                           "OtelLockReplicaMetricsMissing"}
+                _until(lambda: _target_info(client) == {"app1", "app2"}, "target_info of both replicas")
+            assert stop(processes.pop("loadgen")) == 0, (tmp_path / "loadgen.log").read_text(errors="replace")
+        finally:
+            for process in reversed(list(processes.values())):
+                stop(process)
+
+
+def _compose_prometheus(context: Path, tmp_path: Path, addresses: dict[str, str], port: str) -> list[str]:
+    """The compose prometheus command with its mounts and service names mapped to this machine."""
+    service = SERVICES["prometheus"]
+    mounts = {container: context / host.removeprefix("./")
+              for host, container, *_ in (volume.split(":") for volume in service["volumes"])}
+    config = yaml.safe_load((mounts["/etc/prometheus/prometheus.yml"]).read_text())
+    config["rule_files"] = [str(mounts["/etc/prometheus/rules"] / Path(f).name) for f in config["rule_files"]]
+    config["global"]["scrape_interval"] = "1s"
+    text = json.dumps(config)
+    for address, here in addresses.items():
+        text = text.replace(f'"{address}"', f'"{here}"')
+    (tmp_path / "prometheus.yml").write_text(text)
+    argv = ["prometheus"]
+    for arg in service["command"]:
+        name, _, value = arg.partition("=")
+        value = {"--config.file": str(tmp_path / "prometheus.yml"), "--storage.tsdb.path": str(tmp_path / "tsdb"),
+                 "--web.external-url": f"http://127.0.0.1:{port}",
+                 "--web.console.libraries": str(tmp_path / "no-libraries")}.get(name, value)
+        if name == "--web.console.templates":
+            value = str(mounts[value])
+        argv.append(f"{name}={value}" if value else name)
+    return argv + [f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"]
+
+
+def _target_info(client: httpx.Client) -> set[str]:
+    result = client.get("/api/v1/query", params={"query": 'target_info{job="otel-lock-replicas"}'}).json()
+    return {series["metric"].get("service_instance_id") for series in result["data"]["result"]}
+
+
+def _until(predicate, what: str) -> None:
+    deadline = time.monotonic() + DEADLINE
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)

@@ -1,0 +1,154 @@
+"""Issue 18 item 2: nothing lost at shutdown.
+
+A real `otel-lock serve` process (uvicorn, which raises SIGTERM again after
+its graceful shutdown) and plain `setup()` scripts get a real signal; a real
+OTLP/HTTP receiver in the test decodes what reaches it. Export intervals are
+an hour, so everything that arrives was sent by the shutdown.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import httpx
+import pytest
+
+from otel_lock.cli._redis_server import free_port
+
+from _telemetry_helpers import OtlpReceiver
+
+STOCK = "stock:{path.product_id}"
+REQUESTS = 40
+HOUR_MS = "3600000"
+
+
+def quiet_env(receiver: OtlpReceiver) -> dict[str, str]:
+    """OTLP to the receiver, nothing exported on a timer during the test."""
+    return {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_METRICS_EXPORTER": "otlp",
+            "OTEL_METRIC_EXPORT_INTERVAL": HOUR_MS, "OTEL_BSP_SCHEDULE_DELAY": HOUR_MS,
+            "OTEL_SERVICE_NAME": "shutdown-test"}
+
+
+def acquisitions(receiver: OtlpReceiver, name: str) -> int:
+    """Acquired waits of lock `name` in the last export of otel_lock.wait.duration (cumulative)."""
+    counts = [sum(p.count for p in m.histogram.data_points
+                  if {a.key: a.value.string_value for a in p.attributes}.get("lock.name") == name
+                  and {a.key: a.value.string_value for a in p.attributes}.get("lock.outcome") == "acquired")
+              for m in receiver.metrics if m.name == "otel_lock.wait.duration"]
+    return counts[-1] if counts else 0
+
+
+def serve(redis_url: str, receiver: OtlpReceiver, namespace: str) -> tuple[subprocess.Popen, str]:
+    """`otel-lock serve` on a free port, with SIGINT at its default (a shell's background job ignores it)."""
+    port = free_port()
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}, **quiet_env(receiver)}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "otel_lock.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+         "--redis-url", redis_url, "--namespace", namespace, "--job-interval", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    url = f"http://127.0.0.1:{port}"
+    with httpx.Client(timeout=1.0) as client:
+        for _ in range(600):  # bounded wait for uvicorn to answer (the process exiting fails it at once)
+            assert process.poll() is None, process.communicate()[0]
+            try:
+                if client.get(url + "/healthz").status_code == 200:
+                    return process, url
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+    process.kill()
+    raise AssertionError(f"otel-lock serve did not answer: {process.communicate()[0]}")
+
+
+# SIGTERM: uvicorn raises it again after its graceful shutdown, the process dies of it (after
+# the flush). SIGINT: uvicorn.run() swallows the KeyboardInterrupt, serve returns 0 (after the flush).
+@pytest.mark.parametrize("signum, status", [(signal.SIGTERM, -signal.SIGTERM), (signal.SIGINT, 0)],
+                         ids=["SIGTERM", "SIGINT"])
+def test_serve_flushes_spans_and_metrics_on_a_signal(redis_url, signum, status):
+    with OtlpReceiver() as receiver:
+        process, url = serve(redis_url, receiver, f"shutdown-{signum}")
+        try:
+            with httpx.Client(base_url=url, timeout=10.0) as client:
+                assert client.put("/api/stock/p1", json={"stock": 1000}).status_code == 200
+                for _ in range(REQUESTS - 1):
+                    assert client.post("/api/stock/p1/deduct").status_code == 200
+            assert not receiver.metrics and not receiver.spans, "exported before the signal: nothing to prove"
+            process.send_signal(signum)
+            output = process.communicate(timeout=30)[0]
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        assert process.returncode == status, output
+        assert acquisitions(receiver, STOCK) == REQUESTS
+        names = [span.name for span in receiver.spans]
+        assert names.count(f"lock acquire {STOCK}") == REQUESTS
+        assert names.count(f"lock hold {STOCK}") == REQUESTS
+        assert names.count("POST /api/stock/{product_id}/deduct") == REQUESTS - 1
+
+
+SCRIPT = textwrap.dedent("""
+    import asyncio, signal, sys, time
+    from otel_lock import LockManager, telemetry
+
+    if sys.argv[2] == "own-handler":
+        signal.signal(signal.SIGTERM, lambda *_: print("own handler ran", flush=True) or sys.exit(3))
+    installed = telemetry.setup("script", flush_on_signal=sys.argv[2] != "no-signals")
+
+    async def work():
+        locks = LockManager.from_url(sys.argv[1], namespace="shutdown-script")
+        tracer = installed.tracer_provider.get_tracer("script")
+        for i in range(10):
+            with tracer.start_as_current_span("job"):
+                async with locks.lock(f"report-{i}", name="report"):
+                    pass
+        await locks.aclose()
+    asyncio.run(work())
+    print("ready", flush=True)
+    while True:
+        time.sleep(1)
+""")
+
+
+def run_script(redis_url: str, receiver: OtlpReceiver, mode: str) -> tuple[int, str]:
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}, **quiet_env(receiver)}
+    process = subprocess.Popen([sys.executable, "-c", SCRIPT, redis_url, mode], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        assert process.stdout.readline() == "ready\n"
+        assert not receiver.metrics and not receiver.spans
+        process.send_signal(signal.SIGTERM)
+        output = process.communicate(timeout=30)[0]
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    return process.returncode, output
+
+
+def test_setup_flushes_before_a_sigterm_kills_the_process(redis_url):
+    with OtlpReceiver() as receiver:
+        status, output = run_script(redis_url, receiver, "default")
+        assert status == -signal.SIGTERM, output  # still dies of the signal, as supervisors expect
+        assert acquisitions(receiver, "report") == 10
+        assert [span.name for span in receiver.spans].count("lock acquire report") == 10
+
+
+def test_a_handler_the_app_installed_first_still_decides_and_the_exit_flushes(redis_url):
+    with OtlpReceiver() as receiver:
+        status, output = run_script(redis_url, receiver, "own-handler")
+        assert status == 3 and "own handler ran" in output, output
+        assert acquisitions(receiver, "report") == 10
+
+
+def test_without_flush_on_signal_sigterm_keeps_its_default_action(redis_url):
+    with OtlpReceiver() as receiver:
+        status, output = run_script(redis_url, receiver, "no-signals")
+        assert status == -signal.SIGTERM, output
+        assert acquisitions(receiver, "report") == 0  # what every deploy lost before issue 18

@@ -24,6 +24,7 @@ from types import TracebackType
 from typing import Any, Awaitable, Callable, Never, Self, TypeVar
 
 from opentelemetry import trace
+from redis.exceptions import RedisError
 
 from ._attempt import Request
 from ._background import Background
@@ -243,8 +244,6 @@ class Core:
     async def _take(self, key: str, wait: float, lease: float, renew_every: float, owner: str | None, name: str,
                     cancel_on_lost: bool, share_with_children: bool, planned: bool = False) -> HeldLock:
         runtime = self._runtimes.here()
-        if not runtime.checked:
-            await runtime.first_use(self._check_server)
         loop = runtime.loop
         start = loop.time()
         redis_key = self._redis_key(key)
@@ -255,7 +254,8 @@ class Core:
         with self.telemetry.acquire_span(name) as span:
             outcome, error = "error", None  # type: str, BaseException | None
             try:
-                reply = await self._breaker.guard(runtime.transport.take(request))
+                take = runtime.transport.take(request) if runtime.checked else self._first_take(runtime, request)
+                reply = await self._breaker.guard(take)
                 if reply is None:
                     outcome = "busy"  # a try_lock miss: an answer, not an error
                     raise LockBusy(f"lock {redis_key} is held by another owner", key=redis_key, waited=0.0)
@@ -309,32 +309,46 @@ class Core:
         if kind:
             self.telemetry.set_error(span, kind, self._topology.where())
 
-    async def _check_server(self, transport: Any) -> None:
-        """At first use in a process: the server checks; on every loop: the namespace's data model.
+    async def _first_take(self, runtime: Runtime, request: Request) -> Any:
+        """The first acquisition on a loop: the first-use checks, then the take (both behind the breaker)."""
+        what, key = f"acquire of {request.keys[0]}", request.keys[0]
+        try:
+            await runtime.first_use(lambda transport: self._check_server(transport, key, request.name))
+        except (RedisError, OSError) as exc:
+            error = to_lock_error(exc, what, key=key, client=runtime.transport.records)
+            self._breaker.record(not isinstance(error, RedisUnavailable))
+            raise error from exc
+        return await runtime.transport.take(request)
 
-        A refused server (too old, no script or key rights, evicting with
-        `require_noeviction=True`) and another data model are RedisMisconfigured
-        naming the fix; warnings (an evicting policy, no channel rights) are
-        logged once, and without channel rights waiters poll.
+    async def _check_server(self, transport: Any, key: str, name: str) -> None:
+        """At the first use on a loop: the namespace's data model; in a process: the server checks.
+
+        The data model check is the first call (an error there is classified
+        like any acquire's). A refused server (too old, no script or key
+        rights, evicting with `require_noeviction=True`) and another data
+        model are RedisMisconfigured naming the fix; warnings (an evicting
+        policy, no channel rights) are logged once, and without channel rights
+        waiters poll.
         """
-        if self._reports_pid != os.getpid():
-            reports = await transport.server_reports(self.namespace, self.options.require_noeviction)
-            for report in reports:
-                report.log()
-            self.server_reports = tuple(reports)
-            self._reports_pid = os.getpid()
-        for report in self.server_reports:
-            report.raise_for_refusals()
-        if not all(report.can_subscribe for report in self.server_reports):
-            missing = [r.check("channels") for r in self.server_reports if not r.can_subscribe]
-            transport.poll_instead(f"{missing[0].detail} (fix: {missing[0].fix})")
-        held = await transport.check_model(f"{self.namespace}:model", MODEL, MODEL_TTL)
+        held = await transport.check_model(f"{self.namespace}:model", MODEL, MODEL_TTL, key, name)
         if held is not None:
             raise RedisMisconfigured(
                 f"namespace {self.namespace!r} on {self._topology.where()} is in use by otel-lock data model {held}; "
                 f"this otel-lock writes model {MODEL}, and two layouts in one namespace would not see each other's "
                 f"locks. Finish the rollout in a new namespace (namespace='{self.namespace}-v{MODEL}'), or stop "
                 f"every manager of model {held} and delete the key {self.namespace}:model")
+        if self._reports_pid != os.getpid():
+            reports = await transport.server_reports(self.namespace, self.options.require_noeviction)
+            for report in reports:
+                report.log()
+            self.server_reports = tuple(reports)
+            if not any(report.refusals for report in reports):
+                self._reports_pid = os.getpid()  # a refusal is checked again at the next first use
+        for report in self.server_reports:
+            if report.refusals:
+                raise RedisMisconfigured(f"{report.refusal_message()} (at the first use: acquire of {key})", key=key)
+        if not all(report.can_subscribe for report in self.server_reports):
+            transport.poll_instead(None)  # the report's warning said why, with the rule to add
 
     def _next_owner(self) -> str:
         return f"{self.id}:{next(self._ids)}"
@@ -483,8 +497,6 @@ class Core:
 
     async def _ask(self, ask: Callable[[Any], Awaitable[T]], what: str, key: str | None) -> T:
         """An operator call on this loop's transport, its Redis errors as LockError / RedisUnavailable."""
-        from redis.exceptions import RedisError
-
         transport = self._runtimes.here().transport
         try:
             return await ask(transport)

@@ -70,9 +70,10 @@ def check_key(key: object) -> None:
         raise ValueError(f"lock key {key!r} must not contain '{{' or '}}' (they delimit the Redis Cluster hash tag)")
     try:
         key.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError(f"lock key {key!r} cannot be encoded as UTF-8 ({exc.reason} at position {exc.start}): "
-                         "decode bytes with errors='replace' or pass text") from None
+    except UnicodeEncodeError as exc:  # a ValueError too; said before a byte is sent
+        exc.add_note(f"lock key {key!r} cannot be encoded as UTF-8 (position {exc.start}): a lone surrogate, "
+                     "from os.fsdecode() or undecodable input; decode bytes with errors='replace' or pass text")
+        raise
 
 
 @dataclass(frozen=True)

@@ -248,9 +248,9 @@ class QuorumTransport:
                      time.perf_counter() - began)
         return out
 
-    async def check_model(self, key: str, model: int, ttl: int) -> int | None:
+    async def check_model(self, key: str, model: int, ttl: int, lock_key: str, name: str) -> int | None:
         """Claim the namespace on every master that answers; another model on any of them is refused."""
-        answers = await self.masters.call(model_check, (key,), [model, ttl], "check", "model")
+        answers = await self.masters.call(model_check, (key,), [model, ttl], "acquire", name)
         answered = [int(a) for a in answers if not isinstance(a, LockError)]
         if len(answered) < self.quorum:
             errors = [a for a in answers if isinstance(a, LockError)]
@@ -264,7 +264,7 @@ class QuorumTransport:
                                    require_noeviction=require_noeviction, address=calls.where)
                 for client, calls in zip(self.masters.clients, self.masters.calls)]
 
-    def poll_instead(self, why: str) -> None:
+    def poll_instead(self, why: str | None) -> None:
         """RedLock waiters always poll."""
 
     # -- operators ---------------------------------------------------------------------

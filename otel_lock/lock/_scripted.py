@@ -73,12 +73,16 @@ class ScriptTransport:
         self.poll_instead(str(self.calls.error(error, "subscribe", None)))
         return True
 
-    def poll_instead(self, why: str) -> None:
-        """No wake-ups can reach this manager: waiters poll (without a queue place), with one warning."""
+    def poll_instead(self, why: str | None) -> None:
+        """No wake-ups can reach this manager: waiters poll (without a queue place), with one warning.
+
+        `why=None`: the server check has warned already.
+        """
         if not self.polling:
             self.polling = True
-            log.warning("otel-lock: waiters poll instead of being woken on release (slower hand-overs, no FIFO): "
-                        "%s", why)
+            if why is not None:
+                log.warning("otel-lock: waiters poll instead of being woken on release (slower hand-overs, no FIFO): "
+                            "%s", why)
 
     # -- taking, re-entering, releasing --------------------------------------
 
@@ -162,9 +166,9 @@ class ScriptTransport:
         record_batch(self.calls.telemetry, batch_outcomes([l.name for l in leases], out), time.perf_counter() - began)
         return out
 
-    async def check_model(self, key: str, model: int, ttl: int) -> int | None:
-        """Claim the namespace for `model`; None when ours, else the model that holds it."""
-        held = await self.call(_scripts.model_check, (key,), [model, ttl], "check", "model")
+    async def check_model(self, key: str, model: int, ttl: int, lock_key: str, name: str) -> int | None:
+        """Claim the namespace for `model` (at the first acquire of `lock_key`); None when ours, else the holder."""
+        held = await self.calls(self.link.call(_scripts.model_check, (key,), [model, ttl]), "acquire", name, lock_key)
         return None if int(held) == model else int(held)
 
     async def server_reports(self, namespace: str, require_noeviction: bool) -> list[ServerReport]:

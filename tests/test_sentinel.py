@@ -13,7 +13,6 @@ fenced (the later holder has the larger token).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
 import time
 from dataclasses import dataclass
@@ -87,7 +86,6 @@ async def test_a_sentinel_client_gets_a_lean_connection_that_follows_the_master(
     """A plain lean connection would keep talking to one address; the Sentinel one asks who the master is."""
     sentinel = Sentinel([("127.0.0.1", 1)])
     client = sentinel.master_for("svc")
-    assert Connection.for_client(client) is None
     locks = LockManager(client)
     link = link_of(locks)
     assert isinstance(link.client, MasterConnection) and link.client in link.watch.leans

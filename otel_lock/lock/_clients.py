@@ -37,6 +37,11 @@ class Settings:
     connect_timeout: float | None = 2.0
     lean: bool = True  # TCP or unix socket, RESP2, password auth: the lean connection can speak for it
 
+    def credentials(self) -> dict[str, Any]:
+        """What a lean connection needs besides the address: db, user, password, timeouts."""
+        return {"db": self.db, "username": self.username, "password": self.password, "timeout": self.timeout,
+                "connect_timeout": self.connect_timeout}
+
     def address(self) -> str:
         """`host:port` (or the socket path), for messages and span attributes; never a password."""
         return self.path or f"{self.host}:{self.port}"

@@ -377,27 +377,30 @@ class Core:
 
     # -- releasing -------------------------------------------------------------
 
-    async def release(self, held: HeldLock) -> bool:
-        """One hold ends (`HeldLock.release()`): False if the lock was no longer ours."""
-        lease = held._lease
-        if held._child:
+    async def release(self, lease: Lease, *, outer: bool, child: bool) -> bool:
+        """One hold on `lease` ends (`HeldLock.release()`): False if the lock was no longer ours."""
+        if child:
             lease.unnest(child=True)
-        elif held._outer and lease.child_holds > 0:
+        elif outer and lease.child_holds > 0:
             lease.closing = True  # no new child may enter; those inside finish first
             await lease.children_done.wait()
         if lease.ended:
             return False
-        if not held._child:
+        if not child:
             lease.depth -= 1
         final = lease.depth <= 0
         if not final and not self._topology.counts_depth:
             return not lease.lost.is_set()
-        transport = lease.runtime.transport
         if final:
             lease.closing = True
             lease.runtime.watchdog.discard(lease)  # never renew what is being released
             if lease.renewing is not None:
                 await asyncio.wait({lease.renewing})  # a renewal must not land after the release
+        return await self._let_go(lease, final)
+
+    async def _let_go(self, lease: Lease, final: bool) -> bool:
+        """Ask Redis to release one level (or the whole hold, when `final`), and end the hold accordingly."""
+        transport = lease.runtime.transport
         lost_before = bool(lease.lost_reason)
         try:
             left = await transport.release(lease, whole=final and not lease.explicit_owner)

@@ -45,7 +45,7 @@ class LockInfo:
 class Ends(Protocol):
     """How a hold ends (the manager core, kept abstract so this module imports no manager)."""
 
-    async def release(self, held: HeldLock) -> bool: ...
+    async def release(self, lease: Lease, *, outer: bool, child: bool) -> bool: ...
 
     def lose(self, lease: Lease, reason: str) -> None: ...
 
@@ -248,7 +248,8 @@ class HeldLock:
     async def release(self) -> bool:
         """Release this hold; False if the lock was no longer ours. Idempotent, safe to cancel."""
         if self._release is None:
-            self._release = asyncio.ensure_future(self._lease.ends.release(self))
+            self._release = asyncio.ensure_future(self._lease.ends.release(self._lease, outer=self._outer,
+                                                                           child=self._child))
         return await asyncio.shield(self._release)
 
     def __repr__(self) -> str:

@@ -42,13 +42,7 @@ BATCH = 1000  # keys per renewal script call (a batch carries all calls in one r
 
 def lean_connection(settings: Settings, **extra: Any) -> Connection:
     """A lean connection to the server and with the credentials of `settings`."""
-    return Connection(host=settings.host, port=settings.port, path=settings.path, **credentials(settings), **extra)
-
-
-def credentials(settings: Settings) -> dict[str, Any]:
-    """What a lean connection needs besides the address: db, user, password, timeouts."""
-    return {"db": settings.db, "username": settings.username, "password": settings.password,
-            "timeout": settings.timeout, "connect_timeout": settings.connect_timeout}
+    return Connection(host=settings.host, port=settings.port, path=settings.path, **settings.credentials(), **extra)
 
 
 class Link:
@@ -132,7 +126,7 @@ class SentinelLink(LeanLink):
     def __init__(self, redis: Any, settings: Settings, watch: MasterWatch) -> None:
         self.watch = watch
         super().__init__(redis, settings, partial(MasterConnection, redis.connection_pool, watch,
-                                                  **credentials(settings)))
+                                                  **settings.credentials()))
 
     async def prepare(self) -> None:
         await self.watch.check()
@@ -162,7 +156,7 @@ class ClusterLink(Link):
 
     def __init__(self, redis: RedisCluster, settings: Settings) -> None:
         super().__init__(redis, settings)
-        self.routed = RoutedConnections.for_client(redis)
+        self.routed = RoutedConnections(redis, settings) if settings.lean else None
         if self.routed is not None:
             self.client = self.routed
 
@@ -197,7 +191,7 @@ class ClusterLink(Link):
         return [group[i:i + BATCH] for group in by_slot.values() for i in range(0, len(group), BATCH)]
 
     def waiting(self, channel: str, on_orphan: Callable[[str, str], None]) -> Waiting:
-        return ShardedWaiting(self.redis, channel, on_orphan)
+        return ShardedWaiting(self.redis, self.settings, channel, on_orphan)
 
     def figures(self) -> tuple[int, int]:
         if self.routed is not None:

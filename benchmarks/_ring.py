@@ -83,7 +83,39 @@ async def _lists(spec: dict, send: Callable[[dict], None], await_start: Callable
     return {"hops": hops, "cpu": cpu}
 
 
+async def _redis_py_pubsub(spec: dict, send: Callable[[dict], None],
+                           await_start: Callable[[], tuple[float, float]]) -> dict:
+    """The same ring through redis-py's asyncio client (hiredis parser): what an app would write."""
+    import redis.asyncio as aioredis
+
+    index, size = spec["index"], spec["size"]
+    mine, nxt = f"{PREFIX}:{index}", f"{PREFIX}:{(index + 1) % size}"
+    client = aioredis.Redis.from_url(spec["url"])
+    pubsub = client.pubsub()
+    await pubsub.subscribe(mine)
+    await pubsub.get_message(timeout=1.0)  # the subscribe confirmation
+    await client.ping()
+    loop = asyncio.get_running_loop()
+    send({"ready": True})
+    start, stop = await loop.run_in_executor(None, await_start)
+    await asyncio.sleep(max(0.0, start - time.monotonic()))
+    cpu = time.process_time()
+    if index == 0:
+        await client.publish(nxt, "t")
+    hops = 0
+    while time.monotonic() < stop:
+        message = await pubsub.get_message(timeout=0.05)
+        if message is None or message["type"] != "message":
+            continue
+        hops += 1
+        await client.publish(nxt, "t")
+    cpu = time.process_time() - cpu
+    await pubsub.aclose()
+    await client.aclose()
+    return {"hops": hops, "cpu": cpu}
+
+
 def run(spec: dict, send: Callable[[dict], None], await_start: Callable[[], tuple[float, float]]) -> dict:
-    via = _pubsub if spec["via"] == "pubsub" else _lists
+    via = {"pubsub": _pubsub, "lists": _lists, "redis-py": _redis_py_pubsub}[spec["via"]]
     return asyncio.run(via(spec, send, await_start))
 

@@ -250,10 +250,10 @@ def main() -> None:
         from ._otel_modes import install
 
         install(spec["telemetry"])
-    if spec["mode"] == "held":
-        from ._held import run
+    if spec["mode"] in ("held", "ring", "many"):
+        from importlib import import_module
 
-        result = run(spec, _send, _await_start)
+        result = import_module(f"benchmarks._{spec['mode']}").run(spec, _send, _await_start)
     elif ADAPTERS[spec["lib"]].sync:
         result = _run_sync(spec)
     else:

@@ -131,3 +131,26 @@ def held(lib: str, url: str, locks: int, lease: float, ticks: int = 3) -> dict:
         "threads": result.get("threads"),
         "redis_calls": redis_delta["calls"],
     }
+
+
+def ring(url: str, duration: float, via: str, processes: int = 8) -> dict:
+    """The machine's limit: one token passed around `processes` processes by Redis (`via`: pubsub or lists)."""
+    flush(url)
+    specs = [{"mode": "ring", "via": via, "url": url, "index": i, "size": processes} for i in range(processes)]
+    results, redis_delta, window = run_workers(specs, duration, url)
+    hops = sum(r["hops"] for r in results)
+    return {
+        "lib": f"ring ({'SUBSCRIBE/PUBLISH' if via == 'pubsub' else 'BLPOP/LPUSH'})",
+        "processes": processes,
+        "handoffs_per_s": hops / window,
+        "redis_commands_per_handoff": redis_delta["total"] / max(1, hops),
+        "client_cpu_ms_per_handoff": sum(r["cpu"] for r in results) / max(1, hops) * 1e3,
+        "redis_cpu_ms_per_handoff": redis_delta["cpu"] / max(1, hops) * 1e3,
+    }
+
+
+def many(lib: str, url: str, counts: list[int]) -> list[dict]:
+    """Per-lock cost of acquiring then releasing N locks held at once by one task, for each N in `counts`."""
+    flush(url)
+    [result], _, _ = run_workers([{"mode": "many", "lib": lib, "url": url, "counts": counts}], 0.0, url)
+    return [{"lib": lib, **row} for row in result["rows"]]

@@ -64,7 +64,8 @@ def lock_suite(url: str, quick: bool, profile_dir: Path | None) -> dict:
     from . import bench_lock as b
 
     libs = [lib for lib in LOCK_LIBS if available(lib)]
-    out: dict = {"uncontended": [], "contended": [], "held": [], "herd": [], "failures": []}
+    out: dict = {"uncontended": [], "contended": [], "ring": [], "held": [], "many": [], "herd": [],
+                 "failures": []}
 
     def attempt(table: str, what: str, fn, *args, **kwargs) -> None:
         # one library failing must not cost the other rows of the run
@@ -88,6 +89,10 @@ def lock_suite(url: str, quick: bool, profile_dir: Path | None) -> dict:
         for lib in _rotate(libs, r):
             attempt("contended", f"(b) 8 workers in 8 processes, one key, round {r + 1}: {lib}", b.contended,
                     lib, url, 1.0 if quick else 2.0)
+        for via in ("pubsub", "lists"):
+            # the machine's limit in the same run: a token passed around the same 8 processes
+            attempt("ring", f"(b) a token around 8 processes by {via}, round {r + 1}", b.ring, url,
+                    1.0 if quick else 2.0, via)
         for lib in _rotate(libs, r):
             # the issue's reference numbers: 8 tasks (threads for sync peers) in one process
             attempt("contended", f"(b) 8 workers in 1 process, one key, round {r + 1}: {lib}", b.contended,
@@ -95,7 +100,15 @@ def lock_suite(url: str, quick: bool, profile_dir: Path | None) -> dict:
     runs["uncontended"], out["uncontended"] = out["uncontended"], best_rounds(out["uncontended"], "cycles_per_s", True)
     runs["contended"], out["contended"] = out["contended"], best_rounds(
         out["contended"], "handoffs_per_s", True, group=lambda r: (r["lib"], r["processes"]))
+    runs["ring"], out["ring"] = out["ring"], best_rounds(out["ring"], "handoffs_per_s", True)
     out["rounds"] = runs
+    counts = [500, 4000] if quick else [500, 2000, 8000, 16000]
+    for lib in ("otel-lock", "redis-py"):
+        _say(f"(c') {counts} locks held by one task: {lib}")
+        try:
+            out["many"] += b.many(lib, url, counts)
+        except Exception as exc:  # noqa: BLE001 - reported in the tables
+            out["failures"].append({"what": f"many: {lib}", "error": repr(exc)})
     held_plan = [("otel-lock", 10_000), ("redis-py", 1_000), ("python-redis-lock", 1_000)]
     for lib, n in held_plan:
         if available(lib):

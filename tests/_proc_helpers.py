@@ -364,3 +364,9 @@ async def _bump(redis, counter: str) -> None:
 
 if __name__ == "__main__":
     asyncio.run(_child(json.loads(sys.argv[1])))
+
+
+def link_of(locks, waiting: bool = False):
+    """A manager's link on the current loop (what scripts go over), or its wake-up subscriber: wiring checks."""
+    transport = locks._runtimes.here().transport
+    return transport.waiting if waiting else transport.link

@@ -192,7 +192,7 @@ async def test_opens_when_redis_is_killed_and_fails_fast_without_connecting(fres
             error = await unavailable_within_bound(lambda: locks.try_lock(f"k{i}", owner="o"))
             assert error.retry_after is None  # Redis itself was asked
         assert gauge(reader, "brk") == OPEN and openings(reader, "brk") == 1
-        assert not locks._background._tasks
+        assert not locks._runtimes.here().background._tasks
         await asyncio.to_thread(fresh_redis.start)  # same port, a fresh process
         before = await asyncio.to_thread(connections_received, fresh_redis.port)
 

@@ -18,7 +18,7 @@ from otel_lock import LockError, LockLost, LockManager, LockTimeout, RedisUnavai
 from otel_lock.lock._cluster import parse_url, slot_of
 from otel_lock.sync import SyncLockManager
 
-from _proc_helpers import assert_one_holder_at_a_time, run_holders, until
+from _proc_helpers import assert_one_holder_at_a_time, link_of, run_holders, until
 
 BOUND = 30.0  # turns a hang into a failure; not a timing
 
@@ -105,7 +105,7 @@ async def test_a_cluster_client_built_by_the_user_works_the_same(flushed, protoc
     try:
         async with LockManager(client, lease=5.0, poll_cap=60.0) as a, LockManager(client, lease=5.0) as b:
             # RESP3 is not spoken by the lean connections: redis-py's cluster client carries the scripts
-            assert (a._routed is None) == (protocol == 3)
+            assert (link_of(a).routed is None) == (protocol == 3)
             held = await a.acquire("built")
             assert await b.try_lock("built") is None
             waiter = asyncio.create_task(a.acquire("built", wait=BOUND))

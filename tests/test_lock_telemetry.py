@@ -153,7 +153,8 @@ async def test_redis_error_is_counted_with_its_type(otel):
                                     **otel.providers()) as locks:
         with otel.tracer.start_as_current_span("request"), pytest.raises(RedisUnavailable):
             await locks.acquire("k")
-    assert otel.attrs("otel_lock.errors") == [
+    # (a clean-up release of the maybe-taken lock may have been tried, and counted, meanwhile)
+    assert [a for a in otel.attrs("otel_lock.errors") if a["lock.operation"] == "acquire"] == [
         {"lock.name": "k", "lock.operation": "acquire", "error.type": "redis_unavailable"}]
     assert otel.attrs("otel_lock.wait.duration") == [
         {"lock.name": "k", "lock.outcome": "error", "lock.contended": False, "error.type": "redis_unavailable"}]

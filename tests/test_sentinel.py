@@ -13,7 +13,6 @@ fenced (the later holder has the larger token).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
 import time
 from dataclasses import dataclass
@@ -26,6 +25,8 @@ from benchmarks._sentinel_set import SentinelSet, until
 from otel_lock import LockManager, LockTimeout, RedisUnavailable
 from otel_lock.lock._connection import Connection
 from otel_lock.lock._sentinel import MasterConnection, parse_url
+
+from _proc_helpers import link_of
 
 # -- the URL form ------------------------------------------------------------------
 
@@ -85,20 +86,19 @@ async def test_a_sentinel_client_gets_a_lean_connection_that_follows_the_master(
     """A plain lean connection would keep talking to one address; the Sentinel one asks who the master is."""
     sentinel = Sentinel([("127.0.0.1", 1)])
     client = sentinel.master_for("svc")
-    assert Connection.for_client(client) is None
     locks = LockManager(client)
-    assert isinstance(locks._direct, MasterConnection) and locks._client is locks._direct
-    assert locks._master_watch is not None and locks._direct in locks._master_watch.leans
+    link = link_of(locks)
+    assert isinstance(link.client, MasterConnection) and link.client in link.watch.leans
     await locks.aclose()
     await client.aclose()
     tls = sentinel.master_for("svc", ssl=True)  # what the lean connection does not speak: redis-py
     locks = LockManager(tls)
-    assert locks._direct is None and locks._client is tls
+    assert link_of(locks).client is tls
     await locks.aclose()
     await tls.aclose()
     await sentinel.aclose()
     from_url = LockManager.from_url("redis+sentinel://127.0.0.1:1/svc/2", socket_timeout=1.0)
-    assert isinstance(from_url._direct, MasterConnection)
+    assert isinstance(link_of(from_url).client, MasterConnection)
     kwargs = from_url.redis.connection_pool.connection_kwargs
     assert (kwargs["db"], kwargs["socket_timeout"]) == (2, 1.0)
     with pytest.raises(RedisUnavailable, match="no Sentinel named a master"):
@@ -135,7 +135,7 @@ async def test_wait_replicas_acquire_is_on_the_replica_when_it_returns(pair, dir
     client = aioredis.Redis(port=pair.master.port, socket_timeout=2.0,
                             **({} if direct else {"protocol": 3}))  # RESP3 goes through redis-py
     locks = LockManager(client, wait_replicas=1, wait_replicas_timeout=1.5, lease=0.6)
-    assert (locks._direct is not None) == direct
+    assert isinstance(link_of(locks).client, Connection) == direct
     replica = aioredis.Redis(port=pair.replica.port)
     try:
         async with locks.lock("stock:1") as held:
@@ -204,7 +204,7 @@ async def test_a_replica_answering_readonly_is_redis_unavailable(pair, direct):
     """What a demoted master answers to a write: RedisUnavailable (HTTP 503), never a plain LockError."""
     client = aioredis.Redis(port=pair.replica.port, socket_timeout=2.0, **({} if direct else {"protocol": 3}))
     locks = LockManager(client)
-    assert (locks._direct is not None) == direct
+    assert isinstance(link_of(locks).client, Connection) == direct
     try:
         for wait in (0, 0.2):
             with pytest.raises(RedisUnavailable, match="(?i)read.?only"):
@@ -296,7 +296,7 @@ async def test_a_lock_lost_in_failover_is_reported_and_fenced_and_wakeups_follow
 
         # Wake-ups follow: c's subscriber is on the new master, a release there wakes its waiter.
         new_master = aioredis.Redis(port=new_port)
-        channel = c._waiting.channel
+        channel = link_of(c, waiting=True).channel
         await until(lambda: _subscribed(new_master, channel), "c's subscriber to follow the failover")
         waiting = asyncio.create_task(c.acquire("stock:1", wait=10))
         await until(lambda: _queued(new_master, "stock:1"), "c to queue on the new master")
@@ -334,7 +334,7 @@ async def test_a_demoted_master_is_never_talked_to_again(sentinels):
         # Renewals of the lock held across the switch reach the new master.
         await until(_renewed(new, kept.key), "a renewal on the new master")
         # The idle waiter's subscriber follows by itself (it asks the Sentinels each idle second).
-        channel = waiter._waiting.channel
+        channel = link_of(waiter, waiting=True).channel
         await until(lambda: _subscribed(new, channel), "the subscriber to follow to the new master")
         # Scripts and wake-ups work on the new master.
         busy = await holder.acquire("stock:1", lease=30.0)

@@ -12,6 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
+
+
+# A (S)SUBSCRIBE command (its first argument), not the word inside another one (ACL DRYRUN user SUBSCRIBE ...).
+_SUBSCRIBE = re.compile(rb"\*\d+\r\n\$(9|10)\r\nS?SUBSCRIBE\r\n", re.IGNORECASE)
 
 
 class TcpProxy:
@@ -107,7 +112,7 @@ class TcpProxy:
                     subscriber_gate: asyncio.Event | None = None) -> None:
         with contextlib.suppress(OSError):
             while data := await reader.read(65536):
-                if subscriber_gate is not None and b"SUBSCRIBE" in data.upper():
+                if subscriber_gate is not None and _SUBSCRIBE.search(data):
                     self._subscribers.append(subscriber_gate)
                 for gate in gates:
                     await gate.wait()  # stalled: hold the bytes, the peer sees silence

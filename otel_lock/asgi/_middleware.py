@@ -135,7 +135,7 @@ class LockMiddleware:
         manager = self._manager
         assert manager is not None, "a protected request resolves the manager first"
         if self._gate is None or self._gate.manager is not manager:
-            self._gate = IdempotencyGate(manager, self.secret, self.principal, self.idempotency_store)  # type: ignore[arg-type]
+            self._gate = IdempotencyGate(manager, self.secret, self.principal, self.idempotency_store)
         return self._gate
 
     @property

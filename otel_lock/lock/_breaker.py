@@ -20,9 +20,12 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Any, Callable, Coroutine, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Coroutine, TypeVar
 
 from ._errors import RedisUnavailable
+
+if TYPE_CHECKING:
+    from ..telemetry._instruments import LockCounts, Telemetry
 
 log = logging.getLogger("otel_lock")
 
@@ -47,6 +50,18 @@ class Breaker:
         self._current = cooldown                 # this opening's cool-down (doubles on failed probes)
         self._probe = 0                          # the probe let through and not ended yet (0: none)
         self._probes = 0
+
+    @classmethod
+    def for_pool(cls, failures: int, cooldown: float, telemetry: Telemetry, counts: LockCounts,
+                 pool: str) -> Breaker:
+        """A manager's breaker, seen in otel_lock.circuit.state / .opened under the pool (namespace) name."""
+        attributes = {"db.client.connection.pool.name": pool}
+
+        def opened() -> None:
+            telemetry.circuit_opened.add(1, attributes)
+        breaker = cls(failures, cooldown, on_open=opened)
+        counts.watch_circuit(breaker.state, pool)
+        return breaker
 
     def state(self) -> int:
         """CLOSED, OPEN or HALF_OPEN (cool-down over: the next acquisition probes, or one does now).

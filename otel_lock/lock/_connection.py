@@ -38,7 +38,6 @@ import socket
 from typing import Any, Awaitable, Callable, Sequence, cast
 
 import hiredis
-import redis.asyncio as aioredis
 from redis._parsers import BaseParser
 from redis.exceptions import AuthenticationError, BusyLoadingError, DataError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -176,22 +175,6 @@ class Connection:
         self._protocol: _Protocol | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop of the open socket
         self._connecting = asyncio.Lock()
-
-    @classmethod
-    def for_client(cls, client: Any, **extra: Any) -> "Connection | None":
-        """The same server and credentials as a plain redis-py asyncio client, else None."""
-        if type(client) is not aioredis.Redis:
-            return None
-        pool = client.connection_pool
-        kw = pool.connection_kwargs
-        if pool.connection_class not in (aioredis.Connection, aioredis.UnixDomainSocketConnection):
-            return None
-        if kw.get("credential_provider") or str(kw.get("protocol") or 2) != "2":
-            return None
-        timeout = kw.get("socket_timeout")
-        return cls(host=kw.get("host", "127.0.0.1"), port=int(kw.get("port") or 6379), path=kw.get("path"),
-                   db=kw.get("db") or 0, username=kw.get("username"), password=kw.get("password"),
-                   timeout=timeout, connect_timeout=kw.get("socket_connect_timeout") or timeout, **extra)
 
     @property
     def server(self) -> str:

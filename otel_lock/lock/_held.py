@@ -4,6 +4,12 @@ A Lease is one lock held in Redis by one owner. Holds on it nest: the task
 that acquired it may re-enter it (depth + 1), and with
 `share_with_children=True` so may the tasks it spawns while holding it; the
 outer hold's release then waits until those children have released theirs.
+
+Which leases the current task holds is kept in a context variable, so a
+task spawned while a lock is held sees that hold (and waits its turn, unless
+the hold is shared), and a task spawned before sees nothing. Each task
+records its holds in a dict of its own, so holding N locks costs O(1) per
+acquire and release, not a copy of everything held.
 """
 
 from __future__ import annotations
@@ -13,17 +19,14 @@ import logging
 import math
 from contextvars import ContextVar
 from dataclasses import dataclass
-from types import MappingProxyType, TracebackType
-from typing import Awaitable, Callable, Mapping, Protocol
+from types import TracebackType
+from typing import Any, Awaitable, Callable, Protocol
 
 from opentelemetry import trace
 
 from ._errors import LockError, LockLost, RedisUnavailable
 
 log = logging.getLogger("otel_lock")
-
-# What the current context holds, by (manager id, key): re-entry looks here first.
-HELD: ContextVar[Mapping[tuple[str, str], Lease]] = ContextVar("otel_lock_held", default=MappingProxyType({}))
 
 NEVER = math.inf
 
@@ -39,14 +42,64 @@ class LockInfo:
     token: int
 
 
-class Releaser(Protocol):
-    """The manager, as a hold sees it (kept abstract so this module imports no manager)."""
+class Ends(Protocol):
+    """How a hold ends (the manager core, kept abstract so this module imports no manager)."""
 
-    def _forget(self, held: HeldLock) -> None: ...
+    async def release(self, lease: Lease, *, outer: bool, child: bool) -> bool: ...
 
-    def _lose(self, lease: Lease, reason: str, count: bool = True) -> None: ...
+    def lose(self, lease: Lease, reason: str) -> None: ...
 
-    async def _release(self, held: HeldLock) -> bool: ...
+
+class _Holds:
+    """The leases one task acquired, by (manager id, key); `parent`: what the spawning task held then."""
+
+    __slots__ = ("task", "by_key", "parent", "seq")
+
+    def __init__(self, task: asyncio.Task[object] | None, parent: _View | None) -> None:
+        self.task = task
+        self.by_key: dict[tuple[str, str], Lease] = {}
+        self.parent = parent
+        self.seq = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _View:
+    """A task's holds as of `seq`: what a task spawned at that moment inherits."""
+
+    holds: _Holds
+    seq: int
+
+
+_HELD: ContextVar[_View | None] = ContextVar("otel_lock_held", default=None)
+
+
+def held_here(ident: tuple[str, str]) -> Lease | None:
+    """The lease of `ident` this context holds (its own task's, or its spawner's at the spawn), if any."""
+    view = _HELD.get()
+    while view is not None:
+        lease = view.holds.by_key.get(ident)
+        if lease is not None and lease.seq <= view.seq:
+            return lease
+        view = view.holds.parent
+    return None
+
+
+def remember(ident: tuple[str, str], lease: Lease) -> None:
+    """Record a new outer hold in the current task (O(1))."""
+    task = asyncio.current_task()
+    view = _HELD.get()
+    holds = view.holds if view is not None and view.holds.task is task else _Holds(task, view)
+    holds.seq += 1
+    lease.seq, lease.holds = holds.seq, holds
+    holds.by_key[ident] = lease
+    _HELD.set(_View(holds, holds.seq))
+
+
+def forget(ident: tuple[str, str], lease: Lease) -> None:
+    """The outer hold ended: drop it from the task that recorded it (O(1), from any task)."""
+    holds = lease.holds
+    if holds is not None and holds.by_key.get(ident) is lease:
+        del holds.by_key[ident]
 
 
 class LostEvent(asyncio.Event):
@@ -73,13 +126,14 @@ class Lease:
     Validity is counted from `valid_from`, the loop time at which the
     acquiring request was *sent*: Redis set the expiry after that moment, so
     the lease cannot run out earlier than this side believes, however late
-    the reply was read.
+    the reply was read. `planned`: a fixed lease meant to run out (a
+    once-per-period job's tick), whose expiry is no loss.
     """
 
-    def __init__(self, manager: Releaser, key: str, redis_key: str, name: str, owner: str, token: int,
-                 lease: float, renew_every: float, cancel_on_lost: bool, valid_from: float, acquired_at: float,
-                 explicit_owner: bool, share_with_children: bool) -> None:
-        self.manager: Releaser = manager
+    def __init__(self, ends: Ends, key: str, redis_key: str, name: str, owner: str, token: int, lease: float,
+                 renew_every: float, cancel_on_lost: bool, valid_from: float, acquired_at: float, *,
+                 explicit_owner: bool = False, share_with_children: bool = False, planned: bool = False) -> None:
+        self.ends: Ends = ends
         self.name: str = name
         self.owner: str = owner
         self.token: int = token
@@ -91,8 +145,9 @@ class Lease:
         self.renew_every: float = renew_every
         self.drift: float = lease * 0.01 + 0.002
         self.cancel_on_lost: bool = cancel_on_lost
+        self.planned: bool = planned
         self.task: asyncio.Task[object] | None = asyncio.current_task()
-        self.span: trace.Span = trace.INVALID_SPAN  # the `lock hold` span, set by the manager
+        self.span: trace.Span = trace.INVALID_SPAN  # the `lock hold` span, set by the core
         self.acquired_at: float = acquired_at
         self.expires_at: float = valid_from + lease - self.drift
         self.renew_at: float = valid_from + renew_every
@@ -101,25 +156,28 @@ class Lease:
         self.children_done: asyncio.Event = asyncio.Event()
         self.children_done.set()
         self.closing: bool = False       # the final release has begun: no more re-entry
-        self._loop = asyncio.get_running_loop()
+        self.loop = asyncio.get_running_loop()
         self.lost: asyncio.Event = LostEvent(self)
         self.lost_reason: str = ""
         self.on_lost: list[Callable[[], None]] = []
         self.explicit_owner: bool = explicit_owner  # other holders may count on the Redis depth
         self.share_with_children: bool = share_with_children
         self.cancelled_by_us: bool = False
-        self.counted: bool = True        # still counted in `otel_lock.active`
-        self.ended: bool = False
+        self.finished: bool = False      # its duration, span and counts are recorded
+        self.ended: bool = False         # released (or given up): no renewal, no re-entry
+        self.renewing: asyncio.Future[Any] | None = None  # a renewal in flight (a release waits for it)
+        self.seq: int = 0
+        self.holds: _Holds | None = None
+        self.runtime: Any = None         # the manager's runtime on the loop it was acquired on
 
     def check_validity(self) -> None:
-        if not self.ended and not self.lost_reason and self._loop.time() >= self.expires_at:
-            reason = "no renewal confirmed the lease in time" if self.renew else "the fixed lease ran out"
-            self.manager._lose(self, reason)
+        if not self.ended and not self.lost_reason and self.loop.time() >= self.expires_at:
+            self.ends.lose(self, "no renewal confirmed the lease in time" if self.renew else "the fixed lease ran out")
 
     def nest(self, *, child: bool) -> None:
         """One more hold inside this one (the acquiring task's, or a child's it shares with)."""
         if self.lost.is_set():
-            raise LockLost(f"lease of {self.key} was lost: {self.lost_reason}", key=self.key)
+            raise LockLost(f"lease of {self.key} was lost: {self.lost_reason}", key=self.key, reason=self.lost_reason)
         if self.closing:
             raise LockError(f"lock {self.key} is being released: a spawned task cannot re-enter it now",
                             key=self.key)
@@ -140,6 +198,11 @@ class Lease:
         """A renewal sent at `sent_at` (loop time) succeeded: valid for a full lease from then."""
         self.expires_at = sent_at + self.renew_ms / 1000 - self.drift
         self.renew_at = sent_at + self.renew_every
+
+    def lost_error(self, cause: BaseException | None = None) -> LockLost:
+        error = LockLost(f"lease of {self.key} was lost: {self.lost_reason}", key=self.key, reason=self.lost_reason)
+        error.__cause__ = cause
+        return error
 
 
 class HeldLock:
@@ -185,8 +248,8 @@ class HeldLock:
     async def release(self) -> bool:
         """Release this hold; False if the lock was no longer ours. Idempotent, safe to cancel."""
         if self._release is None:
-            self._lease.manager._forget(self)
-            self._release = asyncio.ensure_future(self._lease.manager._release(self))
+            self._release = asyncio.ensure_future(self._lease.ends.release(self._lease, outer=self._outer,
+                                                                           child=self._child))
         return await asyncio.shield(self._release)
 
     def __repr__(self) -> str:
@@ -218,13 +281,13 @@ class LockContext:
             log.warning("otel-lock: could not release %s, it will expire by itself: %s", lease.key, error)
         except asyncio.CancelledError as cancelled:
             # The loss's cancellation reached us here, after the body finished.
-            self._raise_lost(lease, cancelled)
+            _raise_lost(lease, cancelled)
             raise
         if exc_type is not None and issubclass(exc_type, asyncio.CancelledError):
-            self._raise_lost(lease, exc)
+            _raise_lost(lease, exc)
 
-    @staticmethod
-    def _raise_lost(lease: Lease, cancelled: BaseException | None) -> None:
-        task = asyncio.current_task()
-        if lease.cancelled_by_us and task is not None and task.uncancel() == 0:
-            raise LockLost(f"lease of {lease.key} was lost: {lease.lost_reason}", key=lease.key) from cancelled
+
+def _raise_lost(lease: Lease, cancelled: BaseException | None) -> None:
+    task = asyncio.current_task()
+    if lease.cancelled_by_us and task is not None and task.uncancel() == 0:
+        raise lease.lost_error(cancelled)

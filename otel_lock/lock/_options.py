@@ -1,26 +1,46 @@
-"""Checking what callers pass: durations, keys, manager options; the small helpers they share."""
+"""Checking what callers pass: durations, keys, manager options, and the option names people bring.
+
+Everything is checked before anything is sent to Redis; a mistake is a
+ValueError or TypeError that names it (and, for redis-py's and
+python-redis-lock's option names, says which of ours to use instead).
+"""
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
-
-from ._breaker import Breaker
-
-if TYPE_CHECKING:
-    from ..telemetry._instruments import LockCounts, Telemetry
+from dataclasses import dataclass
+from typing import Any
 
 MAX_KEY_LENGTH = 512
 MIN_LEASE = 0.1
-_MANAGER_OPTIONS = (
-    "namespace", "lease", "wait", "cancel_on_lost", "fence_ttl", "poll_cap",
-    "renew_interval", "tracer_provider", "meter_provider", "wait_replicas", "wait_replicas_timeout",
-    "breaker_failures", "breaker_cooldown",
-)
+
+# Option names other lock libraries use, and what to write here instead.
+_THEIRS = {
+    "timeout": "lease=<seconds> (how long the lock is held without renewal; redis-py's Lock calls it timeout), "
+               "or socket_timeout=<seconds> for the Redis socket",
+    "blocking_timeout": "wait=<seconds> (how long to wait for the lock)",
+    "blocking": "try_lock(...) for blocking=False, or wait=<seconds>",
+    "sleep": "nothing: waiters are woken on release, there is no polling interval to set",
+    "expire": "lease=<seconds> (python-redis-lock's expire)",
+    "auto_renewal": "lease=None (the default: the watchdog renews until release)",
+    "thread_local": "nothing: holds belong to the task that acquired them",
+    "raise_on_release_error": "nothing: release() returns False when the lock was no longer ours",
+}
 
 
-def _text(value: bytes | str | None) -> str:
-    return value.decode() if isinstance(value, bytes) else (value or "")
+def unknown_argument(names: dict[str, Any] | list[str], where: str) -> str:
+    """The message for keyword arguments `where` does not take."""
+    listed = sorted(names)
+    hints = [f"{n}=: use {_THEIRS[n]}" for n in listed if n in _THEIRS]
+    text = f"{where} got unexpected keyword argument(s) {', '.join(map(repr, listed))}"
+    return text + (" (" + "; ".join(hints) + ")" if hints else "")
+
+
+def refuse_theirs(options: dict[str, Any], where: str) -> None:
+    """Other libraries' lock option names, passed where redis-py client options go: a TypeError that maps them."""
+    theirs = [name for name in options if name in _THEIRS]
+    if theirs:
+        raise TypeError(unknown_argument(theirs, where))
 
 
 def default_name(key: str) -> str:
@@ -30,7 +50,7 @@ def default_name(key: str) -> str:
     return key_name(key)
 
 
-def _check_seconds(what: str, value: float, *, allow_zero: bool, allow_inf: bool = False) -> float:
+def check_seconds(what: str, value: float, *, allow_zero: bool, allow_inf: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{what} must be a number of seconds, not {value!r}")
     if math.isnan(value) or value < 0 or (value == 0 and not allow_zero):
@@ -40,51 +60,69 @@ def _check_seconds(what: str, value: float, *, allow_zero: bool, allow_inf: bool
     return float(value)
 
 
-def _glob_escape(text: str) -> str:
-    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+def check_key(key: object) -> None:
+    """A lock key: a non-empty str, encodable, at most MAX_KEY_LENGTH, no hash-tag braces."""
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"lock key must be a non-empty string, not {key!r}")
+    if len(key) > MAX_KEY_LENGTH:
+        raise ValueError(f"lock key is {len(key)} characters long; the limit is {MAX_KEY_LENGTH}")
+    if "{" in key or "}" in key:
+        raise ValueError(f"lock key {key!r} must not contain '{{' or '}}' (they delimit the Redis Cluster hash tag)")
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError as exc:  # a ValueError too; said before a byte is sent
+        exc.add_note(f"lock key {key!r} cannot be encoded as UTF-8 (position {exc.start}): a lone surrogate, "
+                     "from os.fsdecode() or undecodable input; decode bytes with errors='replace' or pass text")
+        raise
 
 
-class CommonOptions:
+@dataclass(frozen=True)
+class ManagerOptions:
     """What every manager (single Redis or RedLock) checks the same way."""
 
-    namespace: str
-    lease: float
-    renew_interval: float
-    wait: float
-    cancel_on_lost: bool
-    fence_ttl_ms: int
-    poll_cap: float
-    breaker_failures: int
-    breaker_cooldown: float
+    namespace: str = "otel-lock"
+    lease: float = 30.0
+    wait: float = 5.0
+    cancel_on_lost: bool = False
+    fence_ttl: float = 3600.0
+    poll_cap: float = 0.5
+    renew_interval: float = 10.0
+    min_lease: float = 0.01
+    min_lease_why: str = ""
+    require_noeviction: bool = False  # refuse a server that may evict keys (docs/lock.md, "Servers")
 
-    def _set_common_options(self, namespace: str, lease: float, renew_interval: float | None, wait: float,
-                            cancel_on_lost: bool, fence_ttl: float, poll_cap: float) -> None:
+    @classmethod
+    def checked(cls, namespace: str, lease: float, renew_interval: float | None, wait: float, cancel_on_lost: bool,
+                fence_ttl: float, poll_cap: float, require_noeviction: bool = False) -> ManagerOptions:
         if not isinstance(namespace, str) or not namespace or "{" in namespace or "}" in namespace:
             raise ValueError(f"namespace must be a non-empty string without '{{' or '}}', not {namespace!r}")
-        self.namespace = namespace
-        self.lease = _check_seconds("lease", lease, allow_zero=False)
-        if self.lease < MIN_LEASE:
+        lease_s = check_seconds("lease", lease, allow_zero=False)
+        if lease_s < MIN_LEASE:
             raise ValueError(f"lease must be at least {MIN_LEASE} s, not {lease!r}")
-        self.renew_interval = self.lease / 3 if renew_interval is None else _check_seconds(
-            "renew_interval", renew_interval, allow_zero=False)
-        if self.renew_interval >= self.lease:
-            raise ValueError(f"lease ({lease} s) must be longer than the renewal interval ({self.renew_interval} s)")
-        self.wait = _check_seconds("wait", wait, allow_zero=True, allow_inf=True)
-        self.cancel_on_lost = bool(cancel_on_lost)
-        self.fence_ttl_ms = int(_check_seconds("fence_ttl", fence_ttl, allow_zero=False) * 1000)
-        self.poll_cap = _check_seconds("poll_cap", poll_cap, allow_zero=False)
+        every = lease_s / 3 if renew_interval is None else check_seconds("renew_interval", renew_interval,
+                                                                         allow_zero=False)
+        if every >= lease_s:
+            raise ValueError(f"lease ({lease} s) must be longer than the renewal interval ({every} s)")
+        return cls(namespace, lease_s, check_seconds("wait", wait, allow_zero=True, allow_inf=True),
+                   bool(cancel_on_lost), check_seconds("fence_ttl", fence_ttl, allow_zero=False),
+                   check_seconds("poll_cap", poll_cap, allow_zero=False), every,
+                   require_noeviction=bool(require_noeviction))
 
-    def _set_breaker(self, failures: int, cooldown: float, telemetry: Telemetry, counts: LockCounts) -> Breaker:
-        """The circuit breaker of `_breaker.py`, seen in otel_lock.circuit.state / .opened under the namespace."""
-        if isinstance(failures, bool) or not isinstance(failures, int) or failures < 0:
-            raise ValueError(f"breaker_failures must be a whole number >= 0 (0 turns the breaker off), "
-                             f"not {failures!r}")
-        self.breaker_failures = failures
-        self.breaker_cooldown = _check_seconds("breaker_cooldown", cooldown, allow_zero=False)
-        pool = {"db.client.connection.pool.name": self.namespace}
+    @property
+    def fence_ttl_ms(self) -> int:
+        return int(self.fence_ttl * 1000)
 
-        def opened() -> None:
-            telemetry.circuit_opened.add(1, pool)
-        breaker = Breaker(failures, self.breaker_cooldown, on_open=opened)
-        counts.watch_circuit(breaker.state, self.namespace)
-        return breaker
+    def check_lease(self, lease: float | None) -> float:
+        """A per-call lease (None: the manager's)."""
+        if lease is None:
+            return self.lease
+        lease_s = check_seconds("lease", lease, allow_zero=False)
+        if lease_s < self.min_lease:
+            raise ValueError(f"lease must be at least {self.min_lease:g} s{self.min_lease_why}, not {lease!r}")
+        return lease_s
+
+
+def check_breaker(failures: int, cooldown: float) -> tuple[int, float]:
+    if isinstance(failures, bool) or not isinstance(failures, int) or failures < 0:
+        raise ValueError(f"breaker_failures must be a whole number >= 0 (0 turns the breaker off), not {failures!r}")
+    return failures, check_seconds("breaker_cooldown", cooldown, allow_zero=False)

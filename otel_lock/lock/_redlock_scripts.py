@@ -29,9 +29,9 @@ from typing import Any, Sequence
 
 from redis.exceptions import RedisError
 
-from . import _errors
+from ._calls import Calls
 from ._scripts import Script
-from ..telemetry._instruments import Telemetry, suppressed
+from ..telemetry._instruments import suppressed
 
 # KEYS: lock, fence. ARGV: owner, lease_ms, fence_ttl_ms.
 # Returns {1, token} when granted (or already this owner's: a resent attempt), {0, pttl_ms} when busy;
@@ -87,41 +87,81 @@ if wanted then return 2 end
 return 1
 """
 
+# RENEW: CONFIRM with take, for many holds in one call (a batch of the watchdog).
+# KEYS: lock1, fence1, lock2, fence2, ... ARGV: fence_ttl_ms, then owner, lease_ms, token per lock.
+# Returns one 1 (this owner's: lease reset, fence at least the token; taken again if it was free) or 0 per lock.
+RENEW = r"""
+local out = {}
+for i = 1, #KEYS / 2 do
+  local lock, fence = KEYS[2 * i - 1], KEYS[2 * i]
+  local owner, lease, token = ARGV[3 * i - 1], ARGV[3 * i], ARGV[3 * i + 1]
+  local holder = redis.call('HGET', lock, 'owner')
+  if holder and holder ~= owner then
+    out[i] = 0
+  else
+    if not holder then redis.call('HSET', lock, 'owner', owner, 'depth', 1) end
+    redis.call('HSET', lock, 'token', token)
+    local last = tonumber(redis.call('GET', fence) or '0')
+    if last < tonumber(token) then
+      redis.call('SET', fence, token, 'PX', ARGV[1])
+    else
+      redis.call('PEXPIRE', fence, ARGV[1])
+    end
+    redis.call('PEXPIRE', lock, lease)
+    out[i] = 1
+  end
+end
+return out
+"""
+
+# FORCE_RELEASE: delete the lock whoever holds it (an operator's last resort). KEYS: lock. Returns 1 if held.
+FORCE_RELEASE = r"""
+return redis.call('DEL', KEYS[1])
+"""
+
 acquire = Script(ACQUIRE)
+renew = Script(RENEW)
+force_release = Script(FORCE_RELEASE)
 confirm = Script(CONFIRM)
 release = Script(RELEASE)
 
 
 class Masters:
-    """N independent redis.asyncio clients, each call bounded by `timeout` seconds."""
+    """N independent redis.asyncio clients, each call bounded by `timeout` seconds.
 
-    def __init__(self, clients: Sequence[Any], timeout: float, telemetry: Telemetry) -> None:
+    `calls[i]` times and classifies master i's calls (the breaker is fed per
+    round by the transport, not per master).
+    """
+
+    def __init__(self, clients: Sequence[Any], timeout: float, calls: Sequence[Calls]) -> None:
         self.clients: list[Any] = list(clients)
         self.quorum: int = len(self.clients) // 2 + 1
         self.timeout: float = timeout
-        self.telemetry: Telemetry = telemetry
+        self.calls: list[Calls] = list(calls)
 
     async def call(self, script: Script, keys: Sequence[str], args: Sequence[object], operation: str, name: str,
-                   only: Sequence[int] | None = None) -> list[Any]:
-        """One call per master (or per master in `only`), all at once; a failure is returned, not raised."""
+                   only: Sequence[int] | None = None, record: bool = True) -> list[Any]:
+        """One call per master (or per master in `only`), all at once; a failure is returned, not raised.
+
+        `record=False`: the caller times the round itself (a batch of several lock names).
+        """
         which = range(len(self.clients)) if only is None else only
-        answers = await asyncio.gather(*(self._one(i, script, keys, args, operation, name) for i in which))
+        answers = await asyncio.gather(*(self._one(i, script, keys, args, operation, name, record) for i in which))
         return list(answers)
 
     async def _one(self, index: int, script: Script, keys: Sequence[str], args: Sequence[object], operation: str,
-                   name: str) -> Any:
+                   name: str, record: bool) -> Any:
         began = time.perf_counter()
         try:
             async with asyncio.timeout(self.timeout):
                 with suppressed():
                     answer = await script(self.clients[index], keys, args)
         except (RedisError, OSError) as exc:  # asyncio's TimeoutError is an OSError
-            error_type = _errors.error_type(exc)
-            self.telemetry.redis_duration.record(time.perf_counter() - began, {
-                "lock.name": name, "lock.operation": operation, "error.type": error_type})
-            self.telemetry.errors.add(1, {"lock.name": name, "lock.operation": operation, "error.type": error_type})
-            return _errors.to_lock_error(exc, f"{operation} of {keys[0]} on master {index}", key=keys[0],
-                                         client=self.clients[index])
-        self.telemetry.redis_duration.record(time.perf_counter() - began,
-                                             {"lock.name": name, "lock.operation": operation})
+            return self.calls[index].failed(exc, time.perf_counter() - began, operation, name, keys[0])
+        if record:
+            self.calls[index].telemetry.redis_duration.record(time.perf_counter() - began,
+                                                              {"lock.name": name, "lock.operation": operation})
         return answer
+
+    async def aclose(self) -> None:
+        await asyncio.gather(*(client.aclose() for client in self.clients), return_exceptions=True)

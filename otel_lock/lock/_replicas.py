@@ -23,7 +23,7 @@ from redis.exceptions import NoScriptError, RedisError
 
 from . import _scripts
 from ._connection import Connection
-from ._options import _check_seconds
+from ._options import check_seconds
 
 
 class TooFewReplicas(RedisConnectionError):
@@ -88,7 +88,7 @@ def check_replicas(redis: Any, replicas: int, timeout: float) -> tuple[int, floa
     """`WAIT replicas timeout` must end before the socket timeout, or the wait itself would look like an outage."""
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
         raise ValueError(f"wait_replicas must be a whole number >= 0, not {replicas!r}")
-    timeout = _check_seconds("wait_replicas_timeout", timeout, allow_zero=False)
+    timeout = check_seconds("wait_replicas_timeout", timeout, allow_zero=False)
     if timeout < 0.001:
         raise ValueError(f"wait_replicas_timeout must be at least 0.001 s, not {timeout!r}")
     pool = getattr(redis, "connection_pool", None)

@@ -26,6 +26,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import AskError, MovedError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from ._clients import Settings
 from ._cluster import slot_of
 from ._connection import Connection
 
@@ -36,24 +37,13 @@ Address = tuple[str, int]
 class RoutedConnections:
     """`evalsha` / `script_load` like a client, each call on the node serving its first key."""
 
-    def __init__(self, cluster: RedisCluster, kwargs: dict[str, Any]) -> None:
+    def __init__(self, cluster: RedisCluster, settings: Settings) -> None:
         self._cluster = cluster
-        self._kwargs = kwargs
+        self._kwargs = settings.credentials()
+        self._kwargs.pop("db")  # a cluster has database 0 only
         self._nodes: dict[Address, Connection] = {}
         self._slots: dict[int, Address] = {}
         self._reading = asyncio.Lock()
-
-    @classmethod
-    def for_client(cls, client: Any) -> "RoutedConnections | None":
-        """For a cluster client the lean connection can speak for (TCP, RESP2, password auth), else None."""
-        if not isinstance(client, RedisCluster):
-            return None
-        kw = client.get_connection_kwargs()
-        if kw.get("credential_provider") or kw.get("ssl") or str(kw.get("protocol") or 2) != "2":
-            return None
-        timeout = kw.get("socket_timeout")
-        return cls(client, {"username": kw.get("username"), "password": kw.get("password"), "timeout": timeout,
-                            "connect_timeout": kw.get("socket_connect_timeout") or timeout})
 
     @property
     def in_flight(self) -> int:

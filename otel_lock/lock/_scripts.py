@@ -14,6 +14,13 @@ Fencing tokens are seeded from Redis `TIME` in microseconds and bumped past
 the last one, so they increase strictly per key even after the fence key has
 expired, without leaving a permanent key behind per lock name.
 
+The namespace itself carries the version of this layout (MODEL), so that
+two otel-lock versions with different layouts never share a namespace
+untold (a rolling deploy across a data-model change):
+
+    S:model      string the data model of the managers using S; expires a
+                        week after the last manager started using it
+
 A release with waiters hands the lock to the first live waiter (FIFO) with
 that waiter's *full* lease and publishes `<waiter id> <token> <lock key>` on
 its manager's channel only. A waiter whose manager is gone has no subscriber
@@ -197,6 +204,20 @@ return 1
 """
 
 
+# MODEL_CHECK: claim the namespace for this data model, or say which one holds it.
+# KEYS: S:model. ARGV: model, ttl_s.
+# Returns the model the namespace holds: ours (now claimed for another ttl_s), or another one.
+MODEL_CHECK = r"""
+local held = redis.call('GET', KEYS[1])
+if held and held ~= ARGV[1] then return held end
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+return ARGV[1]
+"""
+
+MODEL = 1          # the layout above; bumped (and said in CHANGELOG.md) whenever it changes
+MODEL_TTL = 7 * 24 * 3600
+
+
 class ScriptClient(Protocol):
     """What a script needs of a client: redis-py's or the lean connection."""
 
@@ -236,3 +257,4 @@ release = Script(RELEASE)
 leave = Script(LEAVE)
 renew = Script(RENEW)
 force_release = Script(FORCE_RELEASE)
+model_check = Script(MODEL_CHECK)

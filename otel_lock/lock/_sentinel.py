@@ -23,7 +23,7 @@ from urllib.parse import unquote
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
-from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ReadOnlyError, RedisError
@@ -74,11 +74,11 @@ class SentinelMaster(aioredis.Redis):
     client from it, whose sockets would then never be closed.
     """
 
-    _sentinel_clients: tuple[aioredis.Redis, ...] = ()
+    sentinel_clients: tuple[aioredis.Redis, ...] = ()
 
     async def aclose(self, close_connection_pool: bool | None = None) -> None:
         await super().aclose(close_connection_pool)
-        clients, self._sentinel_clients = self._sentinel_clients, ()
+        clients, self.sentinel_clients = self.sentinel_clients, ()
         await asyncio.gather(*(client.aclose() for client in clients), return_exceptions=True)
 
 
@@ -144,20 +144,6 @@ class MasterConnection(Connection):
         self._pool, self._watch = pool, watch
         watch.leans.add(self)
 
-    @classmethod
-    def for_master(cls, client: Any, watch: MasterWatch | None, **extra: Any) -> "MasterConnection | None":
-        """For a Sentinel master client over plain TCP, RESP2 and password auth; else None (redis-py)."""
-        pool = getattr(client, "connection_pool", None)
-        if watch is None or not isinstance(pool, SentinelConnectionPool) or not pool.is_master:
-            return None
-        kw = pool.connection_kwargs
-        if pool.connection_class is not SentinelManagedConnection or kw.get("credential_provider") \
-                or str(kw.get("protocol") or 2) != "2":
-            return None
-        timeout = kw.get("socket_timeout")
-        return cls(pool, watch, db=kw.get("db") or 0, username=kw.get("username"), password=kw.get("password"),
-                   timeout=timeout, connect_timeout=kw.get("socket_connect_timeout") or timeout, **extra)
-
     async def connect(self) -> None:
         if self.connected:
             return
@@ -204,5 +190,5 @@ def master_client(url: str, pool_timeout: float, options: dict[str, Any]) -> Sen
     client: SentinelMaster = sentinel.master_for(target.service_name, redis_class=SentinelMaster,
                                  connection_pool_class=_BlockingSentinelPool, db=target.db,
                                  timeout=pool_timeout, **options)
-    client._sentinel_clients = tuple(sentinel.sentinels)
+    client.sentinel_clients = tuple(sentinel.sentinels)
     return client

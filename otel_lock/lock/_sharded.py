@@ -21,6 +21,7 @@ from typing import Any, Callable
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import AskError, RedisError, ResponseError
 
+from ._clients import Settings
 from ._cluster import slot_of, slot_tag
 from ._connection import Connection
 from ._waiting import Waiting
@@ -45,8 +46,10 @@ class ShardedWaiting(Waiting):
 
     sharded = True
 
-    def __init__(self, redis: RedisCluster, channel: str, on_orphan: Callable[[str, str], None] | None) -> None:
+    def __init__(self, redis: RedisCluster, settings: Settings, channel: str,
+                 on_orphan: Callable[[str, str], None] | None) -> None:
         super().__init__(redis, channel, None, on_orphan)
+        self._settings = settings
         self._cluster = redis
         self._nodes: dict[tuple[str, int], _Node] = {}
         self._subscriptions: dict[str, asyncio.Future[None]] = {}  # channel -> done once subscribed
@@ -110,11 +113,10 @@ class ShardedWaiting(Waiting):
             node = self._nodes.get(address)
             if node is not None and not node.lost.is_set():
                 return node
-            kw = self._cluster.get_connection_kwargs()
             holder: list[_Node] = []
-            connection = Connection(host=address[0], port=address[1], username=kw.get("username"),
-                                    password=kw.get("password"), timeout=kw.get("socket_timeout"),
-                                    connect_timeout=kw.get("socket_connect_timeout") or kw.get("socket_timeout"),
+            options = self._settings.credentials()
+            options.pop("db")  # a cluster has database 0 only
+            connection = Connection(host=address[0], port=address[1], **options,
                                     on_push=lambda reply: self._on_node_push(holder[0], reply),
                                     on_lost=lambda: holder[0].lost.set())
             node = _Node(connection)

@@ -140,6 +140,7 @@ class Telemetry:
     idempotency_requests: CounterSink
     circuit_opened: CounterSink
     fail_open: CounterSink
+    periodic_runs: CounterSink
 
     def __init__(self, tracer_provider: trace.TracerProvider | None = None,
                  meter_provider: metrics.MeterProvider | None = None) -> None:
@@ -218,9 +219,20 @@ class Telemetry:
             span.add_link(holder, {"lock.link": "holder"})
 
     @staticmethod
-    def set_error(span: trace.Span, description: str) -> None:
-        if span.is_recording():
-            span.set_status(Status(StatusCode.ERROR, description))
+    def set_error(span: trace.Span, error_type: str, server: str = "") -> None:
+        """A failed acquire: `error.type` and, by the database conventions, the Redis server it asked."""
+        if not span.is_recording():
+            return
+        span.set_status(Status(StatusCode.ERROR, error_type))
+        attributes: dict[str, AttributeValue] = {"error.type": error_type, "db.system.name": "redis",
+                                                 "db.system": "redis"}
+        first = server.split(",", 1)[0]
+        host, sep, port = first.rpartition(":")
+        if sep and port.isdigit():
+            attributes["server.address"], attributes["server.port"] = host, int(port)
+        elif first:
+            attributes["server.address"] = first
+        span.set_attributes(attributes)
 
 
 def _sdk_instruments(meter_provider: metrics.MeterProvider | None, owner: Telemetry) -> dict[str, Any]:

@@ -61,6 +61,9 @@ RECORDED = (
     Spec("fail_open", "otel_lock.fail_open", "counter", "{request}", "otel_lock_fail_open",
          ("lock.name",),
          "Requests of fail_open routes that ran without their lock because Redis was unavailable."),
+    Spec("periodic_runs", "otel_lock.periodic.runs", "counter", "{run}", "otel_lock_periodic_runs",
+         ("lock.name", "periodic.outcome"),
+         "Ticks of once-per-period jobs by outcome: ran, skipped (another replica had it), failed, unavailable."),
 )
 
 

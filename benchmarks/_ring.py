@@ -1,0 +1,121 @@
+"""The machine's own limit for a hand-over: one token passed around N processes through Redis.
+
+Worker i waits for the token on its own channel (SUBSCRIBE, woken by a
+PUBLISH) or its own list (BLPOP, woken by an LPUSH), and passes it to worker
+i+1 the same way. A lock hand-over between the same processes does at least
+this much: one process is told, by Redis, that it may go on. Both rings use
+the lock's own lean connection (hiredis, no redis-py layers), so the ratio
+"lock hand-overs / ring hops" measures what the lock adds to the bare trip.
+
+    python -m benchmarks._worker '{"mode": "ring", "via": "pubsub", "url": ..., "index": 0, "size": 8}'
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Callable
+
+from otel_lock.lock._connection import Connection
+
+PREFIX = "bench:ring"
+
+
+def _connection(url: str, **extra: Any) -> Connection:
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    return Connection(host=parts.hostname or "127.0.0.1", port=parts.port or 6379, **extra)
+
+
+async def _pubsub(spec: dict, send: Callable[[dict], None], await_start: Callable[[], tuple[float, float]]) -> dict:
+    index, size = spec["index"], spec["size"]
+    mine, nxt = f"{PREFIX}:{index}", f"{PREFIX}:{(index + 1) % size}"
+    hops = [0, 0.0]  # in the window, and the stop time
+    out = _connection(spec["url"])
+    loop = asyncio.get_running_loop()
+
+    def on_push(reply: Any) -> None:
+        if reply[0] != b"message":
+            return
+        if time.monotonic() < hops[1]:
+            hops[0] += 1
+            loop.create_task(out.execute("PUBLISH", nxt, "t"))
+
+    sub = _connection(spec["url"], on_push=on_push)
+    await sub.execute("SUBSCRIBE", mine)
+    await out.execute("PING")
+    send({"ready": True})
+    start, stop = await loop.run_in_executor(None, await_start)
+    hops[1] = stop
+    await asyncio.sleep(max(0.0, start - time.monotonic()))
+    cpu = time.process_time()
+    if index == 0:
+        await out.execute("PUBLISH", nxt, "t")
+    await asyncio.sleep(max(0.0, stop - time.monotonic()))
+    cpu = time.process_time() - cpu
+    await sub.aclose()
+    await out.aclose()
+    return {"hops": hops[0], "cpu": cpu}
+
+
+async def _lists(spec: dict, send: Callable[[dict], None], await_start: Callable[[], tuple[float, float]]) -> dict:
+    index, size = spec["index"], spec["size"]
+    mine, nxt = f"{PREFIX}:{index}", f"{PREFIX}:{(index + 1) % size}"
+    conn = _connection(spec["url"], timeout=None)
+    await conn.execute("DEL", mine)
+    loop = asyncio.get_running_loop()
+    send({"ready": True})
+    start, stop = await loop.run_in_executor(None, await_start)
+    await asyncio.sleep(max(0.0, start - time.monotonic()))
+    cpu = time.process_time()
+    if index == 0:
+        await conn.execute("LPUSH", nxt, "t")
+    hops = 0
+    while time.monotonic() < stop:
+        got = await conn.execute("BLPOP", mine, 0.05)
+        if got is None:
+            continue
+        hops += 1
+        await conn.execute("LPUSH", nxt, "t")
+    cpu = time.process_time() - cpu
+    await conn.aclose()
+    return {"hops": hops, "cpu": cpu}
+
+
+async def _redis_py_pubsub(spec: dict, send: Callable[[dict], None],
+                           await_start: Callable[[], tuple[float, float]]) -> dict:
+    """The same ring through redis-py's asyncio client (hiredis parser): what an app would write."""
+    import redis.asyncio as aioredis
+
+    index, size = spec["index"], spec["size"]
+    mine, nxt = f"{PREFIX}:{index}", f"{PREFIX}:{(index + 1) % size}"
+    client = aioredis.Redis.from_url(spec["url"])
+    pubsub = client.pubsub()
+    await pubsub.subscribe(mine)
+    await pubsub.get_message(timeout=1.0)  # the subscribe confirmation
+    await client.ping()
+    loop = asyncio.get_running_loop()
+    send({"ready": True})
+    start, stop = await loop.run_in_executor(None, await_start)
+    await asyncio.sleep(max(0.0, start - time.monotonic()))
+    cpu = time.process_time()
+    if index == 0:
+        await client.publish(nxt, "t")
+    hops = 0
+    while time.monotonic() < stop:
+        message = await pubsub.get_message(timeout=0.05)
+        if message is None or message["type"] != "message":
+            continue
+        hops += 1
+        await client.publish(nxt, "t")
+    cpu = time.process_time() - cpu
+    await pubsub.aclose()
+    await client.aclose()
+    return {"hops": hops, "cpu": cpu}
+
+
+def run(spec: dict, send: Callable[[dict], None], await_start: Callable[[], tuple[float, float]]) -> dict:
+    via = {"pubsub": _pubsub, "lists": _lists, "redis-py": _redis_py_pubsub}[spec["via"]]
+    return asyncio.run(via(spec, send, await_start))
+

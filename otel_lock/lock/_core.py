@@ -1,0 +1,519 @@
+"""The manager core: take, re-enter, release, lose, and tell, the same for every topology.
+
+`LockManager` (one Redis, Sentinel, Cluster) and `RedLockManager` (a quorum
+of masters) are this class with a constructor each; what differs between
+them is the transport (`_scripted.py`, `_quorum.py`), made per process and
+event loop (`_runtime.py`).
+
+Re-entry belongs to one task: the current context records which leases its
+task holds (`_held.py`), and a nested `lock("k")` re-enters only in the task
+that acquired it. A task spawned while the lock is held waits like any other
+caller, unless the outer hold was taken with `share_with_children=True`, in
+which case it re-enters and the outer release waits for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import logging
+import uuid
+from functools import partial
+from types import TracebackType
+from typing import Any, Awaitable, Callable, Never, Self, TypeVar
+
+from opentelemetry import trace
+from redis.exceptions import RedisError
+
+from ._attempt import Request
+from ._background import Background
+from ._breaker import Breaker
+from ._errors import LockBusy, LockError, LockTimeout, RedisMisconfigured, RedisUnavailable, error_type, to_lock_error
+from ._held import NEVER, HeldLock, Lease, LockContext, LockInfo, forget, held_here, remember
+from ._options import ManagerOptions, check_breaker, check_key, check_seconds, default_name, unknown_argument
+from ._periodic import once_per_period, run_every
+from ._runtime import Runtime, Runtimes, watch_fork
+from ._scripts import MODEL, MODEL_TTL
+from ._server_checks import ServerReport
+from ._watchdog import Watchdog
+from opentelemetry.metrics import MeterProvider
+
+from ..telemetry._instruments import LockCounts, current_traceparent, get_telemetry
+
+log = logging.getLogger("otel_lock")
+T = TypeVar("T")
+
+
+class Topology:
+    """What a manager's constructor chose: how to open a transport on a new loop."""
+
+    owners = True        # an explicit `owner=` is offered
+    counts_depth = True  # nested holds are counted in Redis too (explicit owners share the depth)
+
+    def open(self, identity: str, next_owner: Callable[[], str], index: int,
+             background: Background) -> tuple[Any, Any, bool]:
+        """(transport, client(s) it uses, whether the runtime closes them) for the current loop.
+
+        `identity`: the manager's id in this process (its wake channel);
+        `index`: how many runtimes it opened before in this process.
+        """
+        raise NotImplementedError
+
+    def where(self) -> str:
+        """The server(s), as `host:port`, for messages and spans."""
+        raise NotImplementedError
+
+
+class Core:
+    """Hands out locks; see `LockManager` and `RedLockManager`."""
+
+    namespace: str
+
+    _topology: Topology  # set by the subclass's constructor, after this one
+
+    def __init__(self, options: ManagerOptions, tracer_provider: trace.TracerProvider | None,
+                 meter_provider: MeterProvider | None, breaker_failures: int, breaker_cooldown: float) -> None:
+        self.options = options
+        self.namespace = options.namespace
+        self.telemetry = get_telemetry(tracer_provider, meter_provider)
+        counts = self._counts = LockCounts(meter_provider)
+        self.telemetry.gauges.add(counts)
+        failures, cooldown = check_breaker(breaker_failures, breaker_cooldown)
+        # New acquisitions fail at once while Redis keeps failing (docs/lock.md, "Circuit breaker").
+        self._breaker = Breaker.for_pool(failures, cooldown, self.telemetry, counts, options.namespace)
+        self.id: str = uuid.uuid4().hex[:12]
+        self._ids = itertools.count(1)
+        self._runtimes = Runtimes(self._open)
+        # What the first use found of the server(s): `otel-lock doctor`'s checks (docs/lock.md, "Servers").
+        self.server_reports: tuple[ServerReport, ...] = ()
+        self._reports_pid = 0
+        counts.watch_connections(self._connection_figures, pool_name=options.namespace)
+        watch_fork(self)
+
+    # -- options, as attributes (read by the middleware and the docs' examples) --
+
+    @property
+    def lease(self) -> float:
+        return self.options.lease
+
+    @property
+    def wait(self) -> float:
+        return self.options.wait
+
+    @property
+    def cancel_on_lost(self) -> bool:
+        return self.options.cancel_on_lost
+
+    @property
+    def breaker_failures(self) -> int:
+        return self._breaker.failures
+
+    @property
+    def breaker_cooldown(self) -> float:
+        return self._breaker.cooldown
+
+    @property
+    def redis(self) -> Any:
+        """The redis-py client of the current event loop (idempotency records, operator calls)."""
+        runtime = self._runtimes.current()
+        return runtime.transport.records if runtime is not None else self._topology_client()
+
+    def _topology_client(self) -> Any:
+        raise NotImplementedError
+
+    # -- public API ----------------------------------------------------------
+
+    def lock(self, key: str, *, wait: float | None = None, lease: float | None = None, name: str | None = None,
+             cancel_on_lost: bool | None = None, share_with_children: bool = False, owner: str | None = None,
+             **unknown: Never) -> LockContext:
+        """`async with manager.lock("stock:1") as held:`; LockTimeout after `wait` seconds."""
+        self._refuse(unknown, "lock()")
+        return LockContext(partial(self.acquire, key, wait=wait, lease=lease, name=name, cancel_on_lost=cancel_on_lost,
+                                   share_with_children=share_with_children, owner=owner))
+
+    async def try_lock(self, key: str, *, lease: float | None = None, name: str | None = None,
+                       cancel_on_lost: bool | None = None, share_with_children: bool = False,
+                       owner: str | None = None, **unknown: Never) -> HeldLock | None:
+        """Take the lock if it is free right now, else None (no waiting; counted as `busy`)."""
+        self._refuse(unknown, "try_lock()")
+        try:
+            return await self.acquire(key, wait=0, lease=lease, name=name, cancel_on_lost=cancel_on_lost,
+                                      share_with_children=share_with_children, owner=owner)
+        except LockBusy:
+            return None
+
+    async def acquire(self, key: str, *, wait: float | None = None, lease: float | None = None,
+                      name: str | None = None, cancel_on_lost: bool | None = None,
+                      share_with_children: bool = False, owner: str | None = None,
+                      **unknown: Never) -> HeldLock:
+        """Acquire and return the hold; release it with `await held.release()`.
+
+        `owner=`: an explicit owner id shared by cooperating holders (LockManager
+        only); by default every acquisition has its own.
+        """
+        self._refuse(unknown, "acquire()")
+        check_key(key)
+        self._check_owner(owner)
+        wait_s = self.options.wait if wait is None else check_seconds("wait", wait, allow_zero=True, allow_inf=True)
+        lease_s = self.options.check_lease(lease)
+        if name is not None and (not isinstance(name, str) or not name):
+            raise ValueError(f"name must be a non-empty string, not {name!r}")
+        if owner is None:
+            held = held_here((self.id, key))
+            if held is not None and not held.ended:
+                if held.task is asyncio.current_task():
+                    return await self._reenter(held, child=False)
+                if held.share_with_children:
+                    return await self._reenter(held, child=True)
+                # a task spawned by the holder: another caller, it waits its turn
+        cancel = self.options.cancel_on_lost if cancel_on_lost is None else bool(cancel_on_lost)
+        return await self._take(key, wait_s, lease_s, self.options.renew_interval if lease is None else NEVER,
+                                owner, name or default_name(key), cancel, bool(share_with_children))
+
+    def _refuse(self, unknown: dict[str, Any], where: str) -> None:
+        """Keyword arguments we do not take (redis-py's names are mapped to ours in the message)."""
+        if unknown:
+            raise TypeError(unknown_argument(unknown, f"{type(self).__name__}.{where}"))
+
+    def _check_owner(self, owner: str | None) -> None:
+        if owner is None:
+            return
+        if not self._topology.owners:
+            raise TypeError(f"{type(self).__name__} does not offer owner=: each round of a quorum grant has its "
+                            "own owner (docs/lock.md, RedLock quorum)")
+        if not isinstance(owner, str) or not owner:
+            raise ValueError(f"owner must be a non-empty string, not {owner!r}")
+
+    async def held_locks(self) -> list[LockInfo]:
+        """Every lock held in this namespace (SCAN, for operators)."""
+        pattern = _glob_escape(self.namespace) + ":{*}"
+        return await self._ask(lambda t: t.held_locks(pattern), "listing locks", None)
+
+    async def force_release(self, key: str) -> bool:
+        """Release whoever holds `key` (an operator's last resort); the next waiter gets it."""
+        check_key(key)
+        redis_key = self._redis_key(key)
+        released, owner = await self._ask(lambda t: t.force_release(redis_key, default_name(key)),
+                                          f"forced release of {redis_key}", redis_key)
+        if released:
+            log.warning("otel-lock: forced release of %s (owner was %s)", redis_key, owner or "unknown")
+        return bool(released)
+
+    async def once_per_period(self, name: str, period: float, job: Callable[[int], Awaitable[Any]], *,
+                              keep: int = 2) -> bool:
+        """Run `job(tick)` if this replica wins the current tick (`int(time.time() // period)`); True if it ran.
+
+        Every replica may call it each tick; exactly one runs the job. The
+        tick's lock is never released: it runs out `keep` ticks after its
+        own, by plan, which is not a loss and logs nothing. Without Redis
+        nobody can know who runs, so the job is skipped (fail closed). Runs,
+        skips and failures are counted in `otel_lock.periodic.runs`; see
+        docs/lock.md, "Once per period".
+        """
+        return await once_per_period(self._take_tick, self.telemetry, name, period, job, keep)
+
+    async def run_every(self, name: str, period: float, job: Callable[[int], Awaitable[Any]], *,
+                        keep: int = 2) -> None:
+        """Forever: at each tick boundary, `once_per_period(name, period, job)`; a failed run is logged."""
+        await run_every(self._take_tick, self.telemetry, name, period, job, keep)
+
+    async def _take_tick(self, key: str, lease: float, name: str) -> HeldLock:
+        return await self._take(key, 0, lease, NEVER, None, name, False, False, planned=True)
+
+    async def aclose(self) -> None:
+        """Stop the watchdog and subscriber; locks still held expire after their lease."""
+        await self._runtimes.aclose()
+        await self._close_clients()
+
+    async def _close_clients(self) -> None:
+        """Close the clients the manager made for itself outside any runtime."""
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.aclose()
+
+    # -- acquiring -------------------------------------------------------------
+
+    def _redis_key(self, key: str) -> str:
+        return f"{self.namespace}:{{{key}}}"
+
+    async def _take(self, key: str, wait: float, lease: float, renew_every: float, owner: str | None, name: str,
+                    cancel_on_lost: bool, share_with_children: bool, planned: bool = False) -> HeldLock:
+        runtime = self._runtimes.here()
+        loop = runtime.loop
+        start = loop.time()
+        redis_key = self._redis_key(key)
+        waiter_id = self._next_owner()
+        ctx = current_traceparent() if trace.get_current_span().get_span_context().is_valid else ""
+        request = Request((redis_key,), name, waiter_id, owner or waiter_id, int(lease * 1000), wait, ctx,
+                          private=owner is None)
+        with self.telemetry.acquire_span(name) as span:
+            outcome, error = "error", None  # type: str, BaseException | None
+            try:
+                take = runtime.transport.take(request) if runtime.checked else self._first_take(runtime, request)
+                reply = await self._breaker.guard(take)
+                if reply is None:
+                    outcome = "busy"  # a try_lock miss: an answer, not an error
+                    raise LockBusy(f"lock {redis_key} is held by another owner", key=redis_key, waited=0.0)
+                outcome = "acquired"
+            except LockTimeout as exc:
+                if not isinstance(exc, LockBusy):
+                    outcome, error = "timeout", exc
+                    exc.waited = loop.time() - start
+                raise
+            except asyncio.CancelledError:
+                outcome = "cancelled"
+                raise
+            except LockError as exc:
+                error = exc
+                raise
+            finally:
+                now = loop.time()
+                self._acquired(span, request, outcome, error, now - start)
+            if span.is_recording():
+                span.set_attributes({"lock.token": reply.token, "lock.depth": reply.depth})
+        held = Lease(self, key, redis_key, name, reply.owner or request.owner, reply.token, lease, renew_every,
+                     cancel_on_lost, reply.sent_at, now, explicit_owner=owner is not None,
+                     share_with_children=share_with_children, planned=planned)
+        held.runtime = runtime
+        if reply.depth > 1:  # an explicit owner that already held it
+            held.depth = reply.depth
+        held.span = self.telemetry.start_hold_span(name, self.telemetry.redact({
+            "lock.name": name, "lock.key": redis_key, "lock.owner": held.owner, "lock.token": reply.token,
+            "lock.lease": lease}))
+        self._counts.hold_started(held)
+        self._counts.active[name] += 1
+        runtime.watchdog.add(held)
+        remember((self.id, key), held)
+        return HeldLock(held, reply.depth, outer=True)
+
+    def _acquired(self, span: trace.Span, request: Request, outcome: str, error: BaseException | None,
+                  waited: float) -> None:
+        """The telemetry of one acquisition: the wait metric, and the acquire span's attributes."""
+        kind = _error_type(error)
+        metric: dict[str, Any] = {"lock.name": request.name, "lock.outcome": outcome,
+                                  "lock.contended": request.contended}
+        if kind:
+            metric["error.type"] = kind
+        self.telemetry.wait_duration.record(waited, metric)
+        if not span.is_recording():
+            return
+        self.telemetry.link_holder(span, request.holder_ctx)
+        span.set_attributes(self.telemetry.redact({
+            "lock.name": request.name, "lock.key": request.keys[0], "lock.owner": request.owner,
+            "lock.attempts": request.attempts, "lock.contended": request.contended, "lock.outcome": outcome}))
+        if kind:
+            self.telemetry.set_error(span, kind, self._topology.where())
+
+    async def _first_take(self, runtime: Runtime, request: Request) -> Any:
+        """The first acquisition on a loop: the first-use checks, then the take (both behind the breaker)."""
+        what, key = f"acquire of {request.keys[0]}", request.keys[0]
+        try:
+            await runtime.first_use(lambda transport: self._check_server(transport, key, request.name))
+        except (RedisError, OSError) as exc:
+            error = to_lock_error(exc, what, key=key, client=runtime.transport.records)
+            self._breaker.record(not isinstance(error, RedisUnavailable))
+            raise error from exc
+        return await runtime.transport.take(request)
+
+    async def _check_server(self, transport: Any, key: str, name: str) -> None:
+        """At the first use on a loop: the namespace's data model; in a process: the server checks.
+
+        The data model check is the first call (an error there is classified
+        like any acquire's). A refused server (too old, no script or key
+        rights, evicting with `require_noeviction=True`) and another data
+        model are RedisMisconfigured naming the fix; warnings (an evicting
+        policy, no channel rights) are logged once, and without channel rights
+        waiters poll.
+        """
+        held = await transport.check_model(f"{self.namespace}:model", MODEL, MODEL_TTL, key, name)
+        if held is not None:
+            raise RedisMisconfigured(
+                f"namespace {self.namespace!r} on {self._topology.where()} is in use by otel-lock data model {held}; "
+                f"this otel-lock writes model {MODEL}, and two layouts in one namespace would not see each other's "
+                f"locks. Finish the rollout in a new namespace (namespace='{self.namespace}-v{MODEL}'), or stop "
+                f"every manager of model {held} and delete the key {self.namespace}:model")
+        if self._reports_pid != os.getpid():
+            reports = await transport.server_reports(self.namespace, self.options.require_noeviction)
+            for report in reports:
+                report.log()
+            self.server_reports = tuple(reports)
+            if not any(report.refusals for report in reports):
+                self._reports_pid = os.getpid()  # a refusal is checked again at the next first use
+        for report in self.server_reports:
+            if report.refusals:
+                raise RedisMisconfigured(f"{report.refusal_message()} (at the first use: acquire of {key})", key=key)
+        if not all(report.can_subscribe for report in self.server_reports):
+            transport.poll_instead(None)  # the report's warning said why, with the rule to add
+
+    def _next_owner(self) -> str:
+        return f"{self.id}:{next(self._ids)}"
+
+    async def _reenter(self, lease: Lease, *, child: bool) -> HeldLock:
+        """A nested hold: counted locally before Redis is asked, so a final release cannot miss it."""
+        lease.nest(child=child)
+        depth = None
+        try:
+            with self.telemetry.acquire_span(lease.name) as span:
+                depth = await lease.runtime.transport.reenter(lease)
+                if depth is None:
+                    self.lose(lease, "the lease was gone when the lock was re-entered")
+                    raise lease.lost_error()
+                if span.is_recording():
+                    span.set_attributes(self.telemetry.redact({
+                        "lock.name": lease.name, "lock.key": lease.key, "lock.owner": lease.owner,
+                        "lock.token": lease.token, "lock.depth": depth, "lock.attempts": 1,
+                        "lock.contended": False, "lock.outcome": "acquired"}))
+                self.telemetry.wait_duration.record(0.0, {"lock.name": lease.name, "lock.outcome": "acquired",
+                                                          "lock.contended": False})
+        finally:
+            if depth is None:
+                lease.unnest(child=child)
+        return HeldLock(lease, depth, child=child)
+
+    # -- releasing -------------------------------------------------------------
+
+    async def release(self, lease: Lease, *, outer: bool, child: bool) -> bool:
+        """One hold on `lease` ends (`HeldLock.release()`): False if the lock was no longer ours."""
+        if child:
+            lease.unnest(child=True)
+        elif outer and lease.child_holds > 0:
+            lease.closing = True  # no new child may enter; those inside finish first
+            await lease.children_done.wait()
+        if lease.ended:
+            return False
+        if not child:
+            lease.depth -= 1
+        final = lease.depth <= 0
+        if not final and not self._topology.counts_depth:
+            return not lease.lost.is_set()
+        if final:
+            lease.closing = True
+            lease.runtime.watchdog.discard(lease)  # never renew what is being released
+            if lease.renewing is not None:
+                await asyncio.wait({lease.renewing})  # a renewal must not land after the release
+        return await self._let_go(lease, final)
+
+    async def _let_go(self, lease: Lease, final: bool) -> bool:
+        """Ask Redis to release one level (or the whole hold, when `final`), and end the hold accordingly."""
+        transport = lease.runtime.transport
+        lost_before = bool(lease.lost_reason)
+        try:
+            left = await transport.release(lease, whole=final and not lease.explicit_owner)
+        except LockError as error:
+            if final:
+                self._end(lease, "lost" if lost_before else "error")
+                if isinstance(error, RedisUnavailable) and not lease.explicit_owner:
+                    # Let the next caller in as soon as Redis is back, not after the lease.
+                    transport.release_when_back(lease)
+            if lost_before:
+                return False  # the holder was told already; letting go cannot fail it twice
+            raise
+        if left == -1:
+            self.lose(lease, "the lock was no longer ours at release")
+            self._end(lease, "lost" if lease.renew else "expired")
+            return False
+        if final:
+            self._end(lease, "released")
+        return not lost_before
+
+    def _end(self, lease: Lease, outcome: str) -> None:
+        """The hold is over for its holder too: no renewal, no re-entry, out of the age gauge."""
+        if lease.ended:
+            return
+        lease.ended = True
+        lease.runtime.watchdog.discard(lease)
+        forget((self.id, lease.lock_key), lease)
+        self._finish(lease, outcome)
+        self._counts.hold_ended(lease)  # a lost hold stays in the age gauge until its holder lets go
+
+    def _finish(self, lease: Lease, outcome: str) -> None:
+        """The hold is over in Redis: its duration, the active count and its span (once)."""
+        if lease.finished:
+            return
+        lease.finished = True
+        self.telemetry.hold_duration.record(lease.loop.time() - lease.acquired_at,
+                                            {"lock.name": lease.name, "lock.release.outcome": outcome})
+        self._counts.active[lease.name] -= 1
+        self.telemetry.end_hold_span(lease.span, outcome)
+
+    # -- losing ------------------------------------------------------------------
+
+    def lose(self, lease: Lease, reason: str) -> None:
+        """The lease is gone: tell the holder (and cancel it if it asked), count it now, once."""
+        if lease.lost_reason or lease.ended:
+            return
+        lease.runtime.watchdog.discard(lease)
+        if lease.planned:
+            # A once-per-period tick ran out as planned: its holder is long done, nobody overlaps.
+            self._end(lease, "released")
+            return
+        lease.lost_reason = reason
+        lease.lost.set()
+        self.telemetry.renewals.add(1, {"lock.name": lease.name, "lock.renewal.outcome": "lost"})
+        if lease.span.is_recording():
+            lease.span.add_event("lock lost", {"lock.name": lease.name, "lock.token": lease.token,
+                                               "lock.lost.reason": reason})
+        self._finish(lease, "lost" if lease.renew else "expired")
+        log.warning("otel-lock: lease of %s lost: %s", lease.key, reason)
+        for callback in lease.on_lost:
+            callback()
+        lease.runtime.transport.lost(lease)
+        task = lease.task
+        if lease.cancel_on_lost and task is not None and not task.done():
+            lease.cancelled_by_us = True
+            task.cancel(f"otel-lock: lease of {lease.key} lost")
+
+    def renewed(self, lease: Lease, outcome: str, error: BaseException | None = None) -> None:
+        """A renewal's outcome (ok, error), told by the watchdog."""
+        self.telemetry.renewals.add(1, {"lock.name": lease.name, "lock.renewal.outcome": outcome})
+        if error is not None:
+            kind = _error_type(error)
+            self.telemetry.errors.add(1, {"lock.name": lease.name, "lock.operation": "renew", "error.type": kind})
+            if lease.span.is_recording():
+                lease.span.add_event("lock renewal failed", {"lock.name": lease.name, "error.type": kind})
+
+    # -- per loop, per process -------------------------------------------------------
+
+    def _open(self, loop: asyncio.AbstractEventLoop, index: int) -> Runtime:
+        background = Background("clean-up (undo, release or pass-on)")
+        transport, client, owns = self._topology.open(self.id, self._next_owner, index, background)
+        return Runtime(loop, transport, Watchdog(transport, self), background, client, owns)
+
+    def forked(self) -> None:
+        """In a forked child: a new identity (owner ids, wake channel), and none of the parent's connections."""
+        self.id = uuid.uuid4().hex[:12]
+        self._ids = itertools.count(1)
+        self._runtimes.forked()
+
+    def _connection_figures(self) -> tuple[int, int]:
+        """(connections in use, replies awaited) over every loop: read by a metrics reader, on its own thread."""
+        used = pending = 0
+        for runtime in self._runtimes.all():
+            one, two = runtime.transport.figures()
+            used, pending = used + one, pending + two
+        return used, pending
+
+    async def _ask(self, ask: Callable[[Any], Awaitable[T]], what: str, key: str | None) -> T:
+        """An operator call on this loop's transport, its Redis errors as LockError / RedisUnavailable."""
+        transport = self._runtimes.here().transport
+        try:
+            return await ask(transport)
+        except (RedisError, OSError) as exc:
+            raise to_lock_error(exc, what, key=key, client=transport.records) from exc
+
+
+def _error_type(error: BaseException | None) -> str:
+    if error is None:
+        return ""
+    if isinstance(error, LockTimeout):
+        return "timeout"
+    return error_type(error)  # redis_unavailable, redis_misconfigured or redis_error
+
+
+def _glob_escape(text: str) -> str:
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)

@@ -1,0 +1,314 @@
+"""The RedLock quorum: one lock over N independent Redis masters, held by a majority of them.
+
+A grant needs N//2+1 masters. Every master gets its ACQUIRE at once, each
+bounded by `master_timeout`; then the masters that granted CONFIRM the
+largest token among them (`_redlock_scripts.py`). The hold is valid for
+`lease - elapsed - drift`, counted on the monotonic clock from the send
+time of those requests. A failed round (no quorum, or no validity left) is
+released on every master at once and retried after a jittered pause, until
+`wait`. There is no queue and no pub/sub: waiters poll, at most every
+`poll_cap` and never past the holder's remaining TTL; a manager that just
+released a key others were polling for lets them go first.
+
+One transport per process and event loop, like `_scripted.ScriptTransport`:
+the manager core above it is the same for every topology.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Coroutine
+
+from redis.exceptions import RedisError
+
+from . import _redlock_scripts as scripts
+from ._attempt import Reply, Request, validity
+from ._background import Background
+from ._breaker import Breaker
+from ._calls import batch_outcomes, record_batch
+from ._errors import LockError, LockTimeout, RedisUnavailable
+from ._held import Lease, LockInfo
+from ._redlock_cleanup import Cleanup
+from ._redlock_scripts import Masters
+from ._scripts import model_check
+from ._server_checks import ServerReport, check_server
+
+
+@dataclass
+class Round:
+    """What one acquire round found: the token if granted, else why not."""
+
+    token: int = 0
+    answered: int = 0                             # masters that answered (granted or busy)
+    silent: list[int] = field(default_factory=list)  # masters that did not answer the ACQUIRE
+    ttl: float = 0.0                              # smallest TTL seen on a busy master, seconds
+    error: LockError | None = None
+
+
+def lock_keys(redis_key: str) -> tuple[str, str]:
+    return redis_key, redis_key + ":fence"
+
+
+class QuorumTransport:
+    """Locks held by a majority of `masters`, for one event loop."""
+
+    def __init__(self, masters: Masters, breaker: Breaker, fence_ttl_ms: int, poll_cap: float,
+                 next_owner: Callable[[], str], background: Background) -> None:
+        self.masters = masters
+        self.quorum = masters.quorum
+        self.breaker = breaker
+        self.fence_ttl_ms = fence_ttl_ms
+        self.poll_cap = poll_cap
+        self.next_owner = next_owner
+        self._background = background
+        self.cleanup = Cleanup(masters)
+        # key -> loop time until which a new caller of this manager lets the pollers go first
+        self._yield_until: dict[str, float] = {}
+
+    @property
+    def records(self) -> Any:
+        """The first master's client: the middleware's Idempotency-Key records need one store."""
+        return self.masters.clients[0]
+
+    # -- taking ----------------------------------------------------------------
+
+    async def take(self, request: Request) -> Reply | None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + request.wait
+        await self._let_others_first(request.keys[0], deadline)
+        while True:
+            # An owner per round: a failed round is undone by owner (in the background on a
+            # master that did not answer), which must never release a later round's grant.
+            owner = self.next_owner()
+            sent_at = loop.time()
+            found = await self._round(request, owner)
+            request.attempts += 1
+            self.breaker.record(found.answered >= self.quorum or not isinstance(found.error, RedisUnavailable))
+            if found.token:
+                return Reply(found.token, 1, sent_at, owner=owner)
+            request.contended = request.contended or found.answered >= self.quorum
+            if found.answered < self.quorum:
+                assert found.error is not None
+                raise found.error  # a majority is unreachable: fail fast, like one Redis
+            now = loop.time()
+            if request.wait == 0:
+                return None
+            if now >= deadline:
+                raise LockTimeout(f"lock {request.keys[0]} not acquired within {request.wait} s",
+                                  key=request.keys[0], waited=request.wait)
+            pause = min(self.poll_cap, 0.005 * 2 ** min(request.attempts, 10))
+            pause = random.uniform(pause / 2, pause)
+            if found.ttl > 0:
+                pause = min(pause, found.ttl + 0.001)
+            await asyncio.sleep(min(pause, deadline - now))
+
+    async def _let_others_first(self, redis_key: str, deadline: float) -> None:
+        """This manager just released the key while others polled for it: give them one poll's head start.
+
+        Without it, the releasing process takes the lock straight back (no queue
+        holds its place for the waiters), and the waiters starve.
+        """
+        until = self._yield_until.get(redis_key)
+        if until is None:
+            return
+        now = asyncio.get_running_loop().time()
+        if until <= now:
+            del self._yield_until[redis_key]
+            return
+        await asyncio.sleep(random.uniform(0.5, 1.0) * (min(until, deadline) - now))
+
+    async def _round(self, request: Request, owner: str) -> Round:
+        """One acquire round on all masters; on failure every master is released before it returns."""
+        loop = asyncio.get_running_loop()
+        found = Round()
+        sent_at = loop.time()
+        keys = lock_keys(request.keys[0])
+        work = asyncio.ensure_future(self._grant(keys, owner, request.lease_ms, request.name, found))
+        try:
+            granted = await asyncio.shield(work)
+        except asyncio.CancelledError:
+            # a late grant must not outlive the cancelled caller
+            work.add_done_callback(lambda _: self.background(self._release_all(keys, owner, request)))
+            raise
+        if granted and sent_at + validity(request.lease_ms) - loop.time() > 0:
+            return found
+        found.token = 0
+        # the masters that answered are released before the caller hears of the failure; the silent
+        # ones (whose grant may still land) are asked in the background, so a dead master costs one
+        # master_timeout per round, not two
+        for index in found.silent:
+            self.cleanup.add(index, keys[0], owner, request.name, request.lease_ms / 1000)
+        answered = [i for i in range(len(self.masters.clients)) if i not in found.silent]
+        cleanup = self.background(self._release_all(keys, owner, request, answered))
+        await asyncio.shield(cleanup)  # a cancelled caller still releases everywhere
+        return found
+
+    async def _grant(self, keys: tuple[str, str], owner: str, lease_ms: int, name: str, found: Round) -> bool:
+        """ACQUIRE everywhere, then CONFIRM the maximum token on the masters that granted."""
+        answers = await self.masters.call(scripts.acquire, keys, [owner, lease_ms, self.fence_ttl_ms], "acquire",
+                                          name)
+        granted, ttls = [], []
+        for i, answer in enumerate(answers):
+            if isinstance(answer, LockError):
+                found.error = answer
+                found.silent.append(i)
+                continue
+            found.answered += 1
+            if answer[0] == 1:
+                granted.append((i, int(answer[1])))
+            else:
+                ttls.append(max(int(answer[1]), 0) / 1000)
+        if ttls:  # the next poll comes no later than the first holder's key runs out
+            found.ttl = min(ttls)
+        if len(granted) < self.quorum:
+            return False
+        token = max(t for _, t in granted)
+        confirmed = await self.masters.call(scripts.confirm, keys,
+                                            [owner, lease_ms, self.fence_ttl_ms, str(token), "0"], "acquire", name,
+                                            only=[i for i, _ in granted])
+        if sum(1 for c in confirmed if c == 1) < self.quorum:
+            return False
+        found.token = token
+        return True
+
+    async def reenter(self, lease: Lease) -> int | None:
+        """Nested holds are counted locally: the quorum's hold is one per owner."""
+        return lease.depth
+
+    # -- releasing ---------------------------------------------------------------
+
+    async def release(self, lease: Lease, *, whole: bool) -> int:
+        """0 when a quorum released it, -1 when it was no longer held by a quorum; RedisUnavailable if unknown."""
+        keys = lock_keys(lease.key)
+        answers = await self.masters.call(scripts.release, keys, [lease.owner], "release", lease.name)
+        failed = [i for i, a in enumerate(answers) if isinstance(a, LockError)]
+        for index in failed:
+            self.cleanup.add(index, keys[0], lease.owner, lease.name, lease.lease_seconds)
+        if any(a == 2 for a in answers):  # somebody polled for it meanwhile
+            self._yield_until[keys[0]] = asyncio.get_running_loop().time() + self.poll_cap
+            if len(self._yield_until) > 10_000:
+                self._yield_until.clear()  # a bound, not a cache
+        if sum(1 for a in answers if a in (1, 2)) >= self.quorum:
+            return 0
+        if len(answers) - len(failed) < self.quorum:
+            raise RedisUnavailable(f"release of {keys[0]} reached only {len(answers) - len(failed)} of "
+                                   f"{len(answers)} masters; the rest expire after the lease", key=keys[0])
+        return -1
+
+    def release_when_back(self, lease: Lease) -> None:
+        """The masters that did not answer are already in the clean-up's hands."""
+
+    def lost(self, lease: Lease) -> None:
+        """A lost hold is released wherever it is still held, so it stops blocking the others."""
+        self.background(self._release_all(lock_keys(lease.key), lease.owner, None, name=lease.name,
+                                          lease=lease.lease_seconds))
+
+    async def _release_all(self, keys: tuple[str, str], owner: str, request: Request | None,
+                           only: list[int] | None = None, *, name: str = "", lease: float = 0.0) -> None:
+        if request is not None:
+            name, lease = request.name, request.lease_ms / 1000
+        which = list(range(len(self.masters.clients))) if only is None else only
+        if not which:
+            return
+        answers = await self.masters.call(scripts.release, keys, [owner], "release", name, only=which)
+        for index, answer in zip(which, answers):
+            if isinstance(answer, LockError):
+                self.cleanup.add(index, keys[0], owner, name, lease)
+
+    # -- the watchdog's batch --------------------------------------------------------
+
+    async def renew(self, leases: list[Lease]) -> list[bool | BaseException]:
+        """One RENEW per master for the whole batch; a hold counts as renewed when a quorum confirmed it.
+
+        A master that restarted empty is taken again, so renewals repair the
+        quorum instead of slowly losing it. Lost: too many masters hold it for
+        someone else to ever make a quorum again; else an error (retried).
+        """
+        keys = [k for lease in leases for k in lock_keys(lease.key)]
+        args: list[Any] = [self.fence_ttl_ms]
+        for lease in leases:
+            args += [lease.owner, lease.renew_ms, str(lease.token)]
+        began = time.perf_counter()
+        answers = await self.masters.call(scripts.renew, keys, args, "renew", leases[0].name, record=False)
+        out: list[bool | BaseException] = []
+        for i, lease in enumerate(leases):
+            ours = sum(1 for a in answers if not isinstance(a, LockError) and a[i] == 1)
+            others = sum(1 for a in answers if not isinstance(a, LockError) and a[i] == 0)
+            if ours >= self.quorum:
+                out.append(True)
+            elif others > len(answers) - self.quorum:
+                out.append(False)
+            else:
+                out.append(RedisUnavailable(f"renewal of {lease.key} confirmed by {ours} of {len(answers)} masters",
+                                            key=lease.key))
+        record_batch(self.masters.calls[0].telemetry, batch_outcomes([l.name for l in leases], out),
+                     time.perf_counter() - began)
+        return out
+
+    async def check_model(self, key: str, model: int, ttl: int, lock_key: str, name: str) -> int | None:
+        """Claim the namespace on every master that answers; another model on any of them is refused."""
+        answers = await self.masters.call(model_check, (key,), [model, ttl], "acquire", name)
+        answered = [int(a) for a in answers if not isinstance(a, LockError)]
+        if len(answered) < self.quorum:
+            errors = [a for a in answers if isinstance(a, LockError)]
+            raise errors[0]
+        others = [a for a in answered if a != model]
+        return others[0] if others else None
+
+    async def server_reports(self, namespace: str, require_noeviction: bool) -> list[ServerReport]:
+        """The server checks of every master (a master that does not answer fails them: no report without it)."""
+        return [await check_server(client.execute_command, namespace=namespace, cluster=False,
+                                   require_noeviction=require_noeviction, address=calls.where)
+                for client, calls in zip(self.masters.clients, self.masters.calls)]
+
+    def poll_instead(self, why: str | None) -> None:
+        """RedLock waiters always poll."""
+
+    # -- operators ---------------------------------------------------------------------
+
+    async def force_release(self, redis_key: str, name: str) -> tuple[bool, str]:
+        """(released on any master, "": owners differ per round and master)."""
+        answers = await self.masters.call(scripts.force_release, (redis_key,), [], "release", name)
+        return any(a == 1 for a in answers), ""
+
+    async def held_locks(self, pattern: str) -> list[LockInfo]:
+        """Locks whose owner holds them on a quorum of the masters that answered."""
+        seen: dict[str, list[LockInfo]] = {}
+        for client in self.masters.clients:
+            try:
+                keys = [k async for k in client.scan_iter(match=pattern, count=1000)]
+                for key in keys:
+                    fields = await client.hgetall(key)
+                    pttl = await client.pttl(key)
+                    text = {_text(k): _text(v) for k, v in fields.items()}
+                    if text.get("owner"):
+                        seen.setdefault(_text(key), []).append(LockInfo(
+                            _text(key), text["owner"], int(text.get("depth") or 0), max(pttl, 0) / 1000,
+                            int(text.get("token") or 0)))
+            except (OSError, RedisError, LockError):
+                continue
+        held = []
+        for infos in seen.values():
+            by_owner: dict[str, list[LockInfo]] = {}
+            for info in infos:
+                by_owner.setdefault(info.owner, []).append(info)
+            owner_infos = max(by_owner.values(), key=len)
+            if len(owner_infos) >= self.quorum:
+                held.append(min(owner_infos, key=lambda info: info.ttl))
+        return sorted(held, key=lambda info: info.key)
+
+    def background(self, work: Coroutine[Any, Any, Any]) -> asyncio.Future[Any]:
+        return self._background.add(work)
+
+    def figures(self) -> tuple[int, int]:
+        return sum(len(getattr(c.connection_pool, "_in_use_connections", ())) for c in self.masters.clients), 0
+
+    async def aclose(self) -> None:
+        self.cleanup.aclose()
+
+
+def _text(value: bytes | str | None) -> str:
+    return value.decode() if isinstance(value, bytes) else (value or "")

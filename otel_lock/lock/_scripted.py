@@ -1,0 +1,223 @@
+"""The lock on one Redis, a Sentinel master or a Cluster: the scripts of `_scripts.py` over one link.
+
+One transport per process and event loop (`_runtime.py`). It takes a lock
+(an `Attempt`: queue, wake-up, claim), re-enters, releases, renews a batch
+of leases, and answers the operator calls; the manager core above it does
+the rest (holds, re-entry bookkeeping, loss, telemetry) the same way for
+every topology.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from functools import partial
+from typing import Any, Coroutine
+
+from redis.exceptions import NoScriptError, RedisError
+
+from . import _scripts
+from ._attempt import Attempt, Reply, Request, cancelling
+from ._background import Background
+from ._calls import Calls, batch_outcomes, record_batch
+from ._errors import RedisUnavailable
+from ._held import Lease, LockInfo
+from ._options import default_name
+from ._server_checks import ServerReport, check_server
+from ._topology import ClusterLink, LeanLink, Link, ReplicatedLink
+
+log = logging.getLogger("otel_lock")
+RELEASE_RETRY = 0.25
+
+
+def lock_keys(redis_key: str) -> tuple[str, str, str, str]:
+    """The four keys of one lock (`_scripts.py` has the data model)."""
+    return redis_key, redis_key + ":fence", redis_key + ":q", redis_key + ":w"
+
+
+class ScriptTransport:
+    """Locks on one Redis (or Sentinel, or Cluster) for one event loop."""
+
+    def __init__(self, link: Link, calls: Calls, channel: str, fence_ttl_ms: int, poll_cap: float,
+                 pending: Counter[str], background: Background) -> None:
+        self.link = link
+        self.calls = calls
+        self.fence_ttl_ms = fence_ttl_ms
+        self.poll_cap = poll_cap
+        self.pending = pending
+        self._background = background
+        self.acquire_script = link.acquire_script
+        # with wait_replicas, a hand-over is confirmed by an ACQUIRE that WAITs
+        self.trust_grants = not isinstance(link, ReplicatedLink)
+        self.waiting = link.waiting(channel, self._pass_on)
+        self.polling = False  # no pub/sub rights: waiters poll (one warning)
+
+    @property
+    def records(self) -> Any:
+        """This loop's redis-py client (idempotency records, operator calls)."""
+        return self.link.redis
+
+    def background(self, work: Coroutine[Any, Any, Any]) -> asyncio.Future[Any]:
+        return self._background.add(work)
+
+    def call(self, script: _scripts.Script, keys: tuple[str, ...], args: list[Any], operation: str,
+             name: str) -> Coroutine[Any, Any, Any]:
+        return self.calls(self.link.call(script, keys, args), operation, name, keys[0])
+
+    def refused_channels(self, error: BaseException) -> bool:
+        """A subscribe refused for lack of channel rights: poll from now on (said once, with the rule to add)."""
+        if "NOPERM" not in str(error):
+            return False
+        self.poll_instead(str(self.calls.error(error, "subscribe", None)))
+        return True
+
+    def poll_instead(self, why: str | None) -> None:
+        """No wake-ups can reach this manager: waiters poll (without a queue place), with one warning.
+
+        `why=None`: the server check has warned already.
+        """
+        if not self.polling:
+            self.polling = True
+            if why is not None:
+                log.warning("otel-lock: waiters poll instead of being woken on release (slower hand-overs, no FIFO): "
+                            "%s", why)
+
+    # -- taking, re-entering, releasing --------------------------------------
+
+    async def take(self, request: Request) -> Reply | None:
+        """The lock within `request.wait` (LockTimeout), or at once (None when busy) with wait=0."""
+        request.keys = lock_keys(request.keys[0])
+        attempt = Attempt(self, request)
+        return await (attempt.run() if request.wait > 0 else attempt.try_once())
+
+    async def reenter(self, lease: Lease) -> int | None:
+        """One more level in Redis (counted there for holders that share an explicit owner); None: lost."""
+        keys = lock_keys(lease.key)
+        args = [lease.owner, "-", lease.renew_ms, "1", "-1", "", self.fence_ttl_ms, ""]
+        call = asyncio.ensure_future(self.call(self.acquire_script, keys, args, "acquire", lease.name))
+        try:
+            answer = await asyncio.shield(call)
+        except asyncio.CancelledError:
+            call.add_done_callback(lambda done: self._undo_reentry(done, lease))
+            raise
+        return int(answer[2]) if answer[0] == 1 else None
+
+    def _undo_reentry(self, call: asyncio.Future[Any], lease: Lease) -> None:
+        if not call.cancelled() and call.exception() is None and call.result()[0] == 1:
+            self.background(self.release(lease, whole=False))
+
+    async def release(self, lease: Lease, *, whole: bool) -> int:
+        """-1 when the lock was no longer this owner's, else the depth left in Redis (0: released)."""
+        answer = await self.call(_scripts.release, lock_keys(lease.key), [lease.owner, self.fence_ttl_ms,
+                                                                          "1" if whole else "0"],
+                                 "release", lease.name)
+        return int(answer)
+
+    def release_when_back(self, lease: Lease) -> None:
+        """A release that Redis did not answer: retried until it does (the next caller gets in then)."""
+        self.background(self._release_when_back(lease))
+
+    async def _release_when_back(self, lease: Lease) -> None:
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + lease.lease_seconds
+        while loop.time() < give_up:
+            await asyncio.sleep(RELEASE_RETRY)
+            try:
+                await self.release(lease, whole=True)
+                return
+            except RedisUnavailable:
+                if cancelling():  # aclose() stopped it, whatever redis-py made of the CancelledError
+                    return
+
+    def lost(self, lease: Lease) -> None:
+        """Nothing to do on one Redis: the lock is no longer this owner's there, or Redis cannot be reached."""
+
+    def _pass_on(self, waiter_id: str, redis_key: str) -> None:
+        """A hand-over to a waiter this manager no longer has: pass it on now, not after its lease."""
+        name = default_name(redis_key.partition("{")[2].rpartition("}")[0])
+        self.background(self.call(_scripts.leave, lock_keys(redis_key), [waiter_id, self.fence_ttl_ms], "leave",
+                                  name))
+
+    # -- the watchdog's batch --------------------------------------------------
+
+    async def renew(self, leases: list[Lease]) -> list[bool | BaseException]:
+        """Renew every lease (owner-checked) in one round trip per node: True, False (lost) or the error."""
+        keys = [lease.key for lease in leases]
+        groups = self.link.groups(keys)
+        calls = [("EVALSHA", _scripts.renew.sha, len(group), *(keys[i] for i in group),
+                  *(a for i in group for a in (leases[i].owner, leases[i].renew_ms))) for group in groups]
+        began = time.perf_counter()
+        try:
+            results = await self.link.batch(calls)
+            if any(isinstance(r, NoScriptError) for r in results):
+                await self.link.client.script_load(_scripts.renew.source)
+                results = await self.link.batch(calls)
+        except (RedisError, OSError) as exc:
+            results = [exc] * len(calls)
+        out: list[bool | BaseException] = [False] * len(leases)
+        for group, answers in zip(groups, results):
+            for n, i in enumerate(group):
+                if isinstance(answers, BaseException):
+                    out[i] = self.calls.error(answers, f"renew of {keys[i]}", keys[i])
+                else:
+                    out[i] = bool(answers[n])
+        record_batch(self.calls.telemetry, batch_outcomes([l.name for l in leases], out), time.perf_counter() - began)
+        return out
+
+    async def check_model(self, key: str, model: int, ttl: int, lock_key: str, name: str) -> int | None:
+        """Claim the namespace for `model` (at the first acquire of `lock_key`); None when ours, else the holder."""
+        held = await self.calls(self.link.call(_scripts.model_check, (key,), [model, ttl]), "acquire", name, lock_key)
+        return None if int(held) == model else int(held)
+
+    async def server_reports(self, namespace: str, require_noeviction: bool) -> list[ServerReport]:
+        """The server checks (`_server_checks.py`) of the server, or of every Cluster master."""
+        link = self.link
+        if isinstance(link, ClusterLink):
+            await link.redis.initialize()
+            return [await check_server(partial(link.redis.execute_command, target_nodes=node), namespace=namespace,
+                                       cluster=True, require_noeviction=require_noeviction,
+                                       address=f"{node.host}:{node.port}")
+                    for node in link.redis.get_primaries()]
+        await link.prepare()
+        run = link.connection.execute if isinstance(link, LeanLink) else link.redis.execute_command
+        return [await check_server(run, namespace=namespace, cluster=False, require_noeviction=require_noeviction,
+                                   address=self.calls.where)]
+
+    # -- operators -------------------------------------------------------------
+
+    async def force_release(self, redis_key: str, name: str) -> tuple[bool, str]:
+        """(released, the owner it had)."""
+        owner = _text(await self.link.redis.hget(redis_key, "owner"))
+        released = await self.call(_scripts.force_release, lock_keys(redis_key), [self.fence_ttl_ms], "release", name)
+        return bool(released), owner
+
+    async def held_locks(self, pattern: str) -> list[LockInfo]:
+        redis = self.link.redis
+        keys = [_text(k) async for k in redis.scan_iter(match=pattern, count=1000)]
+        if not keys:
+            return []
+        pipe = redis.pipeline(transaction=False)
+        for key in keys:
+            pipe.hgetall(key)
+            pipe.pttl(key)
+        answers = await pipe.execute()
+        infos = []
+        for key, fields, pttl in zip(keys, answers[::2], answers[1::2]):
+            fields = {_text(k): _text(v) for k, v in fields.items()}
+            if fields.get("owner"):
+                infos.append(LockInfo(key, fields["owner"], int(fields.get("depth") or 0),
+                                      max(pttl, 0) / 1000, int(fields.get("token") or 0)))
+        return sorted(infos, key=lambda info: info.key)
+
+    def figures(self) -> tuple[int, int]:
+        return self.link.figures()
+
+    async def aclose(self) -> None:
+        await self.waiting.aclose()
+        await self.link.aclose()
+
+
+def _text(value: bytes | str | None) -> str:
+    return value.decode() if isinstance(value, bytes) else (value or "")

@@ -285,7 +285,8 @@ class Core:
         held.span = self.telemetry.start_hold_span(name, self.telemetry.redact({
             "lock.name": name, "lock.key": redis_key, "lock.owner": held.owner, "lock.token": reply.token,
             "lock.lease": lease}))
-        self._counts.hold_started(held)
+        if not planned:  # a tick's lock is held to the end of its lease on purpose: never "near its lease"
+            self._counts.hold_started(held)
         self._counts.active[name] += 1
         runtime.watchdog.add(held)
         remember((self.id, key), held)

@@ -19,7 +19,7 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..lock import HeldLock, LockLost, LockTimeout, Locks, RedisUnavailable
+from ..lock import HeldLock, LockLost, LockTimeout, Locks, RedisMisconfigured, RedisUnavailable
 from ._annotations import Idempotent, Locked
 from ._binding import INVALID, RouteBinding
 from ._body import BodyLimits, BodyRefused, Client, ClientGone, read_body
@@ -178,6 +178,13 @@ class LockedApp:
             # An open circuit breaker knows when it lets a call through again.
             await send_problem(send, 503, "redis-unavailable", "the lock service is unavailable",
                                retry_after=retry_after(rule) if error.retry_after is None else error.retry_after)
+            return False
+        except RedisMisconfigured as error:
+            if entered:
+                raise
+            # Permanent: retrying cannot help, and fail_open would hide it. The message names the fix.
+            log.error("otel-lock: %s", error)
+            await send_problem(send, 500, "redis-misconfigured", f"the lock service is misconfigured: {error}")
             return False
         except LockLost:
             if started:

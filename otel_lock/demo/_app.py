@@ -55,17 +55,29 @@ class DemoSettings:
     job_interval: float = 10.0  # 0 turns the job off
     locks_enabled: bool = True
     work: float = 0.0  # seconds of simulated slow work (a payment call) between read and write
+    lease: float = 30.0  # the stock lock's lease (renewed by the watchdog)
 
     @classmethod
     def from_env(cls, **overrides: Any) -> "DemoSettings":
         """`OTEL_LOCK_DEMO_DISABLE_LOCKS=1` removes every lock, to show what they prevent;
-        `OTEL_LOCK_DEMO_WORK_MS=20` widens the read-modify-write window (and the hold time)."""
+        `OTEL_LOCK_DEMO_WORK_MS=20` widens the read-modify-write window (and the hold time);
+        `OTEL_LOCK_DEMO_LEASE=3` shortens the locks' lease (seconds; a stopped replica then loses it)."""
         disabled = os.environ.get("OTEL_LOCK_DEMO_DISABLE_LOCKS", "").strip().lower() in ("1", "true", "yes")
-        try:
-            work = max(0.0, float(os.environ.get("OTEL_LOCK_DEMO_WORK_MS", "0") or 0) / 1000)
-        except ValueError:
-            raise ValueError("OTEL_LOCK_DEMO_WORK_MS must be a number of milliseconds") from None
-        return cls(**{"locks_enabled": not disabled, "work": work, **overrides})
+        work = _number("OTEL_LOCK_DEMO_WORK_MS", "0", "a number of milliseconds") / 1000
+        lease = _number("OTEL_LOCK_DEMO_LEASE", "30", "a number of seconds (at least 0.3)")
+        if lease < 0.3:
+            raise ValueError("OTEL_LOCK_DEMO_LEASE must be a number of seconds (at least 0.3)")
+        return cls(**{"locks_enabled": not disabled, "work": work, "lease": lease, **overrides})
+
+
+def _number(variable: str, default: str, what: str) -> float:
+    try:
+        value = float(os.environ.get(variable, default) or default)
+    except ValueError:
+        raise ValueError(f"{variable} must be {what}") from None
+    if value < 0 or value != value:
+        raise ValueError(f"{variable} must be {what}")
+    return value
 
 
 @dataclass
@@ -312,7 +324,7 @@ def create_app(settings: DemoSettings | None = None, locks: LockManager | None =
     # redis-py's pool refuses a 101st concurrent connection ("Too many connections"),
     # and a seckill burst queues a few hundred requests per replica at once.
     locks = locks or LockManager.from_url(settings.redis_url, namespace=settings.namespace, socket_timeout=2.0,
-                                          max_connections=MAX_REDIS_CONNECTIONS)
+                                          max_connections=MAX_REDIS_CONNECTIONS, lease=settings.lease)
     shop = Shop(settings, locks, Store(locks.redis, settings.namespace))
 
     @contextlib.asynccontextmanager
@@ -321,7 +333,8 @@ def create_app(settings: DemoSettings | None = None, locks: LockManager | None =
         if settings.job_interval > 0:
             job_locks = locks if settings.locks_enabled else None
             job = asyncio.create_task(run_job(job_locks, settings.job_interval,
-                                              lambda tick: shop.store.record_run(tick, settings.replica_name)))
+                                              lambda tick: shop.store.record_run(tick, settings.replica_name)),
+                                      name="otel-lock demo job")
         try:
             yield
         finally:

@@ -17,12 +17,15 @@ import asyncio
 import logging
 import math
 import random
+import time
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, Coroutine
 
 from . import _scripts
-from ._errors import LockError, LockTimeout, RedisUnavailable
+from redis.exceptions import NoScriptError, RedisError
+
+from ._errors import LockError, LockTimeout, RedisUnavailable, is_unavailable
 from ._waiting import PROMOTED, Grant, Waiter
 
 if TYPE_CHECKING:
@@ -241,7 +244,41 @@ class Attempt:
                       r.name)
 
     async def _acquire_call(self, args: list[Any]) -> Any:
-        """ACQUIRE, safe to cancel: a reply that arrives after its caller left is undone."""
+        """ACQUIRE, safe to cancel: a reply that arrives after its caller left is undone.
+
+        On the lean connection the command is written at once and its reply's
+        future awaited (no task: this is the hot path); else, or when Redis
+        forgot the script, a task makes the call.
+        """
+        t, r = self.transport, self.request
+        reply = t.link.send_now(t.acquire_script, r.keys, args, on_orphan=partial(self._undo_raw_reply, args))
+        if reply is None:
+            return await self._acquire_task(args)
+        began = time.perf_counter()
+        try:
+            answer = await reply  # cancelled here, the reply goes to _undo_raw_reply
+        except NoScriptError:
+            return await self._acquire_task(args)  # Redis restarted or flushed its scripts: load, then call
+        except (RedisError, OSError) as exc:
+            error = t.calls.failed(exc, time.perf_counter() - began, "acquire", r.name, r.keys[0])
+            if isinstance(error, RedisUnavailable):
+                self._maybe_taken = True  # the script may have run and only its reply was lost
+            raise error from exc
+        t.calls.ok(time.perf_counter() - began, "acquire", r.name)
+        return answer
+
+    def _undo_raw_reply(self, args: list[Any], reply: Any) -> None:
+        """The reply (or error) of an ACQUIRE whose caller was cancelled: undo whatever it granted."""
+        if isinstance(reply, Exception):
+            if is_unavailable(reply) and self.request.private:
+                self.transport.background(self._release_when_back())
+            return
+        if reply[0] == 1:
+            self.transport.background(self._release())
+        elif args[4] != "-1":
+            self.transport.background(self._leave())
+
+    async def _acquire_task(self, args: list[Any]) -> Any:
         t = self.transport
         call = asyncio.ensure_future(t.call(t.acquire_script, self.request.keys, args, "acquire", self.request.name))
         try:

@@ -39,11 +39,14 @@ class Calls:
             answer = await call
         except (RedisError, OSError) as exc:
             raise self.failed(exc, time.perf_counter() - began, operation, name, key) from exc
-        self.telemetry.redis_duration.record(time.perf_counter() - began,
-                                             {"lock.name": name, "lock.operation": operation})
+        self.ok(time.perf_counter() - began, operation, name)
+        return answer
+
+    def ok(self, seconds: float, operation: str, name: str) -> None:
+        """Record a call that was answered (timed by its caller: a reply's future, not a coroutine)."""
+        self.telemetry.redis_duration.record(seconds, {"lock.name": name, "lock.operation": operation})
         if self.breaker is not None:
             self.breaker.record(True)
-        return answer
 
     def failed(self, exc: BaseException, seconds: float, operation: str, name: str, key: str) -> LockError:
         """Record a failed call and return the error for its caller."""

@@ -114,6 +114,9 @@ class _Protocol(asyncio.Protocol):
         self.on_lost = on_lost
         self.closed = False
         self.stuck = False
+        self.stuck_after: float | None = None  # the timeout a reply missed, when that dropped the socket
+        # reply futures -> who gets the reply (or the error) if their caller gave up on them first
+        self.orphans: dict[asyncio.Future[Any], Callable[[Any], None]] = {}
         self.refusal: Exception | None = None  # an error the server sent unasked, before hanging up
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -136,8 +139,12 @@ class _Protocol(asyncio.Protocol):
                     self.refusal = reply
                 continue
             future = self.pending.popleft()
+            orphan = self.orphans.pop(future, None) if self.orphans else None
             if future.done():
-                continue  # its caller was cancelled; the reply is still this one's
+                # its caller was cancelled; the reply is still this one's, and its owner may want it
+                if orphan is not None:
+                    orphan(reply)
+                continue
             if isinstance(reply, Exception):
                 future.set_exception(reply)
             else:
@@ -147,9 +154,17 @@ class _Protocol(asyncio.Protocol):
         self.closed = True
         while self.pending:
             future = self.pending.popleft()
+            if self.stuck_after is not None:  # dropped because a reply did not come in time
+                error: Exception = RedisTimeoutError(f"Redis at {self.server} did not answer within "
+                                                     f"{self.stuck_after} s")
+            else:
+                error = self.refusal or RedisConnectionError(
+                    f"connection to {self.server} lost: {exc or 'closed by the server'}")
+            orphan = self.orphans.pop(future, None) if self.orphans else None
             if not future.done():
-                future.set_exception(self.refusal or RedisConnectionError(
-                    f"connection to {self.server} lost: {exc or 'closed by the server'}"))
+                future.set_exception(error)
+            elif orphan is not None:
+                orphan(error)
         if self.on_lost is not None:
             self.on_lost()
 
@@ -263,7 +278,38 @@ class Connection:
                     isinstance(reply, RedisConnectionError) and not isinstance(reply, BusyLoadingError)):
                 raise reply
 
+    def send_now(self, *args: Any, on_orphan: Callable[[Any], None] | None = None) -> asyncio.Future[Any] | None:
+        """Write one command at once and return its reply's future; None when that takes an await first.
+
+        The hot path's way to call without a task or a shield: the command is
+        on the wire when this returns; a caller cancelled while it awaits the
+        future cancels only the future, and the reply (or the error that ends
+        the socket) goes to `on_orphan` instead, so it can still be undone.
+        None: not connected yet, or a command too large to share the socket;
+        use `execute()`.
+        """
+        protocol = self._protocol
+        if protocol is None or protocol.closed or protocol.transport is None:
+            return None
+        data = pack(args)  # bad input fails here: nothing queued, nothing sent
+        if len(data) > ALONE_ABOVE:
+            return None
+        loop = self._check_loop()
+        # one reply slot, then the bytes, nothing in between
+        future: asyncio.Future[Any] = loop.create_future()
+        protocol.pending.append(future)
+        if on_orphan is not None:
+            protocol.orphans[future] = on_orphan
+        protocol.transport.write(data)
+        if self._timeout is not None:
+            handle = loop.call_later(self._timeout, self._stuck, protocol, future, self._timeout)
+            future.add_done_callback(lambda _: handle.cancel())
+        return future
+
     async def execute(self, *args: Any) -> Any:
+        future = self.send_now(*args)
+        if future is not None:
+            return await future
         data = pack(args)  # bad input fails here: nothing queued, nothing sent
         loop = self._check_loop()
         if len(data) > ALONE_ABOVE:
@@ -275,8 +321,7 @@ class Connection:
             assert protocol is not None  # connect() set it
         if protocol.transport is None:
             raise RedisConnectionError(f"connection to {protocol.server} lost")
-        # the hot path of _queue(): one reply slot, then the bytes, nothing in between
-        future: asyncio.Future[Any] = loop.create_future()
+        future = loop.create_future()
         protocol.pending.append(future)
         protocol.transport.write(data)
         return await self._wait(protocol, future)
@@ -344,9 +389,10 @@ class Connection:
             handle.cancel()
 
     @staticmethod
-    def _stuck(protocol: _Protocol, future: asyncio.Future[Any]) -> None:
+    def _stuck(protocol: _Protocol, future: asyncio.Future[Any], timeout: float | None = None) -> None:
         if not future.done():
             protocol.stuck = True
+            protocol.stuck_after = timeout
             protocol.abort()
 
     # -- the subset of redis-py's client the lock uses --------------------------

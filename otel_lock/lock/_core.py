@@ -16,15 +16,17 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import os
 import logging
+import os
+import time
 import uuid
 from functools import partial
 from types import TracebackType
 from typing import Any, Awaitable, Callable, Never, Self, TypeVar
 
 from opentelemetry import trace
-from redis.exceptions import RedisError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError, RedisError
 
 from ._attempt import Request
 from ._background import Background
@@ -285,7 +287,8 @@ class Core:
         held.span = self.telemetry.start_hold_span(name, self.telemetry.redact({
             "lock.name": name, "lock.key": redis_key, "lock.owner": held.owner, "lock.token": reply.token,
             "lock.lease": lease}))
-        self._counts.hold_started(held)
+        if not planned:  # a tick's lock is held to the end of its lease on purpose: never "near its lease"
+            self._counts.hold_started(held)
         self._counts.active[name] += 1
         runtime.watchdog.add(held)
         remember((self.id, key), held)
@@ -377,8 +380,37 @@ class Core:
 
     # -- releasing -------------------------------------------------------------
 
-    async def release(self, lease: Lease, *, outer: bool, child: bool) -> bool:
-        """One hold on `lease` ends (`HeldLock.release()`): False if the lock was no longer ours."""
+    def release(self, lease: Lease, *, outer: bool, child: bool) -> Releasing | asyncio.Future[bool]:
+        """One hold on `lease` ends (`HeldLock.release()`): its outcome (False if the lock was no longer ours).
+
+        The common case (the outer hold, nothing nested or shared, no renewal
+        in flight) sends its RELEASE at once and is settled from the reply by
+        whoever awaits it, or by the connection if nobody does any more: no
+        task and no shield, as this is on every hand-over's path. Anything
+        else runs as a task.
+        """
+        if outer and not child and lease.depth == 1 and not lease.child_holds and not lease.ended \
+                and lease.renewing is None:
+            releasing = Releasing(self, lease)
+            reply = lease.runtime.transport.send_release(lease, whole=not lease.explicit_owner,
+                                                         on_orphan=releasing.settle)
+            if reply is not None:
+                lease.depth, lease.closing = 0, True
+                lease.runtime.watchdog.discard(lease)  # never renew what is being released
+                releasing.reply = reply
+                return releasing
+        return asyncio.ensure_future(self._release(lease, outer=outer, child=child))
+
+    def settle_release(self, lease: Lease, lost_before: bool, began: float, reply: Any) -> bool | LockError:
+        """What the fast path's RELEASE answered (a reply, or the error), as `_let_go` would end the hold."""
+        transport = lease.runtime.transport
+        if isinstance(reply, BaseException):
+            failure = transport.calls.failed(reply, time.perf_counter() - began, "release", lease.name, lease.key)
+            return self._release_failed(lease, True, lost_before, failure)
+        transport.calls.ok(time.perf_counter() - began, "release", lease.name)
+        return self._settle(lease, True, lost_before, int(reply))
+
+    async def _release(self, lease: Lease, *, outer: bool, child: bool) -> bool:
         if child:
             lease.unnest(child=True)
         elif outer and lease.child_holds > 0:
@@ -405,14 +437,14 @@ class Core:
         try:
             left = await transport.release(lease, whole=final and not lease.explicit_owner)
         except LockError as error:
-            if final:
-                self._end(lease, "lost" if lost_before else "error")
-                if isinstance(error, RedisUnavailable) and not lease.explicit_owner:
-                    # Let the next caller in as soon as Redis is back, not after the lease.
-                    transport.release_when_back(lease)
-            if lost_before:
-                return False  # the holder was told already; letting go cannot fail it twice
-            raise
+            outcome = self._release_failed(lease, final, lost_before, error)
+            if isinstance(outcome, LockError):
+                raise outcome
+            return outcome
+        return self._settle(lease, final, lost_before, left)
+
+    def _settle(self, lease: Lease, final: bool, lost_before: bool, left: int) -> bool:
+        """Redis answered a release with the depth `left` (-1: not ours): end the hold accordingly."""
         if left == -1:
             self.lose(lease, "the lock was no longer ours at release")
             self._end(lease, "lost" if lease.renew else "expired")
@@ -420,6 +452,17 @@ class Core:
         if final:
             self._end(lease, "released")
         return not lost_before
+
+    def _release_failed(self, lease: Lease, final: bool, lost_before: bool, error: LockError) -> bool | LockError:
+        """A release Redis did not answer (or refused): the error to raise, or False for a lost lease."""
+        if final:
+            self._end(lease, "lost" if lost_before else "error")
+            if isinstance(error, RedisUnavailable) and not lease.explicit_owner:
+                # Let the next caller in as soon as Redis is back, not after the lease.
+                lease.runtime.transport.release_when_back(lease)
+        if lost_before:
+            return False  # the holder was told already; letting go cannot fail it twice
+        return error
 
     def _end(self, lease: Lease, outcome: str) -> None:
         """The hold is over for its holder too: no renewal, no re-entry, out of the age gauge."""
@@ -505,6 +548,76 @@ class Core:
             return await ask(transport)
         except (RedisError, OSError) as exc:
             raise to_lock_error(exc, what, key=key, client=transport.records) from exc
+
+
+class Releasing:
+    """A RELEASE on the wire: `await wait()` gives its outcome, to every caller of `HeldLock.release()`.
+
+    The first caller awaits the reply itself (one turn of the loop); if it is
+    cancelled the connection hands the reply to `settle` instead, so the hold
+    always ends. A Redis that forgot the script gets a task that loads it.
+    """
+
+    __slots__ = ("core", "lease", "reply", "began", "lost_before", "outcome", "waiting", "done")
+
+    def __init__(self, core: Core, lease: Lease) -> None:
+        self.core, self.lease = core, lease
+        self.reply: asyncio.Future[Any] | None = None
+        self.began, self.lost_before = time.perf_counter(), bool(lease.lost_reason)
+        self.outcome: bool | LockError | None = None
+        self.waiting = False
+        self.done: asyncio.Future[bool] | None = None  # for the other callers, and after a cancelled one
+
+    async def wait(self) -> bool:
+        reply = self.reply
+        assert reply is not None  # set before it is handed out
+        if self.outcome is None and not self.waiting and not reply.done():
+            self.waiting = True
+            try:
+                answer: Any = await reply
+            except (RedisError, OSError) as exc:
+                answer = exc
+            finally:
+                self.waiting = False
+            self.settle(answer)
+        if self.outcome is None:  # another caller awaits the reply, or a task reloads the script
+            if self.done is None:
+                self.done = self.lease.loop.create_future()
+                if reply.done() and not reply.cancelled():  # answered, nobody settled it yet
+                    self.settle(reply.exception() or reply.result())
+                self._tell()
+            return await asyncio.shield(self.done)
+        return self._result()
+
+    def settle(self, answer: Any) -> None:
+        """Redis answered (or the socket ended): end the hold once, and tell every caller waiting."""
+        if self.outcome is not None:
+            return
+        if isinstance(answer, NoScriptError):  # Redis forgot the script: load it, release again
+            task = asyncio.ensure_future(self.core._let_go(self.lease, True))
+            task.add_done_callback(self._from_task)
+            return
+        self.outcome = self.core.settle_release(self.lease, self.lost_before, self.began, answer)
+        self._tell()
+
+    def _from_task(self, task: asyncio.Future[bool]) -> None:
+        error = None if task.cancelled() else task.exception()
+        self.outcome = (LockError(f"release of {self.lease.key} stopped", key=self.lease.key) if task.cancelled()
+                        else error if isinstance(error, LockError) else task.result() if error is None
+                        else LockError(f"release of {self.lease.key} failed: {error}", key=self.lease.key))
+        self._tell()
+
+    def _tell(self) -> None:
+        if self.outcome is not None and self.done is not None and not self.done.done():
+            if isinstance(self.outcome, LockError):
+                self.done.set_exception(self.outcome)
+            else:
+                self.done.set_result(bool(self.outcome))
+
+    def _result(self) -> bool:
+        if isinstance(self.outcome, LockError):
+            raise self.outcome
+        return bool(self.outcome)
 
 
 def _error_type(error: BaseException | None) -> str:

@@ -45,7 +45,7 @@ class LockInfo:
 class Ends(Protocol):
     """How a hold ends (the manager core, kept abstract so this module imports no manager)."""
 
-    async def release(self, lease: Lease, *, outer: bool, child: bool) -> bool: ...
+    def release(self, lease: Lease, *, outer: bool, child: bool) -> Any: ...  # a task, or a Releasing
 
     def lose(self, lease: Lease, reason: str) -> None: ...
 
@@ -153,8 +153,7 @@ class Lease:
         self.renew_at: float = valid_from + renew_every
         self.depth: int = 1
         self.child_holds: int = 0        # holds of spawned tasks (share_with_children)
-        self.children_done: asyncio.Event = asyncio.Event()
-        self.children_done.set()
+        self._children_done: asyncio.Event | None = None  # made when a child enters
         self.closing: bool = False       # the final release has begun: no more re-entry
         self.loop = asyncio.get_running_loop()
         self.lost: asyncio.Event = LostEvent(self)
@@ -186,6 +185,15 @@ class Lease:
             self.child_holds += 1
             self.children_done.clear()
 
+    @property
+    def children_done(self) -> asyncio.Event:
+        """Set while no spawned task holds it (the outer release waits for it)."""
+        if self._children_done is None:
+            self._children_done = asyncio.Event()
+            if not self.child_holds:
+                self._children_done.set()
+        return self._children_done
+
     def unnest(self, *, child: bool) -> None:
         """A nested hold ended (or never got its Redis confirmation)."""
         self.depth -= 1
@@ -216,7 +224,7 @@ class HeldLock:
     def __init__(self, lease: Lease, depth: int, *, outer: bool = False, child: bool = False) -> None:
         self._lease = lease
         self.depth = depth
-        self._release: asyncio.Future[bool] | None = None
+        self._release: Any = None  # the release under way: a task, or the core's Releasing
         self._outer = outer
         self._child = child
 
@@ -248,9 +256,12 @@ class HeldLock:
     async def release(self) -> bool:
         """Release this hold; False if the lock was no longer ours. Idempotent, safe to cancel."""
         if self._release is None:
-            self._release = asyncio.ensure_future(self._lease.ends.release(self._lease, outer=self._outer,
-                                                                           child=self._child))
-        return await asyncio.shield(self._release)
+            self._release = self._lease.ends.release(self._lease, outer=self._outer, child=self._child)
+        release = self._release
+        if isinstance(release, asyncio.Future):
+            return await asyncio.shield(release)
+        answer: bool = await release.wait()
+        return answer
 
     def __repr__(self) -> str:
         return f"<HeldLock {self.key} owner={self.owner} token={self.token} depth={self.depth}>"

@@ -14,7 +14,7 @@ import logging
 import time
 from collections import Counter
 from functools import partial
-from typing import Any, Coroutine
+from typing import Any, Callable, Coroutine
 
 from redis.exceptions import NoScriptError, RedisError
 
@@ -114,6 +114,12 @@ class ScriptTransport:
                                                                           "1" if whole else "0"],
                                  "release", lease.name)
         return int(answer)
+
+    def send_release(self, lease: Lease, *, whole: bool,
+                     on_orphan: Callable[[Any], None] | None = None) -> asyncio.Future[Any] | None:
+        """RELEASE on the wire now (the lean connection), its raw reply's future; None: use `release()`."""
+        return self.link.send_now(_scripts.release, lock_keys(lease.key),
+                                  [lease.owner, self.fence_ttl_ms, "1" if whole else "0"], on_orphan)
 
     def release_when_back(self, lease: Lease) -> None:
         """A release that Redis did not answer: retried until it does (the next caller gets in then)."""

@@ -109,6 +109,10 @@ class MasterWatch:
         pool = getattr(client, "connection_pool", None)
         return cls(pool) if isinstance(pool, SentinelConnectionPool) and pool.is_master else None
 
+    def due(self) -> bool:
+        """Is it time to ask the Sentinels again (then a call must `await check()` first)?"""
+        return asyncio.get_running_loop().time() >= self._next
+
     async def check(self) -> None:
         now = asyncio.get_running_loop().time()
         if now < self._next:

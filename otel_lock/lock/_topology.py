@@ -59,6 +59,14 @@ class Link:
     async def prepare(self) -> None:
         """Called before every script (Sentinel: still the master?)."""
 
+    def send_now(self, script: _scripts.Script, keys: tuple[str, ...], args: list[Any],
+                 on_orphan: Callable[[Any], None] | None = None) -> asyncio.Future[Any] | None:
+        """The script on the wire now, its reply's future; None when the call needs `call()` (an await first).
+
+        `on_orphan` gets the reply (or the error) if the future was cancelled first.
+        """
+        return None
+
     async def call(self, script: _scripts.Script, keys: tuple[str, ...], args: list[Any]) -> Any:
         await self.prepare()
         with suppressed():  # no Redis instrumentation span per lock call
@@ -103,6 +111,10 @@ class LeanLink(Link):
         await self.prepare()
         return await script(self.connection, keys, args)
 
+    def send_now(self, script: _scripts.Script, keys: tuple[str, ...], args: list[Any],
+                 on_orphan: Callable[[Any], None] | None = None) -> asyncio.Future[Any] | None:
+        return self.connection.send_now("EVALSHA", script.sha, len(keys), *keys, *args, on_orphan=on_orphan)
+
     async def batch(self, calls: list[tuple[Any, ...]]) -> list[Any]:
         await self.prepare()
         return await self.connection.execute_many(calls)
@@ -130,6 +142,10 @@ class SentinelLink(LeanLink):
 
     async def prepare(self) -> None:
         await self.watch.check()
+
+    def send_now(self, script: _scripts.Script, keys: tuple[str, ...], args: list[Any],
+                 on_orphan: Callable[[Any], None] | None = None) -> asyncio.Future[Any] | None:
+        return None if self.watch.due() else super().send_now(script, keys, args, on_orphan)
 
     def _idle_check(self) -> Callable[[], Awaitable[None]] | None:
         return self.watch.check

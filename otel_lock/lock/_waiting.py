@@ -70,9 +70,15 @@ class Waiter:
     async def next(self, timeout: float | None) -> Grant | str | None:
         """The next wake-up, consumed, or None after `timeout` seconds."""
         if not self._event.is_set():
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(timeout):
+            if timeout is None:
+                await self._event.wait()
+            else:
+                # a timer that sets the event without a value: cheaper than a timeout scope per wait
+                timer = asyncio.get_running_loop().call_later(timeout, self._event.set)
+                try:
                     await self._event.wait()
+                finally:
+                    timer.cancel()
         value, self._value = self._value, None
         self._event.clear()
         return value

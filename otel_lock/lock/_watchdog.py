@@ -45,13 +45,24 @@ class Watchdog:
         self._changed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._wake_at = NEVER
+        self._timer: asyncio.TimerHandle | None = None
 
     def add(self, lease: Lease) -> None:
         self._leases.add(lease)
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run(), name="otel-lock watchdog")
-        elif min(lease.renew_at, lease.expires_at) < self._wake_at:
-            self._changed.set()  # due before the loop's next wake-up
+        else:
+            # due before the loop's next wake-up: wake it then (a timer, not a wake-up now:
+            # taking a lock costs no turn of the watchdog)
+            self._wake_by(min(lease.renew_at, lease.expires_at))
+
+    def _wake_by(self, when: float) -> None:
+        if when >= self._wake_at:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._wake_at = when
+        self._timer = asyncio.get_running_loop().call_at(when, self._changed.set)
 
     def discard(self, lease: Lease) -> None:
         self._leases.discard(lease)
@@ -68,11 +79,10 @@ class Watchdog:
                 await self._renew(due)
                 continue
             # Sleeping with nothing held costs nothing; an earlier deadline wakes us.
-            self._wake_at = min((min(l.renew_at, l.expires_at) for l in self._leases), default=NEVER)
             self._changed.clear()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(None if self._wake_at == NEVER else max(0.0, self._wake_at - now)):
-                    await self._changed.wait()
+            self._wake_at = NEVER
+            self._wake_by(min((min(l.renew_at, l.expires_at) for l in self._leases), default=NEVER))
+            await self._changed.wait()
             self._wake_at = NEVER
 
     async def _renew(self, leases: list[Lease]) -> None:
@@ -102,6 +112,8 @@ class Watchdog:
                 self._ends.renewed(lease, "ok")
 
     async def aclose(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):

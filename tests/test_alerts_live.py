@@ -61,6 +61,15 @@ def stack(fault_target):
 
 
 @pytest.fixture
+async def load(stack):
+    loop = LoadLoop(stack.replicas.urls, workers=4, seed=11)
+    task = asyncio.create_task(loop.run())
+    yield loop
+    loop.stop()
+    await task
+
+
+@pytest.fixture
 def short_leases():
     """Stock locks with a 3 s lease and 2 s of work inside: a replica stopped past the lease loses its hold."""
     with LocalStack(replicas=1, job_interval=0, scrape_interval="1s", evaluation_interval="1s",

@@ -118,9 +118,15 @@ class Core:
 
     @property
     def redis(self) -> Any:
-        """The redis-py client of the current event loop (idempotency records, operator calls)."""
-        runtime = self._runtimes.current()
-        return runtime.transport.records if runtime is not None else self._topology_client()
+        """The redis-py client of the current event loop (idempotency records, operator calls).
+
+        Outside any event loop: the client the manager was given (or made first).
+        """
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return self._topology_client()
+        return self._runtimes.here().transport.records
 
     def _topology_client(self) -> Any:
         raise NotImplementedError

@@ -199,6 +199,10 @@ def test_bad_work_setting_is_named(monkeypatch):
 async def test_healthz_and_metrics(client):
     health = (await client.get("/healthz")).json()
     assert health["status"] == "ok" and health["namespace"] == "t" and health["redis"]["run_id"]
+    assert (await client.put("/api/stock/p9", json={"stock": 1})).status_code == 200
+    assert (await client.post("/api/stock/p9/deduct")).status_code == 200  # the lock manager's first use
+    [server] = (await client.get("/healthz")).json()["server_checks"]  # what it found of the server
+    assert server["ok"] is True and server["version"] and server["refusals"] == []
     metrics = await client.get("/metrics")
     assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain")
 

@@ -142,14 +142,15 @@ async def test_timeout_is_an_error_span_and_a_timeout_outcome(redis_url, locks, 
             with otel.tracer.start_as_current_span("request"), pytest.raises(LockTimeout):
                 await other.acquire("k", wait=0.05)
     span = [s for s in otel.acquire_spans() if s.attributes["lock.outcome"] == "timeout"][0]
-    assert span.status.status_code == StatusCode.ERROR
+    assert span.status.status_code == StatusCode.ERROR and span.attributes["error.type"] == "timeout"
     assert {"lock.name": "k", "lock.outcome": "timeout", "lock.contended": True, "error.type": "timeout"} in otel.attrs(
         "otel_lock.wait.duration")
     assert otel.gauge("otel_lock.pending", "k") == 0
 
 
 async def test_redis_error_is_counted_with_its_type(otel):
-    async with LockManager.from_url(f"redis://127.0.0.1:{free_port()}/0", socket_timeout=0.5,
+    port = free_port()
+    async with LockManager.from_url(f"redis://127.0.0.1:{port}/0", socket_timeout=0.5,
                                     **otel.providers()) as locks:
         with otel.tracer.start_as_current_span("request"), pytest.raises(RedisUnavailable):
             await locks.acquire("k")
@@ -160,6 +161,10 @@ async def test_redis_error_is_counted_with_its_type(otel):
         {"lock.name": "k", "lock.outcome": "error", "lock.contended": False, "error.type": "redis_unavailable"}]
     [span] = otel.acquire_spans()
     assert span.status.status_code == StatusCode.ERROR
+    # the failed span says what failed and where, by the database conventions
+    assert span.attributes["error.type"] == "redis_unavailable"
+    assert span.attributes["db.system.name"] == "redis"
+    assert (span.attributes["server.address"], span.attributes["server.port"]) == ("127.0.0.1", port)
 
 
 async def test_renewals_are_counted_ok(redis_url, otel):

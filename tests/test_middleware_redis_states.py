@@ -68,3 +68,26 @@ async def test_a_key_value_that_is_not_text_locks_its_escaped_bytes_and_the_conn
             assert ok.status_code == 200 and ok.json() == {"bought": 2}
     assert app.state.runs == ["\ud800", "b"]
     assert await redis_client.exists(lock_key("item:b")) == 0
+
+
+async def test_a_redis_error_reply_to_the_lock_is_a_problem_500(redis_url, redis_client):
+    """A key of another type where the lock's hash belongs (WRONGTYPE): problem+json, never text/plain."""
+    async with make_manager(redis_url) as manager:
+        app = shop(manager)
+        await redis_client.set(lock_key("item:x"), "not a hash")
+        async with client_for(app) as client:
+            response = await client.post("/items", json={"sku": "x"})
+    assert response.status_code == 500
+    assert response.headers["content-type"] == "application/problem+json"
+    assert problem(response)["type"] == "redis-error" and "WRONGTYPE" in problem(response)["detail"]
+    assert app.state.runs == []
+
+
+def test_the_former_body_timeout_name_warns_and_cannot_be_mixed():
+    import pytest
+    from starlette.applications import Starlette
+
+    with pytest.warns(DeprecationWarning, match="body_idle_timeout"):
+        LockMiddleware(Starlette(), body_timeout=3.0)
+    with pytest.raises(TypeError, match="both"):
+        LockMiddleware(Starlette(), body_timeout=3.0, body_idle_timeout=2.0)

@@ -1,6 +1,7 @@
 """The ASGI layer: middleware, route annotations, key templates, idempotency, problem answers."""
 
 from ._annotations import idempotent, locked
-from ._middleware import LockMiddleware
+from ._guard import DirectCallRefused
+from ._middleware import LockMiddleware, StartupFailed
 
-__all__ = ["LockMiddleware", "idempotent", "locked"]
+__all__ = ["DirectCallRefused", "LockMiddleware", "StartupFailed", "idempotent", "locked"]

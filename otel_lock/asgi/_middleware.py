@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import warnings
 from typing import Any, Callable, TypeAlias
 
 from ..lock import Locks
@@ -54,8 +55,13 @@ class LockMiddleware:
                  idempotency_store: IdempotencyStore | None = None) -> None:
         if not isinstance(max_body, int) or isinstance(max_body, bool) or max_body < 0:
             raise ValueError(f"max_body must be a non-negative number of bytes, got {max_body!r}")
-        if body_timeout is not None:
-            body_idle_timeout = body_timeout   # the former name
+        if body_timeout is not None:  # the former name, which timed the whole body rather than each pause
+            if body_idle_timeout != 5.0:
+                raise TypeError("LockMiddleware got both body_timeout= and body_idle_timeout=: give only "
+                                "body_idle_timeout= (body_timeout= is its former name)")
+            warnings.warn("LockMiddleware(body_timeout=) is deprecated: use body_idle_timeout= (the time a client "
+                          "may pause between parts of the body)", DeprecationWarning, stacklevel=2)
+            body_idle_timeout = body_timeout
         for what, value in (("body_idle_timeout", body_idle_timeout), ("send_timeout", send_timeout)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{what} must be a positive number of seconds, got {value!r}")

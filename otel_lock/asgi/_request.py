@@ -19,7 +19,7 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..lock import HeldLock, LockLost, LockTimeout, Locks, RedisMisconfigured, RedisUnavailable
+from ..lock import HeldLock, LockError, LockLost, LockTimeout, Locks, RedisMisconfigured, RedisUnavailable
 from ._annotations import Idempotent, Locked
 from ._binding import INVALID, RouteBinding
 from ._body import BodyLimits, BodyRefused, Client, ClientGone, read_body
@@ -192,6 +192,14 @@ class LockedApp:
             await send_problem(send, 503, "lock-lost",
                                "the lock was lost while the request ran; its effects may be incomplete",
                                retry_after=retry_after(rule))
+            return True
+        except LockError as error:
+            if entered:
+                raise  # the handler's own
+            # Redis answered the lock's script with an error (a key of another type in the namespace, ...)
+            log.error("otel-lock: %s", error)
+            await send_problem(send, 500, "redis-error", f"the lock service failed: {error}")
+            return False
         return True
 
 

@@ -292,6 +292,11 @@ async def healthz(request: Request) -> JSONResponse:
     return JSONResponse({
         "status": "ok", "replica": shop.settings.replica_name, "namespace": shop.settings.namespace,
         "locks": shop.settings.locks_enabled, "redis": await redis_identity(shop.locks.redis),
+        # what the lock manager's first use found of each server (otel-lock doctor's checks)
+        "server_checks": [{"address": r.address, "server": r.server, "version": r.version,
+                           "maxmemory_policy": r.maxmemory_policy, "ok": r.ok,
+                           "warnings": [c.name for c in r.warnings], "refusals": [c.name for c in r.refusals]}
+                          for r in shop.locks.server_reports],
     })
 
 

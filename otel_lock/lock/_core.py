@@ -15,6 +15,7 @@ which case it re-enters and the outer release waits for it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -117,9 +118,15 @@ class Core:
 
     @property
     def redis(self) -> Any:
-        """The redis-py client of the current event loop (idempotency records, operator calls)."""
-        runtime = self._runtimes.current()
-        return runtime.transport.records if runtime is not None else self._topology_client()
+        """The redis-py client of the current event loop (idempotency records, operator calls).
+
+        Outside any event loop: the client the manager was given (or made first).
+        """
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return self._topology_client()
+        return self._runtimes.here().transport.records
 
     def _topology_client(self) -> Any:
         raise NotImplementedError
@@ -250,10 +257,12 @@ class Core:
         start = loop.time()
         redis_key = self._redis_key(key)
         waiter_id = self._next_owner()
-        ctx = current_traceparent() if trace.get_current_span().get_span_context().is_valid else ""
+        current = trace.get_current_span()
+        recording = current.is_recording()  # no trace (a job, a benchmark): no span work at all
+        ctx = current_traceparent() if current.get_span_context().is_valid else ""
         request = Request((redis_key,), name, waiter_id, owner or waiter_id, int(lease * 1000), wait, ctx,
                           private=owner is None)
-        with self.telemetry.acquire_span(name) as span:
+        with self.telemetry.acquire_span(name) if recording else _NO_SPAN as span:
             outcome, error = "error", None  # type: str, BaseException | None
             try:
                 take = runtime.transport.take(request) if runtime.checked else self._first_take(runtime, request)
@@ -284,9 +293,10 @@ class Core:
         held.runtime = runtime
         if reply.depth > 1:  # an explicit owner that already held it
             held.depth = reply.depth
-        held.span = self.telemetry.start_hold_span(name, self.telemetry.redact({
-            "lock.name": name, "lock.key": redis_key, "lock.owner": held.owner, "lock.token": reply.token,
-            "lock.lease": lease}))
+        if recording:
+            held.span = self.telemetry.start_hold_span(name, self.telemetry.redact({
+                "lock.name": name, "lock.key": redis_key, "lock.owner": held.owner, "lock.token": reply.token,
+                "lock.lease": lease}))
         if not planned:  # a tick's lock is held to the end of its lease on purpose: never "near its lease"
             self._counts.hold_started(held)
         self._counts.active[name] += 1
@@ -548,6 +558,9 @@ class Core:
             return await ask(transport)
         except (RedisError, OSError) as exc:
             raise to_lock_error(exc, what, key=key, client=transport.records) from exc
+
+
+_NO_SPAN = contextlib.nullcontext(trace.INVALID_SPAN)
 
 
 class Releasing:

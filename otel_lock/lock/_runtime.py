@@ -102,6 +102,20 @@ async def _on_shutdown(runtime: weakref.ref[Runtime]) -> AsyncIterator[None]:
             await alive.aclose()
 
 
+async def _closing(close: Callable[[], Awaitable[Any]]) -> AsyncIterator[None]:
+    try:
+        yield
+    finally:
+        await close()
+
+
+def at_loop_shutdown(close: Callable[[], Awaitable[Any]]) -> AsyncIterator[None]:
+    """Call `close()` when the running event loop shuts down (after its tasks); keep the result referenced."""
+    generator = _closing(close)
+    _start(generator)
+    return generator
+
+
 def _start(generator: AsyncIterator[None]) -> None:
     """Run the generator to its first `yield` now: that registers it with the running loop's hooks."""
     step = generator.__anext__()

@@ -24,14 +24,17 @@ operator's `otel-lock locks` listing never mistakes them for locks.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Awaitable, Callable, TypeVar
 
 import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
 
+from ...lock._runtime import at_loop_shutdown
 from ._store_errors import RecordStoreUnavailable, translate
 
 log = logging.getLogger("otel_lock.idempotency")
@@ -217,7 +220,11 @@ class IdempotencyStore:
         if namespace is not None and (not isinstance(namespace, str) or not namespace or "{" in namespace):
             raise ValueError(f"IdempotencyStore(namespace=...) must be a non-empty string without braces, "
                              f"got {namespace!r}")
-        self.redis: Any = redis          # a redis.asyncio Redis or RedisCluster
+        self._redis: Any = redis         # a redis.asyncio Redis or RedisCluster
+        # from_url: a client per event loop (a redis-py client serves only the loop it connected on)
+        self._make: Callable[[], Any] | None = None
+        self._per_loop: dict[asyncio.AbstractEventLoop, Any] = {}
+        self._closers: list[Any] = []  # close each loop's client when that loop shuts down
         self.namespace: str | None = namespace
         self.configured: Caps = Caps(max_records or 0, max_bytes or 0, max_records_per_principal or 0,
                                      max_bytes_per_principal or 0)
@@ -237,18 +244,53 @@ class IdempotencyStore:
                                             "max_bytes_per_principal") if k in options}
         store = cls(aioredis.Redis.from_url(url, **options), **caps)
         store._owns_client = True
+        store._make = lambda: aioredis.Redis.from_url(url, **options)
         return store
+
+    @property
+    def redis(self) -> Any:
+        """The client for the current event loop: the lock manager's (bound per request), or this store's own."""
+        if self._make is None:
+            return self._redis
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return self._redis
+        client = self._per_loop.get(loop)
+        if client is None:
+            for gone in [other for other in self._per_loop if other.is_closed()]:
+                del self._per_loop[gone]
+            client = self._per_loop[loop] = self._redis if not self._per_loop and not self._used else self._make()
+            self._used = True
+            self._closers = [c for c in self._closers if c.ag_frame is not None]  # loops that ended: done
+            self._closers.append(at_loop_shutdown(partial(self._forget_loop, loop, client)))
+        return client
+
+    async def _forget_loop(self, loop: asyncio.AbstractEventLoop, client: Any) -> None:
+        if self._per_loop.get(loop) is client:
+            del self._per_loop[loop]
+        await client.aclose()
+
+    _used = False
 
     def bind(self, redis: Any, namespace: str) -> None:
         """Fill in what was not given: the lock manager's Redis (its current client) and namespace."""
         if self.shares_lock_redis:
-            self.redis = redis
+            self._redis = redis
         if self.namespace is None:
             self.namespace = namespace
 
     async def aclose(self) -> None:
-        if self._owns_client and self.redis is not None:
-            await self.redis.aclose()
+        """Close the clients this store made for itself (from_url), on this loop; others close with their loop."""
+        if not self._owns_client:
+            return
+        clients = list(self._per_loop.values()) or [self._redis]
+        self._per_loop.clear()
+        for client in clients:
+            try:
+                await client.aclose()
+            except RuntimeError:
+                pass  # made on an event loop that is closed now
 
     # -- keys ---------------------------------------------------------------------------
 

@@ -34,41 +34,11 @@ DOC_URL = "redis://127.0.0.1:6379"
 RUN_TIMEOUT = 90.0   # seconds for one block, its app's requests included
 BLOCKS = python_blocks()
 
-# The blocks that fail as pasted today, by file and index among that file's ```python blocks
-# (fragments counted), with the block's first line (so an entry left behind by an edit is found)
-# and the cause. The xfail is strict: a block that starts to pass fails here until its entry goes.
-FAILING: dict[tuple[str, int], tuple[str, str]] = {
-    ("README.md", 1): (
-        "from fastapi import FastAPI",
-        "every route answers 500: `caller` reads request.user, which needs an AuthenticationMiddleware the "
-        "example does not add; the `-> dict: ...` stubs return None, which fails FastAPI's response validation"),
-    ("docs/lock.md", 1): (
-        'async with locks.lock("report:7", share_with_children=True) as held:',
-        "NameError: needs `locks`, `asyncio` and a `render_page` it does not define (and its comment says "
-        "depth 2 where the second child gets depth 3)"),
-    ("docs/lock.md", 2): (
-        "locks = LockManager.from_url(",
-        "names hosts no reader has (10.0.0.x Sentinels) and imports no LockManager"),
-    ("docs/lock.md", 3): (
-        "from redis.asyncio.sentinel import Sentinel",
-        "names hosts no reader has (10.0.0.x Sentinels) and imports no LockManager"),
-    ("docs/lock.md", 4): (
-        "locks = LockManager.from_url(\"redis+cluster://:s3cret@10.0.0.1:7000,10.0.0.2:7000,10.0.0.3:7000\",",
-        "names hosts no reader has (10.0.0.x Cluster nodes) and imports no LockManager"),
-    ("docs/lock.md", 5): (
-        "from otel_lock import RedLockManager",
-        "names hosts no reader has (three 10.0.0.x masters)"),
-    ("docs/observability.md", 0): (
-        "from otel_lock import telemetry",
-        "NameError: Starlette, Route, LockMiddleware and `locks` are not imported or defined; `[..., Route(...)]` "
-        "puts an Ellipsis among the routes"),
-    ("docs/safety.md", 0): (
-        "async with locks.lock(f\"stock:{product_id}\") as held:",
-        "NameError: needs the reader's `locks`, `db` and `product_id` (an illustration: a fragment)"),
-    ("docs/safety.md", 1): (
-        "# KEYS[1]: the resource's hash. ARGV[1]: the token; ARGV[2], ARGV[3]...: field/value pairs to set.",
-        "NameError: needs `redis`, `locks`, `sku` and LockLost, none defined or imported"),
-}
+# Blocks that fail as pasted, by file and index among that file's ```python blocks (fragments
+# counted), each with the block's first line (so an entry left behind by an edit is found) and the
+# cause. None today: a block that fails is fixed, not listed. The xfail is strict, so an entry added
+# for a known failure fails the run once the block passes.
+FAILING: dict[tuple[str, int], tuple[str, str]] = {}
 
 # A URL's host: after the scheme and any user:password@, up to a port, path or the next host of a list.
 REDIS_URL = re.compile(r"\b(?:rediss?|redis\+sentinel|redis\+cluster)://(?:[^@/\s\"']*@)?(?P<hosts>[^/\s\"'?]*)")

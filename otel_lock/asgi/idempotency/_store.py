@@ -247,6 +247,7 @@ class IdempotencyStore:
             self.namespace = namespace
 
     async def aclose(self) -> None:
+        """Close the client `from_url` made (a client you passed in is yours to close)."""
         if self._owns_client and self.redis is not None:
             await self.redis.aclose()
 

@@ -212,3 +212,42 @@ def test_a_fastapi_app_gets_a_body_and_headers_its_schema_requires(redis_url):
               "    assert order.product_id == 1 and x_user_id == '1'\n    return {}\n")
     returncode, output = run_as_pasted(source, redis_url)
     assert returncode == 0 and "POST /orders/1 -> 201" in output, output
+
+
+PLAIN_ASGI = """
+from otel_lock import LockManager, LockMiddleware, locked
+
+locks = LockManager.from_url("redis://127.0.0.1:6379/0", namespace="docs-harness")
+
+
+async def plain(scope, receive, send):
+    if scope["type"] == "lifespan":
+        while (await receive())["type"] != "lifespan.shutdown":
+            await send({{"type": "lifespan.startup.complete"}})
+        await send({{"type": "lifespan.shutdown.complete"}})
+        return
+    await send({{"type": "http.response.start", "status": {status}, "headers": []}})
+    await send({{"type": "http.response.body", "body": b"{{}}"}})
+
+{app}
+"""
+
+
+def test_an_app_of_another_framework_is_sent_a_request_per_rule_and_its_500_fails(redis_url):
+    ruled = ('app = LockMiddleware(plain, manager=locks, rules={"POST /api/items/{item_id}": '
+             'locked("item:{path.item_id}")})')
+    returncode, output = run_as_pasted(PLAIN_ASGI.format(status=500, app=ruled), redis_url)
+    assert returncode == 1 and "POST /api/items/1 answered 500" in output, output
+    returncode, output = run_as_pasted(PLAIN_ASGI.format(status=201, app=ruled), redis_url)
+    assert returncode == 0 and "POST /api/items/1 -> 201" in output, output
+
+
+def test_an_app_with_nothing_to_send_requests_to_fails(redis_url):
+    returncode, output = run_as_pasted(PLAIN_ASGI.format(status=200, app="app = plain"), redis_url)
+    assert returncode == 1 and "nothing to send requests to" in output, output
+
+
+def test_a_block_is_the_main_module_as_a_pasted_file_would_be(redis_url):
+    source = ("import sys\nclass Order:\n    pass\n"
+              "assert sys.modules['__main__'].Order is Order and Order.__module__ == '__main__'\n")
+    assert run_as_pasted(source, redis_url) == (0, "")

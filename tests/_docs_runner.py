@@ -27,6 +27,7 @@ import builtins
 import inspect
 import json
 import logging
+import re
 import sys
 import traceback
 import types
@@ -78,17 +79,38 @@ def asgi_apps(namespace: dict[str, Any]) -> list[Any]:
     return [value for value in namespace.values() if isinstance(value, Starlette)]
 
 
+def wrapped(app: Any) -> list[Any]:
+    """The app and the apps inside its middleware wrappers (`.app`), outermost first."""
+    chain = [app]
+    while getattr(chain[-1], "app", None) is not None and len(chain) < 20:
+        chain.append(chain[-1].app)
+    return chain
+
+
 def starlette_of(app: Any) -> Any:
-    """The Starlette app inside middleware wrappers (instrument_app returns one)."""
+    """The Starlette app inside middleware wrappers (instrument_app returns one), or None."""
     from starlette.applications import Starlette
 
-    seen = 0
-    while not isinstance(app, Starlette):
-        app = getattr(app, "app", None)
-        seen += 1
-        if app is None or seen > 20:
-            raise AssertionError("the block's `app` wraps no Starlette or FastAPI app: nothing to send requests to")
-    return app
+    return next((inner for inner in wrapped(app) if isinstance(inner, Starlette)), None)
+
+
+def requests_for_rules(app: Any) -> list[tuple[str, str, dict[str, Any]]]:
+    """For an app of another framework (Litestar, Quart) behind LockMiddleware: one request per rule.
+
+    Path parameters are "1", the body `{}` as JSON: the answer may be the framework's 4xx, never a 5xx.
+    """
+    from otel_lock import LockMiddleware
+
+    middleware = next((inner for inner in wrapped(app) if isinstance(inner, LockMiddleware)), None)
+    if middleware is None or not middleware.rules:
+        raise AssertionError("the block's `app` wraps no Starlette or FastAPI app and no LockMiddleware with "
+                             "rules: nothing to send requests to")
+    found = []
+    for rule in middleware.rules:
+        path = re.sub(r"\{[^}]*\}", "1", rule.path_format)
+        for method in sorted((rule.methods or {"POST"}) - {"HEAD"}):
+            found.append((method, path, {"headers": {"idempotency-key": '"docs-example-1"'}, "json": {}}))
+    return found
 
 
 def sample(schema: dict[str, Any], components: dict[str, Any]) -> Any:
@@ -121,6 +143,8 @@ def requests_for(app: Any) -> list[tuple[str, str, dict[str, Any]]]:
     from starlette.convertors import FloatConvertor, IntegerConvertor, UUIDConvertor
 
     inner = starlette_of(app)
+    if inner is None:
+        return requests_for_rules(app)
     schema = inner.openapi() if hasattr(inner, "openapi") else {}
     components = schema.get("components", {}).get("schemas", {})
     headers = {"idempotency-key": '"docs-example-1"'}
@@ -252,7 +276,12 @@ def main() -> int:
     guard_network(job["port"])
     # Leading newlines: tracebacks name the doc's own line numbers.
     code = compile("\n" * job["line"] + job["source"], job["path"], "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
-    namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
+    # The block is the program's __main__ module, as `python block.py` makes it: frameworks that
+    # resolve a handler's annotations in its module (Litestar) find the block's own names there.
+    module = types.ModuleType("__main__")
+    module.__dict__["__builtins__"] = builtins
+    sys.modules["__main__"] = module
+    namespace: dict[str, Any] = module.__dict__
     pending = types.FunctionType(code, namespace)()
     asyncio.run(finish(pending if inspect.iscoroutine(pending) else None, namespace))
     for value in namespace.values():   # blocking managers (otel_lock.sync) close outside any loop

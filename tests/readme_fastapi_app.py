@@ -1,62 +1,33 @@
 """README.md's FastAPI example, as a served app for the schemathesis run (tests/test_openapi_schemathesis.py).
 
-Pasted from the README with what it needs to run as an app, each marked `# added:`.
-The README's `caller` reads `request.user.identity`, which exists only behind an
-authentication middleware and only for an authenticated user; its handlers are
-`...`, which FastAPI would answer 500 for (None is not a dict). Run with
-`REDIS_URL=redis://... python -m uvicorn readme_fastapi_app:app`.
+Not a copy: the block is read from README.md at import and run as this
+module, so the app under test is the one a reader pastes. Only its Redis URL
+changes, to `$REDIS_URL`. Run with
+`REDIS_URL=redis://... python -m uvicorn readme_fastapi_app:app` from tests/.
 """
 
 import os
+from pathlib import Path
 
-from fastapi import FastAPI
-from pydantic import BaseModel
-from starlette.authentication import AuthCredentials, AuthenticationBackend, SimpleUser  # added
-from starlette.middleware.authentication import AuthenticationMiddleware  # added
-from starlette.requests import Request
+try:
+    from ._markdown import python_blocks
+except ImportError:
+    from _markdown import python_blocks
 
-from otel_lock import LockManager, LockMiddleware, idempotent, locked
-
-locks = LockManager.from_url(os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"), namespace="shop")  # added: env
-app = FastAPI()
+DOC_URL = "redis://127.0.0.1:6379/0"
+README = "README.md"
 
 
-def caller(request: Request) -> str | None:
-    """Whose Idempotency-Keys these are: set by your authentication middleware, never a raw header."""
-    return request.user.identity if request.user.is_authenticated else None  # added: the anonymous case
+def readme_app_block() -> tuple[str, int]:
+    """(source, line) of README.md's one ```python block that builds a FastAPI app."""
+    found = [b.block for b in python_blocks()
+             if b.block.path == README and not b.fragment and "app = FastAPI()" in b.block.source]
+    assert len(found) == 1, f"README.md should have one FastAPI example, found {len(found)}"
+    assert DOC_URL in found[0].source, f"README.md's FastAPI example no longer uses {DOC_URL}"
+    return found[0].source, found[0].line
 
 
-app.add_middleware(LockMiddleware, manager=locks, principal=caller)
-
-
-class BearerUser(SimpleUser):  # added: older Starlette (0.40) gives SimpleUser no `identity`
-    @property
-    def identity(self) -> str:
-        return self.username
-
-
-class BearerUsers(AuthenticationBackend):  # added: `Authorization: Bearer <user>` stands for a real verifier
-    async def authenticate(self, conn):
-        scheme, _, user = conn.headers.get("authorization", "").partition(" ")
-        return (AuthCredentials(["authenticated"]), BearerUser(user)) if scheme == "Bearer" and user else None
-
-
-app.add_middleware(AuthenticationMiddleware, backend=BearerUsers())  # added: outside LockMiddleware
-
-
-class Order(BaseModel):
-    product_id: int
-    quantity: int = 1
-
-
-@app.post("/api/stock/{product_id}/deduct")
-@locked("stock:{path.product_id}", wait=2.0)     # 409 + Retry-After when busy
-async def deduct(product_id: int) -> dict:
-    return {"product_id": product_id}  # added: a body
-
-
-@app.post("/api/orders")
-@idempotent(ttl=86400)                           # Idempotency-Key: "..." (sf-string); replayed, 409, 422
-@locked("stock:{json.product_id}")
-async def submit(order: Order) -> dict:
-    return order.model_dump()  # added: a body
+_source, _line = readme_app_block()
+# Leading newlines: a traceback names README.md's own line numbers.
+exec(compile("\n" * _line + _source.replace(DOC_URL, os.environ.get("REDIS_URL", DOC_URL)),
+             str(Path(__file__).resolve().parents[1] / README), "exec"), globals())

@@ -34,41 +34,11 @@ DOC_URL = "redis://127.0.0.1:6379"
 RUN_TIMEOUT = 90.0   # seconds for one block, its app's requests included
 BLOCKS = python_blocks()
 
-# The blocks that fail as pasted today, by file and index among that file's ```python blocks
-# (fragments counted), with the block's first line (so an entry left behind by an edit is found)
-# and the cause. The xfail is strict: a block that starts to pass fails here until its entry goes.
-FAILING: dict[tuple[str, int], tuple[str, str]] = {
-    ("README.md", 1): (
-        "from fastapi import FastAPI",
-        "every route answers 500: `caller` reads request.user, which needs an AuthenticationMiddleware the "
-        "example does not add; the `-> dict: ...` stubs return None, which fails FastAPI's response validation"),
-    ("docs/lock.md", 1): (
-        'async with locks.lock("report:7", share_with_children=True) as held:',
-        "NameError: needs `locks`, `asyncio` and a `render_page` it does not define (and its comment says "
-        "depth 2 where the second child gets depth 3)"),
-    ("docs/lock.md", 2): (
-        "locks = LockManager.from_url(",
-        "names hosts no reader has (10.0.0.x Sentinels) and imports no LockManager"),
-    ("docs/lock.md", 3): (
-        "from redis.asyncio.sentinel import Sentinel",
-        "names hosts no reader has (10.0.0.x Sentinels) and imports no LockManager"),
-    ("docs/lock.md", 4): (
-        "locks = LockManager.from_url(\"redis+cluster://:s3cret@10.0.0.1:7000,10.0.0.2:7000,10.0.0.3:7000\",",
-        "names hosts no reader has (10.0.0.x Cluster nodes) and imports no LockManager"),
-    ("docs/lock.md", 5): (
-        "from otel_lock import RedLockManager",
-        "names hosts no reader has (three 10.0.0.x masters)"),
-    ("docs/observability.md", 0): (
-        "from otel_lock import telemetry",
-        "NameError: Starlette, Route, LockMiddleware and `locks` are not imported or defined; `[..., Route(...)]` "
-        "puts an Ellipsis among the routes"),
-    ("docs/safety.md", 0): (
-        "async with locks.lock(f\"stock:{product_id}\") as held:",
-        "NameError: needs the reader's `locks`, `db` and `product_id` (an illustration: a fragment)"),
-    ("docs/safety.md", 1): (
-        "# KEYS[1]: the resource's hash. ARGV[1]: the token; ARGV[2], ARGV[3]...: field/value pairs to set.",
-        "NameError: needs `redis`, `locks`, `sku` and LockLost, none defined or imported"),
-}
+# Blocks that fail as pasted, by file and index among that file's ```python blocks (fragments
+# counted), each with the block's first line (so an entry left behind by an edit is found) and the
+# cause. None today: a block that fails is fixed, not listed. The xfail is strict, so an entry added
+# for a known failure fails the run once the block passes.
+FAILING: dict[tuple[str, int], tuple[str, str]] = {}
 
 # A URL's host: after the scheme and any user:password@, up to a port, path or the next host of a list.
 REDIS_URL = re.compile(r"\b(?:rediss?|redis\+sentinel|redis\+cluster)://(?:[^@/\s\"']*@)?(?P<hosts>[^/\s\"'?]*)")
@@ -242,3 +212,42 @@ def test_a_fastapi_app_gets_a_body_and_headers_its_schema_requires(redis_url):
               "    assert order.product_id == 1 and x_user_id == '1'\n    return {}\n")
     returncode, output = run_as_pasted(source, redis_url)
     assert returncode == 0 and "POST /orders/1 -> 201" in output, output
+
+
+PLAIN_ASGI = """
+from otel_lock import LockManager, LockMiddleware, locked
+
+locks = LockManager.from_url("redis://127.0.0.1:6379/0", namespace="docs-harness")
+
+
+async def plain(scope, receive, send):
+    if scope["type"] == "lifespan":
+        while (await receive())["type"] != "lifespan.shutdown":
+            await send({{"type": "lifespan.startup.complete"}})
+        await send({{"type": "lifespan.shutdown.complete"}})
+        return
+    await send({{"type": "http.response.start", "status": {status}, "headers": []}})
+    await send({{"type": "http.response.body", "body": b"{{}}"}})
+
+{app}
+"""
+
+
+def test_an_app_of_another_framework_is_sent_a_request_per_rule_and_its_500_fails(redis_url):
+    ruled = ('app = LockMiddleware(plain, manager=locks, rules={"POST /api/items/{item_id}": '
+             'locked("item:{path.item_id}")})')
+    returncode, output = run_as_pasted(PLAIN_ASGI.format(status=500, app=ruled), redis_url)
+    assert returncode == 1 and "POST /api/items/1 answered 500" in output, output
+    returncode, output = run_as_pasted(PLAIN_ASGI.format(status=201, app=ruled), redis_url)
+    assert returncode == 0 and "POST /api/items/1 -> 201" in output, output
+
+
+def test_an_app_with_nothing_to_send_requests_to_fails(redis_url):
+    returncode, output = run_as_pasted(PLAIN_ASGI.format(status=200, app="app = plain"), redis_url)
+    assert returncode == 1 and "nothing to send requests to" in output, output
+
+
+def test_a_block_is_the_main_module_as_a_pasted_file_would_be(redis_url):
+    source = ("import sys\nclass Order:\n    pass\n"
+              "assert sys.modules['__main__'].Order is Order and Order.__module__ == '__main__'\n")
+    assert run_as_pasted(source, redis_url) == (0, "")

@@ -92,15 +92,8 @@ def test_readme_links_are_paths_that_exist_in_the_source_tree():
 
 # The project's design notes and issue tracker are not published with it.
 UNSEEN = re.compile(r"\bDESIGN\b|DESIGN\.md|§\s*\d|\b[Ii]ssues? #?\d+|\b[Ii]ssue-\d+")
-# Docs that cite them today (being reworded this round); strict, so each entry goes with its fix.
-CITING = {
-    "docs/benchmarks.md": "names issues 2, 3, 4, 7, 8, 9 and 11 in headings and prose",
-    "docs/idempotency.md": "a heading and a line cite DESIGN §5",
-    "docs/middleware.md": "a heading cites DESIGN §5",
-    "docs/observability.md": "cites issue 9",
-    "docs/safety.md": "cites issues 7 and 11",
-    "docs/troubleshooting.md": "opens with DESIGN §5",
-}
+# Docs known to cite them, each with where; strict, so each entry goes with its fix. None today.
+CITING: dict[str, str] = {}
 
 
 def _readable() -> list[Path]:

@@ -98,22 +98,27 @@ class Core:
 
     @property
     def lease(self) -> float:
+        """The default lease, in seconds."""
         return self.options.lease
 
     @property
     def wait(self) -> float:
+        """The default wait, in seconds."""
         return self.options.wait
 
     @property
     def cancel_on_lost(self) -> bool:
+        """Whether a holder is cancelled when its lease is lost, by default."""
         return self.options.cancel_on_lost
 
     @property
     def breaker_failures(self) -> int:
+        """Consecutive Redis-unavailable errors that open the circuit breaker (0: off)."""
         return self._breaker.failures
 
     @property
     def breaker_cooldown(self) -> float:
+        """Seconds the circuit stays open before one acquisition may probe."""
         return self._breaker.cooldown
 
     @property

@@ -281,7 +281,8 @@ class IdempotencyStore:
             self.namespace = namespace
 
     async def aclose(self) -> None:
-        """Close the clients this store made for itself (from_url), on this loop; others close with their loop."""
+        """Close the clients this store made for itself (from_url), on this loop; others close
+        with their loop. A client you passed in is yours to close."""
         if not self._owns_client:
             return
         clients = list(self._per_loop.values()) or [self._redis]

@@ -36,13 +36,14 @@ from ._errors import LockBusy, LockError, LockTimeout, RedisMisconfigured, Redis
 from ._held import NEVER, HeldLock, Lease, LockContext, LockInfo, forget, held_here, remember
 from ._options import ManagerOptions, check_breaker, check_key, check_seconds, default_name, unknown_argument
 from ._periodic import once_per_period, run_every
+from ._ending import HoldEnds
 from ._runtime import Runtime, Runtimes, watch_fork
 from ._scripts import MODEL, MODEL_TTL
 from ._server_checks import ServerReport
 from ._watchdog import Watchdog
 from opentelemetry.metrics import MeterProvider
 
-from ..telemetry._instruments import LockCounts, current_traceparent, get_telemetry
+from ..telemetry._instruments import LockCounts, Telemetry, current_traceparent, get_telemetry
 
 log = logging.getLogger("otel_lock")
 T = TypeVar("T")
@@ -79,7 +80,7 @@ class Core:
                  meter_provider: MeterProvider | None, breaker_failures: int, breaker_cooldown: float) -> None:
         self.options = options
         self.namespace = options.namespace
-        self.telemetry = get_telemetry(tracer_provider, meter_provider)
+        self.telemetry: Telemetry = get_telemetry(tracer_provider, meter_provider)
         counts = self._counts = LockCounts(meter_provider)
         self.telemetry.gauges.add(counts)
         failures, cooldown = check_breaker(breaker_failures, breaker_cooldown)
@@ -88,11 +89,12 @@ class Core:
         self.id: str = uuid.uuid4().hex[:12]
         self._ids = itertools.count(1)
         self._runtimes = Runtimes(self._open)
+        self._ends = HoldEnds(self.telemetry, counts, lambda: self.id)
         # What the first use found of the server(s): `otel-lock doctor`'s checks (docs/lock.md, "Servers").
         self.server_reports: tuple[ServerReport, ...] = ()
         self._reports_pid = 0
         counts.watch_connections(self._connection_figures, pool_name=options.namespace)
-        watch_fork(self)
+        watch_fork(self._forked)
 
     # -- options, as attributes (read by the middleware and the docs' examples) --
 
@@ -292,7 +294,7 @@ class Core:
                 self._acquired(span, request, outcome, error, now - start)
             if span.is_recording():
                 span.set_attributes({"lock.token": reply.token, "lock.depth": reply.depth})
-        held = Lease(self, key, redis_key, name, reply.owner or request.owner, reply.token, lease, renew_every,
+        held = Lease(self._ends, key, redis_key, name, reply.owner or request.owner, reply.token, lease, renew_every,
                      cancel_on_lost, reply.sent_at, now, explicit_owner=owner is not None,
                      share_with_children=share_with_children, planned=planned)
         held.runtime = runtime
@@ -379,7 +381,7 @@ class Core:
             with self.telemetry.acquire_span(lease.name) as span:
                 depth = await lease.runtime.transport.reenter(lease)
                 if depth is None:
-                    self.lose(lease, "the lease was gone when the lock was re-entered")
+                    self._ends.lose(lease, "the lease was gone when the lock was re-entered")
                     raise lease.lost_error()
                 if span.is_recording():
                     span.set_attributes(self.telemetry.redact({
@@ -393,156 +395,14 @@ class Core:
                 lease.unnest(child=child)
         return HeldLock(lease, depth, child=child)
 
-    # -- releasing -------------------------------------------------------------
-
-    def release(self, lease: Lease, *, outer: bool, child: bool) -> Releasing | asyncio.Future[bool]:
-        """One hold on `lease` ends (`HeldLock.release()`): its outcome (False if the lock was no longer ours).
-
-        The common case (the outer hold, nothing nested or shared, no renewal
-        in flight) sends its RELEASE at once and is settled from the reply by
-        whoever awaits it, or by the connection if nobody does any more: no
-        task and no shield, as this is on every hand-over's path. Anything
-        else runs as a task.
-        """
-        if outer and not child and lease.depth == 1 and not lease.child_holds and not lease.ended \
-                and lease.renewing is None:
-            releasing = Releasing(self, lease)
-            reply = lease.runtime.transport.send_release(lease, whole=not lease.explicit_owner,
-                                                         on_orphan=releasing.settle)
-            if reply is not None:
-                lease.depth, lease.closing = 0, True
-                lease.runtime.watchdog.discard(lease)  # never renew what is being released
-                releasing.reply = reply
-                return releasing
-        return asyncio.ensure_future(self._release(lease, outer=outer, child=child))
-
-    def settle_release(self, lease: Lease, lost_before: bool, began: float, reply: Any) -> bool | LockError:
-        """What the fast path's RELEASE answered (a reply, or the error), as `_let_go` would end the hold."""
-        transport = lease.runtime.transport
-        if isinstance(reply, BaseException):
-            failure = transport.calls.failed(reply, time.perf_counter() - began, "release", lease.name, lease.key)
-            return self._release_failed(lease, True, lost_before, failure)
-        transport.calls.ok(time.perf_counter() - began, "release", lease.name)
-        return self._settle(lease, True, lost_before, int(reply))
-
-    async def _release(self, lease: Lease, *, outer: bool, child: bool) -> bool:
-        if child:
-            lease.unnest(child=True)
-        elif outer and lease.child_holds > 0:
-            lease.closing = True  # no new child may enter; those inside finish first
-            await lease.children_done.wait()
-        if lease.ended:
-            return False
-        if not child:
-            lease.depth -= 1
-        final = lease.depth <= 0
-        if not final and not self._topology.counts_depth:
-            return not lease.lost.is_set()
-        if final:
-            lease.closing = True
-            lease.runtime.watchdog.discard(lease)  # never renew what is being released
-            if lease.renewing is not None:
-                await asyncio.wait({lease.renewing})  # a renewal must not land after the release
-        return await self._let_go(lease, final)
-
-    async def _let_go(self, lease: Lease, final: bool) -> bool:
-        """Ask Redis to release one level (or the whole hold, when `final`), and end the hold accordingly."""
-        transport = lease.runtime.transport
-        lost_before = bool(lease.lost_reason)
-        try:
-            left = await transport.release(lease, whole=final and not lease.explicit_owner)
-        except LockError as error:
-            outcome = self._release_failed(lease, final, lost_before, error)
-            if isinstance(outcome, LockError):
-                raise outcome
-            return outcome
-        return self._settle(lease, final, lost_before, left)
-
-    def _settle(self, lease: Lease, final: bool, lost_before: bool, left: int) -> bool:
-        """Redis answered a release with the depth `left` (-1: not ours): end the hold accordingly."""
-        if left == -1:
-            self.lose(lease, "the lock was no longer ours at release")
-            self._end(lease, "lost" if lease.renew else "expired")
-            return False
-        if final:
-            self._end(lease, "released")
-        return not lost_before
-
-    def _release_failed(self, lease: Lease, final: bool, lost_before: bool, error: LockError) -> bool | LockError:
-        """A release Redis did not answer (or refused): the error to raise, or False for a lost lease."""
-        if final:
-            self._end(lease, "lost" if lost_before else "error")
-            if isinstance(error, RedisUnavailable) and not lease.explicit_owner:
-                # Let the next caller in as soon as Redis is back, not after the lease.
-                lease.runtime.transport.release_when_back(lease)
-        if lost_before:
-            return False  # the holder was told already; letting go cannot fail it twice
-        return error
-
-    def _end(self, lease: Lease, outcome: str) -> None:
-        """The hold is over for its holder too: no renewal, no re-entry, out of the age gauge."""
-        if lease.ended:
-            return
-        lease.ended = True
-        lease.runtime.watchdog.discard(lease)
-        forget((self.id, lease.lock_key), lease)
-        self._finish(lease, outcome)
-        self._counts.hold_ended(lease)  # a lost hold stays in the age gauge until its holder lets go
-
-    def _finish(self, lease: Lease, outcome: str) -> None:
-        """The hold is over in Redis: its duration, the active count and its span (once)."""
-        if lease.finished:
-            return
-        lease.finished = True
-        self.telemetry.hold_duration.record(lease.loop.time() - lease.acquired_at,
-                                            {"lock.name": lease.name, "lock.release.outcome": outcome})
-        self._counts.active[lease.name] -= 1
-        self.telemetry.end_hold_span(lease.span, outcome)
-
-    # -- losing ------------------------------------------------------------------
-
-    def lose(self, lease: Lease, reason: str) -> None:
-        """The lease is gone: tell the holder (and cancel it if it asked), count it now, once."""
-        if lease.lost_reason or lease.ended:
-            return
-        lease.runtime.watchdog.discard(lease)
-        if lease.planned:
-            # A once-per-period tick ran out as planned: its holder is long done, nobody overlaps.
-            self._end(lease, "released")
-            return
-        lease.lost_reason = reason
-        lease.lost.set()
-        self.telemetry.renewals.add(1, {"lock.name": lease.name, "lock.renewal.outcome": "lost"})
-        if lease.span.is_recording():
-            lease.span.add_event("lock lost", {"lock.name": lease.name, "lock.token": lease.token,
-                                               "lock.lost.reason": reason})
-        self._finish(lease, "lost" if lease.renew else "expired")
-        log.warning("otel-lock: lease of %s lost: %s", lease.key, reason)
-        for callback in lease.on_lost:
-            callback()
-        lease.runtime.transport.lost(lease)
-        task = lease.task
-        if lease.cancel_on_lost and task is not None and not task.done():
-            lease.cancelled_by_us = True
-            task.cancel(f"otel-lock: lease of {lease.key} lost")
-
-    def renewed(self, lease: Lease, outcome: str, error: BaseException | None = None) -> None:
-        """A renewal's outcome (ok, error), told by the watchdog."""
-        self.telemetry.renewals.add(1, {"lock.name": lease.name, "lock.renewal.outcome": outcome})
-        if error is not None:
-            kind = _error_type(error)
-            self.telemetry.errors.add(1, {"lock.name": lease.name, "lock.operation": "renew", "error.type": kind})
-            if lease.span.is_recording():
-                lease.span.add_event("lock renewal failed", {"lock.name": lease.name, "error.type": kind})
-
     # -- per loop, per process -------------------------------------------------------
 
     def _open(self, loop: asyncio.AbstractEventLoop, index: int) -> Runtime:
         background = Background("clean-up (undo, release or pass-on)")
         transport, client, owns = self._topology.open(self.id, self._next_owner, index, background)
-        return Runtime(loop, transport, Watchdog(transport, self), background, client, owns)
+        return Runtime(loop, transport, Watchdog(transport, self._ends), background, client, owns)
 
-    def forked(self) -> None:
+    def _forked(self) -> None:
         """In a forked child: a new identity (owner ids, wake channel), and none of the parent's connections."""
         self.id = uuid.uuid4().hex[:12]
         self._ids = itertools.count(1)
@@ -566,76 +426,6 @@ class Core:
 
 
 _NO_SPAN = contextlib.nullcontext(trace.INVALID_SPAN)
-
-
-class Releasing:
-    """A RELEASE on the wire: `await wait()` gives its outcome, to every caller of `HeldLock.release()`.
-
-    The first caller awaits the reply itself (one turn of the loop); if it is
-    cancelled the connection hands the reply to `settle` instead, so the hold
-    always ends. A Redis that forgot the script gets a task that loads it.
-    """
-
-    __slots__ = ("core", "lease", "reply", "began", "lost_before", "outcome", "waiting", "done")
-
-    def __init__(self, core: Core, lease: Lease) -> None:
-        self.core, self.lease = core, lease
-        self.reply: asyncio.Future[Any] | None = None
-        self.began, self.lost_before = time.perf_counter(), bool(lease.lost_reason)
-        self.outcome: bool | LockError | None = None
-        self.waiting = False
-        self.done: asyncio.Future[bool] | None = None  # for the other callers, and after a cancelled one
-
-    async def wait(self) -> bool:
-        reply = self.reply
-        assert reply is not None  # set before it is handed out
-        if self.outcome is None and not self.waiting and not reply.done():
-            self.waiting = True
-            try:
-                answer: Any = await reply
-            except (RedisError, OSError) as exc:
-                answer = exc
-            finally:
-                self.waiting = False
-            self.settle(answer)
-        if self.outcome is None:  # another caller awaits the reply, or a task reloads the script
-            if self.done is None:
-                self.done = self.lease.loop.create_future()
-                if reply.done() and not reply.cancelled():  # answered, nobody settled it yet
-                    self.settle(reply.exception() or reply.result())
-                self._tell()
-            return await asyncio.shield(self.done)
-        return self._result()
-
-    def settle(self, answer: Any) -> None:
-        """Redis answered (or the socket ended): end the hold once, and tell every caller waiting."""
-        if self.outcome is not None:
-            return
-        if isinstance(answer, NoScriptError):  # Redis forgot the script: load it, release again
-            task = asyncio.ensure_future(self.core._let_go(self.lease, True))
-            task.add_done_callback(self._from_task)
-            return
-        self.outcome = self.core.settle_release(self.lease, self.lost_before, self.began, answer)
-        self._tell()
-
-    def _from_task(self, task: asyncio.Future[bool]) -> None:
-        error = None if task.cancelled() else task.exception()
-        self.outcome = (LockError(f"release of {self.lease.key} stopped", key=self.lease.key) if task.cancelled()
-                        else error if isinstance(error, LockError) else task.result() if error is None
-                        else LockError(f"release of {self.lease.key} failed: {error}", key=self.lease.key))
-        self._tell()
-
-    def _tell(self) -> None:
-        if self.outcome is not None and self.done is not None and not self.done.done():
-            if isinstance(self.outcome, LockError):
-                self.done.set_exception(self.outcome)
-            else:
-                self.done.set_result(bool(self.outcome))
-
-    def _result(self) -> bool:
-        if isinstance(self.outcome, LockError):
-            raise self.outcome
-        return bool(self.outcome)
 
 
 def _error_type(error: BaseException | None) -> str:

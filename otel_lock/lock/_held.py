@@ -56,10 +56,10 @@ class _Holds:
     __slots__ = ("task", "by_key", "parent", "seq")
 
     def __init__(self, task: asyncio.Task[object] | None, parent: _View | None) -> None:
-        self.task = task
+        self.task: asyncio.Task[object] | None = task
         self.by_key: dict[tuple[str, str], Lease] = {}
-        self.parent = parent
-        self.seq = 0
+        self.parent: _View | None = parent
+        self.seq: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,7 +155,7 @@ class Lease:
         self.child_holds: int = 0        # holds of spawned tasks (share_with_children)
         self._children_done: asyncio.Event | None = None  # made when a child enters
         self.closing: bool = False       # the final release has begun: no more re-entry
-        self.loop = asyncio.get_running_loop()
+        self.loop: asyncio.AbstractEventLoop = asyncio.get_running_loop()
         self.lost: asyncio.Event = LostEvent(self)
         self.lost_reason: str = ""
         self.on_lost: list[Callable[[], None]] = []

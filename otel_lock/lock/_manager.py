@@ -119,6 +119,7 @@ class LockManager(Core):
         super().__init__(options, tracer_provider, meter_provider, breaker_failures, breaker_cooldown)
         self._topology = self._one = OneRedis(redis, lambda: twin(redis), False, options, self.telemetry,
                                               self._breaker, self._counts, replicas, replicas_timeout)
+        self._ends.counts_depth = self._topology.counts_depth
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> LockManager:

@@ -115,6 +115,7 @@ class RedLockManager(Core):
         self.quorum: int = len(clients) // 2 + 1
         self._topology = self._quorum = Quorum(list(clients), None, {}, False, self.master_timeout, options,
                                                self.telemetry, self._breaker)
+        self._ends.counts_depth = self._topology.counts_depth
 
     @classmethod
     def from_urls(cls, urls: Sequence[str], **options: Any) -> RedLockManager:

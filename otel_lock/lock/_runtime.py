@@ -176,22 +176,21 @@ class Runtimes:
             await here.aclose()
 
 
-# Every manager of the process, told after a fork (weakly: a manager's life is its user's).
-_ALL: weakref.WeakSet[Any] = weakref.WeakSet()
+# What every manager of the process wants done after a fork (weakly: a manager's life is its user's).
+_ALL: list[weakref.WeakMethod[Callable[[], None]]] = []
 
 
-class ForkAware(Protocol):
-    def forked(self) -> None: ...
-
-
-def watch_fork(manager: ForkAware) -> None:
-    """Call `manager.forked()` in the child after every fork."""
-    _ALL.add(manager)
+def watch_fork(forked: Callable[[], None]) -> None:
+    """Call the bound method `forked()` in the child after every fork, as long as its object lives."""
+    _ALL[:] = [ref for ref in _ALL if ref() is not None]
+    _ALL.append(weakref.WeakMethod(forked))
 
 
 def _after_fork_in_child() -> None:
-    for manager in list(_ALL):
-        manager.forked()
+    for ref in list(_ALL):
+        forked = ref()
+        if forked is not None:
+            forked()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -140,7 +140,8 @@ def ring(url: str, duration: float, via: str, processes: int = 8) -> dict:
     results, redis_delta, window = run_workers(specs, duration, url)
     hops = sum(r["hops"] for r in results)
     return {
-        "lib": f"ring ({'SUBSCRIBE/PUBLISH' if via == 'pubsub' else 'BLPOP/LPUSH'})",
+        "lib": {"pubsub": "ring (SUBSCRIBE/PUBLISH, lean connection)", "lists": "ring (BLPOP/LPUSH, lean connection)",
+                "redis-py": "ring (SUBSCRIBE/PUBLISH, redis-py's client)"}[via],
         "processes": processes,
         "handoffs_per_s": hops / window,
         "redis_commands_per_handoff": redis_delta["total"] / max(1, hops),

@@ -272,8 +272,8 @@ def render_lock(data: dict, collect: list | None = None) -> str:
                         ratio is not None and ratio >= 0.9))
         apps = [r for r in rings if "redis-py" in r["lib"]]
         if apps:
-            ratio = _ratio(ours and ours["handoffs_per_s"], apps[0]["handoffs_per_s"])
-            targets.append(("8-process handoffs/s >= 0.9x the ring an app writes with redis-py", ratio,
+            ratio = _ratio(ours and ours["handoffs_per_s"], max(r["handoffs_per_s"] for r in apps))
+            targets.append(("8-process handoffs/s >= 0.9x the faster ring an app writes with redis-py", ratio,
                             ratio is not None and ratio >= 0.9))
     every = data.get("rounds", {}).get("contended", b) + data.get("rounds", {}).get("herd", data["herd"])
     targets.append(("no overlapping holds (every library, every run of (b) and (d))", sum(r["overlaps"] for r in every),

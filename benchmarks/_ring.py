@@ -115,7 +115,35 @@ async def _redis_py_pubsub(spec: dict, send: Callable[[dict], None],
     return {"hops": hops, "cpu": cpu}
 
 
+async def _redis_py_lists(spec: dict, send: Callable[[dict], None],
+                          await_start: Callable[[], tuple[float, float]]) -> dict:
+    """The BLPOP/LPUSH ring through redis-py's asyncio client."""
+    import redis.asyncio as aioredis
+
+    index, size = spec["index"], spec["size"]
+    mine, nxt = f"{PREFIX}:{index}", f"{PREFIX}:{(index + 1) % size}"
+    client = aioredis.Redis.from_url(spec["url"])
+    await client.delete(mine)
+    loop = asyncio.get_running_loop()
+    send({"ready": True})
+    start, stop = await loop.run_in_executor(None, await_start)
+    await asyncio.sleep(max(0.0, start - time.monotonic()))
+    cpu = time.process_time()
+    if index == 0:
+        await client.lpush(nxt, "t")
+    hops = 0
+    while time.monotonic() < stop:
+        if await client.blpop([mine], timeout=0.05) is None:
+            continue
+        hops += 1
+        await client.lpush(nxt, "t")
+    cpu = time.process_time() - cpu
+    await client.aclose()
+    return {"hops": hops, "cpu": cpu}
+
+
 def run(spec: dict, send: Callable[[dict], None], await_start: Callable[[], tuple[float, float]]) -> dict:
-    via = {"pubsub": _pubsub, "lists": _lists, "redis-py": _redis_py_pubsub}[spec["via"]]
+    via = {"pubsub": _pubsub, "lists": _lists, "redis-py": _redis_py_pubsub,
+           "redis-py-lists": _redis_py_lists}[spec["via"]]
     return asyncio.run(via(spec, send, await_start))
 

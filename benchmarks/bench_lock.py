@@ -141,7 +141,8 @@ def ring(url: str, duration: float, via: str, processes: int = 8) -> dict:
     hops = sum(r["hops"] for r in results)
     return {
         "lib": {"pubsub": "ring (SUBSCRIBE/PUBLISH, lean connection)", "lists": "ring (BLPOP/LPUSH, lean connection)",
-                "redis-py": "ring (SUBSCRIBE/PUBLISH, redis-py's client)"}[via],
+                "redis-py": "ring (SUBSCRIBE/PUBLISH, redis-py's client)",
+                "redis-py-lists": "ring (BLPOP/LPUSH, redis-py's client)"}[via],
         "processes": processes,
         "handoffs_per_s": hops / window,
         "redis_commands_per_handoff": redis_delta["total"] / max(1, hops),

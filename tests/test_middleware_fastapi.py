@@ -54,6 +54,7 @@ class Session:
 
     def __init__(self) -> None:
         self.pending: dict[str, int] = {}
+        self.held_as: bytes | None = None
 
 
 def shop_app(manager, shelf: Shelf) -> FastAPI:
@@ -173,12 +174,12 @@ async def test_values_fastapi_rejects_get_its_own_422_and_take_no_lock(redis_url
 async def test_yield_dependency_commit_runs_under_the_lock(redis_url, redis_client, release_after):
     """The session-per-request pattern: the commit in the dependency's exit code, after the response."""
     stock = {"p": 1}
-    holder_at_commit = []
+    commits = []   # (the owner the handler held as, the owner in Redis while its commit ran)
 
     async def get_session(request: Request):
         session = Session()
         yield session
-        holder_at_commit.append(await redis_client.hget(lock_key("stock:p"), "owner"))
+        commits.append((session.held_as, await redis_client.hget(lock_key("stock:p"), "owner")))
         await asyncio.sleep(0.02)  # a slow commit
         stock.update(session.pending)
 
@@ -188,6 +189,7 @@ async def test_yield_dependency_commit_runs_under_the_lock(redis_url, redis_clie
         @app.post("/stock/{pid}/buy")
         @locked("stock:{path.pid}", wait=5, release_after=release_after)
         async def buy(pid: str, session: Session = Depends(get_session)):
+            session.held_as = await redis_client.hget(lock_key("stock:p"), "owner")
             if stock[pid] <= 0:
                 return JSONResponse({"sold": False}, status_code=409)
             session.pending[pid] = stock[pid] - 1
@@ -197,12 +199,14 @@ async def test_yield_dependency_commit_runs_under_the_lock(redis_url, redis_clie
         async with client_for(app) as client:
             answers = await asyncio.gather(client.post("/stock/p/buy"), client.post("/stock/p/buy"))
     statuses = sorted(r.status_code for r in answers)
+    assert len(commits) == 2 and all(held_as is not None for held_as, _ in commits)
     if release_after == "app":
         assert statuses == [200, 409] and stock["p"] == 0
-        assert all(owner is not None for owner in holder_at_commit)
+        assert all(at_commit == held_as for held_as, at_commit in commits)
     else:
-        # Documented: with release_after="response" the commit runs after the lock is let go.
-        assert holder_at_commit[0] is None
+        # Documented: with release_after="response" the commit runs after the lock is let go
+        # (free, or already the other request's).
+        assert all(at_commit != held_as for held_as, at_commit in commits)
 
 
 async def test_one_route_match_per_request(redis_url):

@@ -53,22 +53,8 @@ class LockMiddleware:
                  principal: Principal | None = None, body_idle_timeout: float = 5.0,
                  send_timeout: float = 10.0, enabled: bool = True, body_timeout: float | None = None,
                  idempotency_store: IdempotencyStore | None = None) -> None:
-        if not isinstance(max_body, int) or isinstance(max_body, bool) or max_body < 0:
-            raise ValueError(f"max_body must be a non-negative number of bytes, got {max_body!r}")
-        if body_timeout is not None:  # the former name, which timed the whole body rather than each pause
-            if body_idle_timeout != 5.0:
-                raise TypeError("LockMiddleware got both body_timeout= and body_idle_timeout=: give only "
-                                "body_idle_timeout= (body_timeout= is its former name)")
-            warnings.warn("LockMiddleware(body_timeout=) is deprecated: use body_idle_timeout= (the time a client "
-                          "may pause between parts of the body)", DeprecationWarning, stacklevel=2)
-            body_idle_timeout = body_timeout
-        for what, value in (("body_idle_timeout", body_idle_timeout), ("send_timeout", send_timeout)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"{what} must be a positive number of seconds, got {value!r}")
-        check_callable(principal, "LockMiddleware")
-        if manager is not None and not isinstance(manager, Locks) and not _is_factory(manager):
-            raise TypeError(f"LockMiddleware(manager=...) takes a lock manager (LockManager, RedLockManager), a "
-                            f"zero-argument factory of one, or nothing (then app.state.locks); got {manager!r}")
+        body_idle_timeout = _checked_arguments(manager, principal, max_body, body_idle_timeout, send_timeout,
+                                               body_timeout)
         self.app: ASGIApp = app
         self.source: ManagerSource = manager
         self.rules: list[_Rule] = parse_rules(rules)
@@ -362,3 +348,25 @@ def _warn_about_cors(app: Any) -> None:
             return
         node = getattr(node, "app", None)
         seen += 1
+
+
+def _checked_arguments(manager: ManagerSource, principal: Principal | None, max_body: int, body_idle_timeout: float,
+                       send_timeout: float, body_timeout: float | None) -> float:
+    """LockMiddleware's arguments refused at construction, by name; returns the body idle timeout to use."""
+    if not isinstance(max_body, int) or isinstance(max_body, bool) or max_body < 0:
+        raise ValueError(f"max_body must be a non-negative number of bytes, got {max_body!r}")
+    if body_timeout is not None:  # the former name, which timed the whole body rather than each pause
+        if body_idle_timeout != 5.0:
+            raise TypeError("LockMiddleware got both body_timeout= and body_idle_timeout=: give only "
+                            "body_idle_timeout= (body_timeout= is its former name)")
+        warnings.warn("LockMiddleware(body_timeout=) is deprecated: use body_idle_timeout= (the time a client "
+                      "may pause between parts of the body)", DeprecationWarning, stacklevel=3)
+        body_idle_timeout = body_timeout
+    for what, value in (("body_idle_timeout", body_idle_timeout), ("send_timeout", send_timeout)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"{what} must be a positive number of seconds, got {value!r}")
+    check_callable(principal, "LockMiddleware")
+    if manager is not None and not isinstance(manager, Locks) and not _is_factory(manager):
+        raise TypeError(f"LockMiddleware(manager=...) takes a lock manager (LockManager, RedLockManager), a "
+                        f"zero-argument factory of one, or nothing (then app.state.locks); got {manager!r}")
+    return body_idle_timeout

@@ -159,33 +159,6 @@ class LockedApp:
                 app_done = True
         except ClientGone:
             return False   # hung up while waiting: no lock taken, the handler never ran
-        except LockTimeout:
-            if entered:
-                raise  # the handler's own lock, not ours
-            await send_problem(send, rule.status, "lock-timeout",
-                               f"the resource is busy (lock {rule.lock_name!r} not acquired within the wait)",
-                               retry_after=retry_after(rule))
-            return False
-        except RedisUnavailable as error:
-            if app_done:
-                return True  # the release failed; the lease expires by itself
-            if entered:
-                raise
-            if rule.fail_open:
-                count_fail_open(self.manager, rule)
-                await self._run_app(scope, receive, send)
-                return True
-            # An open circuit breaker knows when it lets a call through again.
-            await send_problem(send, 503, "redis-unavailable", "the lock service is unavailable",
-                               retry_after=retry_after(rule) if error.retry_after is None else error.retry_after)
-            return False
-        except RedisMisconfigured as error:
-            if entered:
-                raise
-            # Permanent: retrying cannot help, and fail_open would hide it. The message names the fix.
-            log.error("otel-lock: %s", error)
-            await send_problem(send, 500, "redis-misconfigured", f"the lock service is misconfigured: {error}")
-            return False
         except LockLost:
             if started:
                 raise  # half a response is out: abort it, the server drops the connection
@@ -194,13 +167,37 @@ class LockedApp:
                                retry_after=retry_after(rule))
             return True
         except LockError as error:
+            if isinstance(error, RedisUnavailable) and app_done:
+                return True  # the release failed; the lease expires by itself
             if entered:
                 raise  # the handler's own
-            # Redis answered the lock's script with an error (a key of another type in the namespace, ...)
-            log.error("otel-lock: %s", error)
-            await send_problem(send, 500, "redis-error", f"the lock service failed: {error}")
-            return False
+            return await self._not_taken(error, rule, scope, receive, send)
         return True
+
+    async def _not_taken(self, error: LockError, rule: Locked, scope: Scope, receive: Receive, send: Send) -> bool:
+        """Our lock could not be taken: answer for it (or, fail_open, run the app without it)."""
+        if isinstance(error, LockTimeout):
+            await send_problem(send, rule.status, "lock-timeout",
+                               f"the resource is busy (lock {rule.lock_name!r} not acquired within the wait)",
+                               retry_after=retry_after(rule))
+            return False
+        if isinstance(error, RedisUnavailable):
+            if rule.fail_open:
+                count_fail_open(self.manager, rule)
+                await self._run_app(scope, receive, send)
+                return True
+            # An open circuit breaker knows when it lets a call through again.
+            await send_problem(send, 503, "redis-unavailable", "the lock service is unavailable",
+                               retry_after=retry_after(rule) if error.retry_after is None else error.retry_after)
+            return False
+        log.error("otel-lock: %s", error)
+        if isinstance(error, RedisMisconfigured):
+            # Permanent: retrying cannot help, and fail_open would hide it. The message names the fix.
+            await send_problem(send, 500, "redis-misconfigured", f"the lock service is misconfigured: {error}")
+        else:
+            # Redis answered the lock's script with an error (a key of another type in the namespace, ...)
+            await send_problem(send, 500, "redis-error", f"the lock service failed: {error}")
+        return False
 
 
 class BoundedSend:

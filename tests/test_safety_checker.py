@@ -152,8 +152,13 @@ def cases(check: str, faults) -> list:
 
 def run_checker(out: Path, *args: str) -> tuple[int, list[dict]]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.safety", "--quick", "--json", str(out), *args],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "benchmarks.safety", "--quick", "--json", str(out), *args],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    except subprocess.TimeoutExpired as timeout:
+        said = [(part.decode(errors="replace") if isinstance(part, bytes) else part or "")[-3000:]
+                for part in (timeout.stdout, timeout.stderr)]
+        pytest.fail("the checker did not finish within 400 s; it printed:\n" + "\n".join(said))
     if not out.exists():
         pytest.fail(f"the checker failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc.returncode, json.loads(out.read_text())["rows"]

@@ -49,6 +49,7 @@ def write_docs(run: dict, block: str = "safety") -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]  # a run that hangs shows how far it got
     parser = argparse.ArgumentParser(prog="python -m benchmarks.safety", description=__doc__)
     size = parser.add_mutually_exclusive_group(required=True)
     size.add_argument("--quick", action="store_true", help="otel-lock on the CI fault set, ~1 minute")

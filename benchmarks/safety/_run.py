@@ -25,6 +25,7 @@ from ._proxy import Proxy
 
 ROOT = Path(__file__).resolve().parents[2]
 READY_TIMEOUT = 60.0
+NOT_THE_LOCKS_WORK = ("info", "config", "client", "cluster", "psetex", "hello", "auth", "select", "script|load")
 
 
 @dataclass
@@ -62,10 +63,10 @@ class Meter:
         finally:
             await client.aclose()
         # our own INFO/CONFIG/CLIENT/CLUSTER calls are not the locks' work, nor the evict fault's
-        # filler (PSETEX)
+        # filler (PSETEX); nor is a connection's handshake (HELLO, AUTH, SELECT, CLIENT SETNAME, SCRIPT
+        # LOAD), which client-kill makes every client repeat every ~0.3 s whatever the handoff rate
         return sum(v["calls"] for k, v in stats.items()
-                   if not k.removeprefix("cmdstat_").startswith(("info", "config", "client|kill", "cluster",
-                                                                 "psetex")))
+                   if not k.removeprefix("cmdstat_").startswith(NOT_THE_LOCKS_WORK))
 
     async def begin(self, urls: list[str] | None = None) -> None:
         """Start counting these masters (all of them now, without URLs); one counted already is left alone."""
@@ -217,6 +218,19 @@ class Run:
     # -- the run -------------------------------------------------------------------
 
     async def execute(self) -> None:
+        """One run, bounded as a whole: a run that outlives its bound counts as hung, and is torn down."""
+        bound = READY_TIMEOUT + self.window + self.profile.wait + self.lease + 60.0
+        try:
+            async with asyncio.timeout(bound):
+                await self._execute()
+        except TimeoutError:
+            print(f"run {self.lib} / {self.fault.name}: not done within {bound:.0f} s, torn down", file=sys.stderr,
+                  flush=True)
+            self.hung += 1
+            await self._teardown()
+        self._close_open_holds()
+
+    async def _execute(self) -> None:
         try:
             await self.deployment.start()
             self.meter = Meter(self.deployment.masters)
@@ -238,11 +252,13 @@ class Run:
             await self.meter.end()
         finally:
             await self._teardown()
-        self._close_open_holds()
 
     async def _drain(self) -> None:
         """Workers finish their last attempt (bounded by wait); one still running after that is hung."""
         bound = self.profile.wait + self.lease + 5.0
+        # replacements still starting (a killed holder's) are workers too: wait for them first
+        if self._background:
+            await asyncio.wait(list(self._background), timeout=READY_TIMEOUT)
         procs = [w for w in self.workers if w.killed_at is None]
         done, pending = await asyncio.wait([asyncio.create_task(w.proc.wait()) for w in procs], timeout=bound)
         for task in pending:
@@ -254,6 +270,8 @@ class Run:
         await asyncio.gather(*self.readers, return_exceptions=True)
 
     async def _teardown(self) -> None:
+        for task in self._background:
+            task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
         for worker in self.workers:
             if worker.proc.returncode is None:

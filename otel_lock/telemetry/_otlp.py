@@ -34,6 +34,7 @@ from opentelemetry.sdk.metrics.export import (AggregationTemporality, Gauge, His
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 from .. import __version__
+from ..lock._runtime import watch_fork
 from . import _counts
 from ._bounds import Limits
 from ._names import OBSERVED
@@ -75,14 +76,13 @@ class OtlpPush:
         self._stop = threading.Event()
         self._closed = False
         self._start_thread()
-        me = weakref.ref(self)
+        watch_fork(self._restart_in_child)
 
-        def restart_in_child() -> None:  # a forked child (gunicorn --preload) has no thread of its parent's
-            push = me()
-            if push is not None and not push._closed:
-                push._export_lock = threading.Lock()  # the parent's thread may have held it at the fork
-                push._start_thread()
-        os.register_at_fork(after_in_child=restart_in_child)
+    def _restart_in_child(self) -> None:
+        """A forked child (gunicorn --preload) has no thread of its parent's: start its own."""
+        if not self._closed:
+            self._export_lock = threading.Lock()  # the parent's thread may have held it at the fork
+            self._start_thread()
 
     def _start_thread(self) -> None:
         self._thread = threading.Thread(target=self._run, name="otel-lock OTLP metrics", daemon=True)

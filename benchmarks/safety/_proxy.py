@@ -6,6 +6,12 @@ replies (the command runs, the caller never hears of it), `stall_subscribers()`
 holds what Redis sends to connections that subscribed, `stall_commands()`
 holds the replies of every other connection open now, `cut()` aborts every
 connection and refuses new ones, `forward()` returns to normal.
+
+Byte-exact, for the connection tests: `cut_replies_after(n)` lets n more
+reply bytes through, then resets every connection (a reset in the middle of
+a reply; new connections work), `hold_replies_after(n)` holds what follows
+them until `release()`; `sent` and `replied` count the bytes forwarded, so a
+test can tell that nothing was sent.
 """
 
 from __future__ import annotations
@@ -34,6 +40,12 @@ class TcpProxy:
         self._server: asyncio.Server | None = None
         self.port = 0
         self.accepted = 0  # connections so far: a client reconnecting to retry shows here
+        self.sent = 0      # request bytes forwarded to Redis, all connections together
+        self.replied = 0   # reply bytes forwarded to clients
+        self._budget: int | None = None  # reply bytes still let through before cutting or holding
+        self._cut_at_budget = False
+        self._released = asyncio.Event()
+        self._released.set()
 
     @property
     def url(self) -> str:
@@ -74,6 +86,22 @@ class TcpProxy:
 
     def cut(self) -> None:
         self._cut = True
+        self._reset_all()
+
+    def cut_replies_after(self, count: int) -> None:
+        """Let `count` more reply bytes through, then reset every connection (new ones work again)."""
+        self._budget, self._cut_at_budget = count, True
+
+    def hold_replies_after(self, count: int) -> None:
+        """Let `count` more reply bytes through, then hold the rest until `release()`."""
+        self._budget, self._cut_at_budget = count, False
+        self._released.clear()
+
+    def release(self) -> None:
+        self._budget = None
+        self._released.set()
+
+    def _reset_all(self) -> None:
         for pair in list(self._pairs):
             for writer in pair:
                 writer.transport.abort()
@@ -95,7 +123,7 @@ class TcpProxy:
         gate.set()
         self._gates.append(gate)
         pipes = [asyncio.create_task(self._pipe(client_r, up_w, self._requests, subscriber_gate=gate)),
-                 asyncio.create_task(self._pipe(up_r, client_w, self._replies, gate))]
+                 asyncio.create_task(self._pipe(up_r, client_w, self._replies, gate, replies=True))]
         self._tasks.update(pipes)
         try:
             await asyncio.wait(pipes, return_when=asyncio.FIRST_COMPLETED)
@@ -109,17 +137,43 @@ class TcpProxy:
                 writer.transport.abort()
 
     async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *gates: asyncio.Event,
-                    subscriber_gate: asyncio.Event | None = None) -> None:
+                    subscriber_gate: asyncio.Event | None = None, replies: bool = False) -> None:
         with contextlib.suppress(OSError):
             while data := await reader.read(65536):
                 if subscriber_gate is not None and _SUBSCRIBE.search(data):
                     self._subscribers.append(subscriber_gate)
                 for gate in gates:
                     await gate.wait()  # stalled: hold the bytes, the peer sees silence
+                if replies:
+                    if not await self._reply(writer, data):
+                        return
+                    continue
+                self.sent += len(data)
                 writer.write(data)
                 await writer.drain()
 
+    async def _reply(self, writer: asyncio.StreamWriter, data: bytes) -> bool:
+        """Forward reply bytes within the budget; False once the budget has reset every connection."""
+        while data:
+            budget = self._budget
+            if budget is None or budget > 0:
+                head = data if budget is None else data[:budget]
+                data = data[len(head):]
+                if budget is not None:
+                    self._budget = budget - len(head)
+                self.replied += len(head)
+                writer.write(head)
+                await writer.drain()
+            elif self._cut_at_budget:
+                self._budget = None
+                self._reset_all()
+                return False
+            else:
+                await self._released.wait()
+        return True
+
     async def aclose(self) -> None:
+        self.release()
         self.cut()
         if self._server is not None:
             self._server.close()

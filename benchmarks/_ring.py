@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 from otel_lock.lock._connection import Connection
 
@@ -59,28 +59,36 @@ async def _pubsub(spec: dict, send: Callable[[dict], None], await_start: Callabl
     return {"hops": hops[0], "cpu": cpu}
 
 
+async def _circulate(index: int, await_start: Callable[[], tuple[float, float]],
+                     take: Callable[[], Awaitable[bool]], pass_on: Callable[[], Awaitable[Any]]) -> dict:
+    """From the common start to the common stop: whenever `take()` got the token, `pass_on()` it."""
+    start, stop = await asyncio.get_running_loop().run_in_executor(None, await_start)
+    await asyncio.sleep(max(0.0, start - time.monotonic()))
+    cpu = time.process_time()
+    if index == 0:
+        await pass_on()
+    hops = 0
+    while time.monotonic() < stop:
+        if await take():
+            hops += 1
+            await pass_on()
+    return {"hops": hops, "cpu": time.process_time() - cpu}
+
+
 async def _lists(spec: dict, send: Callable[[dict], None], await_start: Callable[[], tuple[float, float]]) -> dict:
     index, size = spec["index"], spec["size"]
     mine, nxt = f"{PREFIX}:{index}", f"{PREFIX}:{(index + 1) % size}"
     conn = _connection(spec["url"], timeout=None)
     await conn.execute("DEL", mine)
-    loop = asyncio.get_running_loop()
     send({"ready": True})
-    start, stop = await loop.run_in_executor(None, await_start)
-    await asyncio.sleep(max(0.0, start - time.monotonic()))
-    cpu = time.process_time()
-    if index == 0:
-        await conn.execute("LPUSH", nxt, "t")
-    hops = 0
-    while time.monotonic() < stop:
-        got = await conn.execute("BLPOP", mine, 0.05)
-        if got is None:
-            continue
-        hops += 1
-        await conn.execute("LPUSH", nxt, "t")
-    cpu = time.process_time() - cpu
-    await conn.aclose()
-    return {"hops": hops, "cpu": cpu}
+
+    async def take() -> bool:
+        return await conn.execute("BLPOP", mine, 0.05) is not None
+
+    try:
+        return await _circulate(index, await_start, take, lambda: conn.execute("LPUSH", nxt, "t"))
+    finally:
+        await conn.aclose()
 
 
 async def _redis_py_pubsub(spec: dict, send: Callable[[dict], None],
@@ -95,24 +103,17 @@ async def _redis_py_pubsub(spec: dict, send: Callable[[dict], None],
     await pubsub.subscribe(mine)
     await pubsub.get_message(timeout=1.0)  # the subscribe confirmation
     await client.ping()
-    loop = asyncio.get_running_loop()
     send({"ready": True})
-    start, stop = await loop.run_in_executor(None, await_start)
-    await asyncio.sleep(max(0.0, start - time.monotonic()))
-    cpu = time.process_time()
-    if index == 0:
-        await client.publish(nxt, "t")
-    hops = 0
-    while time.monotonic() < stop:
+
+    async def take() -> bool:
         message = await pubsub.get_message(timeout=0.05)
-        if message is None or message["type"] != "message":
-            continue
-        hops += 1
-        await client.publish(nxt, "t")
-    cpu = time.process_time() - cpu
-    await pubsub.aclose()
-    await client.aclose()
-    return {"hops": hops, "cpu": cpu}
+        return message is not None and message["type"] == "message"
+
+    try:
+        return await _circulate(index, await_start, take, lambda: client.publish(nxt, "t"))
+    finally:
+        await pubsub.aclose()
+        await client.aclose()
 
 
 async def _redis_py_lists(spec: dict, send: Callable[[dict], None],
@@ -124,22 +125,15 @@ async def _redis_py_lists(spec: dict, send: Callable[[dict], None],
     mine, nxt = f"{PREFIX}:{index}", f"{PREFIX}:{(index + 1) % size}"
     client = aioredis.Redis.from_url(spec["url"])
     await client.delete(mine)
-    loop = asyncio.get_running_loop()
     send({"ready": True})
-    start, stop = await loop.run_in_executor(None, await_start)
-    await asyncio.sleep(max(0.0, start - time.monotonic()))
-    cpu = time.process_time()
-    if index == 0:
-        await client.lpush(nxt, "t")
-    hops = 0
-    while time.monotonic() < stop:
-        if await client.blpop([mine], timeout=0.05) is None:
-            continue
-        hops += 1
-        await client.lpush(nxt, "t")
-    cpu = time.process_time() - cpu
-    await client.aclose()
-    return {"hops": hops, "cpu": cpu}
+
+    async def take() -> bool:
+        return await client.blpop([mine], timeout=0.05) is not None
+
+    try:
+        return await _circulate(index, await_start, take, lambda: client.lpush(nxt, "t"))
+    finally:
+        await client.aclose()
 
 
 def run(spec: dict, send: Callable[[dict], None], await_start: Callable[[], tuple[float, float]]) -> dict:

@@ -205,16 +205,20 @@ async def test_a_slot_migrated_under_load_never_gives_two_holders(flushed):
         async def worker(locks: LockManager) -> None:
             nonlocal inside
             while not done.is_set() or len(tokens) < 40:
+                entered = False
                 try:
                     async with locks.lock(key) as held:
                         inside += 1
+                        entered = True
                         assert inside == 1, "two holders at once"
                         tokens.append(held.token)
                         await asyncio.sleep(0.002)
                         inside -= 1
+                        entered = False
                 except (LockTimeout, RedisUnavailable, LockError, LockLost) as exc:
                     errors.append(type(exc).__name__)  # reported, and the worker goes on
-                    inside = 0
+                    if entered:  # this worker's own hold ended by the error (another's count is its own)
+                        inside -= 1
                 if len(tokens) > 2000:
                     return
 
@@ -285,6 +289,26 @@ async def test_a_killed_master_ends_in_told_holders_and_the_replica_takes_over()
             fourth = await asyncio.wait_for(waiter, BOUND)
             assert fourth.token > third.token
             await fourth.release()
+
+
+async def test_a_master_down_at_first_use_fails_only_its_own_keys(caplog):
+    """The first-use server checks of a new manager skip a master that does not answer (logged)."""
+    async with ClusterSet(masters=3) as cluster:
+        # a key on the master that also holds the namespace's data-model key (see docs/lock.md, Cluster)
+        alive = await cluster.owner("otel-lock:model")
+        key = "healthy-0"
+        for i in range(1000):
+            key = f"healthy-{i}"
+            if await cluster.owner(key) == alive:
+                break
+        dead = next(p for p in cluster.ports if p != alive)
+        cluster.kill(dead)
+        async with LockManager.from_url(cluster.url, lease=2.0) as locks:
+            async with locks.lock(key) as held:
+                assert held.token > 0
+            assert {report.address for report in locks.server_reports} == {
+                f"127.0.0.1:{p}" for p in cluster.ports if p != dead}
+        assert f"server checks skipped for Cluster master 127.0.0.1:{dead}" in caplog.text
 
 
 async def _on_replica(cluster: ClusterSet, master: int, key: str) -> bool:

@@ -19,7 +19,7 @@ half migrated) is an unavailable answer too.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -71,8 +71,14 @@ class RoutedConnections:
     async def _read_slots(self) -> None:
         """Read the slot map from the first node that answers (known ones first, then redis-py's)."""
         async with self._reading:
-            await self._cluster.initialize()
-            candidates = list(dict.fromkeys([*self._nodes, *((n.host, int(n.port)) for n in self._cluster.get_nodes())]))
+            try:
+                await self._cluster.initialize()
+            except (RedisError, OSError):
+                # redis-py read the nodes, then failed a command on its default node (a master that is
+                # down): the nodes it knows, or the start-up nodes, can still answer for the map
+                pass
+            known = [*self._cluster.get_nodes(), *self._cluster.nodes_manager.startup_nodes.values()]
+            candidates = list(dict.fromkeys([*self._nodes, *((n.host, int(n.port)) for n in known)]))
             error: Exception | None = None
             for address in candidates:
                 try:
@@ -89,6 +95,16 @@ class RoutedConnections:
                 self._slots = slots
                 return
             raise RedisConnectionError(f"no cluster node answered CLUSTER SLOTS: {error}")
+
+    async def masters(self) -> list[Address]:
+        """The masters that serve slots now (the map read first if none is known)."""
+        if not self._slots:
+            await self._read_slots()
+        return sorted(set(self._slots.values()))
+
+    def sender(self, address: Address) -> Callable[..., Awaitable[Any]]:
+        """Send one command to the node at `address` on its lean connection."""
+        return self._connection(address).execute
 
     def _forget(self, address: Address) -> None:
         """A node went away: its slots are looked up again at their next use."""
@@ -127,8 +143,12 @@ class RoutedConnections:
         if not self._slots:
             await self._read_slots()
         answers = await asyncio.gather(*(self._connection(a).execute("SCRIPT", "LOAD", source)
-                                         for a in set(self._slots.values())))
-        return answers[0]
+                                         for a in set(self._slots.values())), return_exceptions=True)
+        # A master that is down gets the script at its keys' next NOSCRIPT; only all down is an error.
+        loaded = [a for a in answers if not isinstance(a, BaseException)]
+        if not loaded:
+            raise answers[0]
+        return loaded[0]
 
     async def aclose(self) -> None:
         nodes, self._nodes = list(self._nodes.values()), {}

@@ -13,10 +13,11 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from functools import partial
 from typing import Any, Callable, Coroutine
 
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from . import _scripts
 from ._attempt import Attempt, Reply, Request, cancelling
@@ -181,11 +182,17 @@ class ScriptTransport:
         """The server checks (`_server_checks.py`) of the server, or of every Cluster master."""
         link = self.link
         if isinstance(link, ClusterLink):
-            await link.redis.initialize()
-            return [await check_server(partial(link.redis.execute_command, target_nodes=node), namespace=namespace,
-                                       cluster=True, require_noeviction=require_noeviction,
-                                       address=f"{node.host}:{node.port}")
-                    for node in link.redis.get_primaries()]
+            reports = []
+            for address, send in await link.masters():
+                try:
+                    reports.append(await check_server(send, namespace=namespace, cluster=True,
+                                                      require_noeviction=require_noeviction, address=address))
+                except (OSError, RedisConnectionError, RedisTimeoutError) as exc:
+                    # A master that is down (or failing over) must not fail the locks of every other slot:
+                    # its keys fail on their own, and the next process start checks it.
+                    log.warning("otel-lock: server checks skipped for Cluster master %s, unreachable: %s", address,
+                                exc)
+            return reports
         await link.prepare()
         run = link.connection.execute if isinstance(link, LeanLink) else link.redis.execute_command
         return [await check_server(run, namespace=namespace, cluster=False, require_noeviction=require_noeviction,

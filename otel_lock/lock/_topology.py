@@ -200,6 +200,14 @@ class ClusterLink(Link):
         with suppressed():
             return list(await asyncio.gather(*sends, return_exceptions=True))
 
+    async def masters(self) -> list[tuple[str, Callable[..., Awaitable[Any]]]]:
+        """(address, send one command) for every master that serves slots now: the server checks' targets."""
+        if self.routed is not None:
+            return [(f"{host}:{port}", self.routed.sender((host, port))) for host, port in await self.routed.masters()]
+        await self.redis.initialize()
+        return [(f"{node.host}:{node.port}", partial(self.redis.execute_command, target_nodes=node))
+                for node in self.redis.get_primaries()]
+
     def groups(self, keys: list[str]) -> list[range | list[int]]:  # type: ignore[override]
         by_slot: dict[int, list[int]] = {}
         for i, key in enumerate(keys):

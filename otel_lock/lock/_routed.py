@@ -160,4 +160,10 @@ def _redirect(error: ResponseError) -> tuple[str, int, Address]:
     """('MOVED' or 'ASK', slot, address) of a redirection, else ('', -1, ('', 0))."""
     if isinstance(error, AskError):  # a MovedError is one too; redis-py's parser has read slot and address
         return "MOVED" if isinstance(error, MovedError) else "ASK", error.slot_id, error.node_addr
+    # redis-py before 6 maps ASK and MOVED only in its cluster parser: read the plain error's text
+    kind, _, rest = str(error).partition(" ")
+    slot, _, node = rest.partition(" ")
+    host, _, port = node.rpartition(":")
+    if kind in ("MOVED", "ASK") and slot.isdigit() and port.isdigit():
+        return kind, int(slot), (host, int(port))
     return "", -1, ("", 0)

@@ -34,6 +34,8 @@ async def test_a_cancelled_acquire_whose_grant_arrives_later_leaves_nothing_held
             await asyncio.gather(taking, return_exceptions=True)
             assert taking.cancelled()  # cancelled with the grant still to come: it must be undone
             await until(lambda: _free(redis_client, "rep:{k}"), "the late grant to be released")
+            # and its reply read: the next round's command is then the only one on the wire
+            await until(lambda: _answered(locks), "the release of the late grant to be answered")
         held = await locks.try_lock("k")
         assert held is not None and await held.release()
 
@@ -48,6 +50,10 @@ async def test_a_release_whose_caller_is_cancelled_still_ends_the_hold(redis_url
             await asyncio.gather(releasing, return_exceptions=True)
             assert await held.release() is True  # the same outcome, whoever waited for it
             assert await redis_client.exists("rep:{k}") == 0
+
+
+async def _answered(locks: LockManager) -> bool:
+    return locks._runtimes.here().transport.link.connection.in_flight == 0
 
 
 async def _free(client, key: str) -> bool:

@@ -229,7 +229,11 @@ def test_no_waiter_outlasts_its_wait_by_more_than_a_round_trip_and_the_socket_ti
 @pytest.mark.parametrize("fault", cases("flat", [f for f in QUICK_SET if f != "none"]))
 def test_redis_commands_per_handoff_stay_flat(quick, fault):
     r, base = row_of(quick, fault), row_of(quick, "none")
-    assert r["commands_per_handoff"] <= FLAT * base["commands_per_handoff"], (
+    # client-kill makes every client reconnect, subscribe again and re-poll every ~0.3 s: per
+    # handoff that grows as a loaded machine makes fewer handoffs (2.8-4.6x measured on 2 busy
+    # cores). A retry storm is an order of magnitude more (redis-py with a 1 ms sleep: ~30x).
+    bound = FLAT * (2 if fault == "client-kill" else 1)
+    assert r["commands_per_handoff"] <= bound * base["commands_per_handoff"], (
         f"{fault}: {r['commands_per_handoff']} commands per handoff, {base['commands_per_handoff']} without faults")
 
 

@@ -16,6 +16,7 @@ the quorum killed or restarted empty).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import signal
 import time
@@ -229,9 +230,12 @@ def evict(policy: str):
                 await asyncio.sleep(0.005)
         finally:
             counter.cancel()
-            await asyncio.gather(counter, return_exceptions=True)
-            await events.aclose()
-            await client.aclose()
+            # Bounded: a pub/sub connection of a full Redis may never answer its UNSUBSCRIBE.
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                async with asyncio.timeout(5.0):
+                    await asyncio.gather(counter, return_exceptions=True)
+                    await events.aclose()
+                    await client.aclose()
     return act
 
 

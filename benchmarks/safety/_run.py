@@ -245,8 +245,9 @@ class Run:
             injector = asyncio.create_task(self.fault.inject(self))
             await asyncio.sleep(max(0.0, self.stop - time.monotonic()))
             injector.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await injector
+            # Never awaited bare: a fault's clean-up that hangs must not hang the run, and the run's own
+            # bound (a cancellation of this task) must not be swallowed with the injector's.
+            await asyncio.wait([injector], timeout=10.0)
             await self.fault.heal(self)
             await self._drain()
             await self.meter.end()

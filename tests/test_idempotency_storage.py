@@ -247,3 +247,152 @@ async def test_app_failing_after_the_response_makes_the_stored_answer_unknown(re
             retry = await client.post("/orders", json={}, headers=KEY)
     assert retry.status_code == 409 and problem(retry)["type"] == "idempotency-outcome-unknown"
     assert runs == ["db"]
+
+
+# -- Issue 22, items 1 and 2: records release 0.1.0 reads and writes (tests/test_versions_mixed_fleet.py
+# runs 0.1.0 itself beside this code) ------------------------------------------------------------------
+
+SECRET = "storage-test-secret"
+MULTIPART = (b"--xyz\r\nContent-Disposition: form-data; name=\"f\"; filename=\"a.txt\"\r\n"
+             b"Content-Type: text/plain\r\n\r\nhello\r\n--xyz--\r\n")
+
+
+def _scope_id(key: str, principal: str = "s:") -> str:
+    import hashlib
+    import hmac
+    return hmac.new(SECRET.encode(), f"{principal}\0{key}".encode(), hashlib.sha256).hexdigest()[:32]
+
+
+def _old_key(key: str) -> str:
+    return f"mwtest:{{idem:{_scope_id(key)}}}:idempotency"
+
+
+def _fp_v1(content_type: str, body: bytes, path: str = "/charge") -> str:
+    from otel_lock.asgi.idempotency._fingerprint_v1 import fingerprint_v1
+    scope = {"method": "POST", "path": path, "query_string": b"", "headers": [(b"content-type", content_type.encode())]}
+    return fingerprint_v1(SECRET.encode(), scope, "/charge", body)
+
+
+class Charges:
+    """A paid operation: counts its runs, answers 201 with the run's number."""
+
+    def __init__(self, **options) -> None:
+        self.runs = 0
+        self.during: list = []          # what `look` saw while the handler ran
+
+        @idempotent(shared_scope=True, **options)
+        async def charge(request):
+            self.runs += 1
+            if self.look is not None:
+                self.during.append(await self.look())
+            return JSONResponse({"charge": self.runs}, status_code=201)
+        self.fn = charge
+        self.look = None
+
+    def app(self, manager, **middleware):
+        app = Starlette(routes=[Route("/charge", self.fn, methods=["POST"])])
+        app.add_middleware(LockMiddleware, manager=manager, hash_secret=SECRET, **middleware)
+        return app
+
+
+@pytest.mark.parametrize("content_type, body", [
+    ("application/json", b'{"amount": 5}'),
+    ("multipart/form-data; boundary=xyz", MULTIPART),     # 0.1.0 fingerprinted multipart as raw bytes
+], ids=["json", "multipart"])
+async def test_a_record_written_by_0_1_0_is_replayed_to_a_byte_identical_retry(redis_url, redis_client,
+                                                                             content_type, body):
+    # 0.1.0 computed `fp` without scheme and host, multipart as raw bytes, and wrote no version:
+    # compared with this release's fingerprint, the honest retry was a 422.
+    import base64
+    import json
+    stored = {"state": "done", "fp": _fp_v1(content_type, body), "route": "/charge", "status": 201,
+              "headers": [["content-type", "application/json"]], "body": base64.b64encode(b'{"charge":1}').decode()}
+    await redis_client.set(_old_key("k-1"), json.dumps(stored), px=60_000)
+    charges = Charges()
+    async with make_manager(redis_url) as manager, client_for(charges.app(manager)) as client:
+        retry = await client.post("/charge", content=body, headers={**KEY, "content-type": content_type})
+    assert retry.status_code == 201, retry.text
+    assert retry.headers["idempotent-replayed"] == "true" and retry.json() == {"charge": 1}
+    assert charges.runs == 0
+
+
+async def test_every_record_is_also_written_as_0_1_0_reads_it(redis_url, redis_client):
+    import json
+    charges = Charges()
+    charges.look = lambda: redis_client.get(_old_key("k-1"))
+    body = b'{"amount": 5}'
+    async with make_manager(redis_url) as manager, client_for(charges.app(manager)) as client:
+        first = await client.post("/charge", content=body, headers={**KEY, "content-type": "application/json"})
+        current = [json.loads(await redis_client.hget(k, "d"))
+                   async for k in redis_client.scan_iter(match="mwtest:idem:*:r:*")]
+    old = json.loads(await redis_client.get(_old_key("k-1")))
+    claim = json.loads(charges.during[0])
+    assert first.status_code == 201 and charges.runs == 1
+    # In flight, 0.1.0 finds its own form of the claim (so it answers 409, not runs it again) ...
+    assert claim == {"state": "started", "fp": _fp_v1("application/json", body), "route": "/charge"}
+    # ... and after, the answer, with the fingerprint as 0.1.0 computes it and no version.
+    assert old["state"] == "done" and old["status"] == 201 and "fpv" not in old
+    assert old["fp"] == claim["fp"]
+    assert [(r["fpv"], r["state"], r["body"]) for r in current] == [(2, "done", old["body"])]
+    assert current[0]["fp"] != old["fp"]                      # this release's own fingerprint
+
+
+async def test_an_answer_that_frees_the_key_frees_it_in_both_layouts(redis_url, redis_client):
+    flaky = Flaky(503)
+    async with make_manager(redis_url) as manager:
+        app = Starlette(routes=[Route("/op", flaky.fn, methods=["POST"])])
+        app.add_middleware(LockMiddleware, manager=manager, hash_secret=SECRET)
+        async with client_for(app) as client:
+            busy = await client.post("/op", json={}, headers=KEY)
+    assert busy.status_code == 503
+    assert await redis_client.exists(_old_key("k-1")) == 0
+    assert [k async for k in redis_client.scan_iter(match="mwtest:idem:*:r:*")] == []
+
+
+async def test_a_0_1_0_answer_written_while_we_waited_for_the_lock_is_replayed(redis_url, redis_client):
+    # A 0.1.0 replica holds the in-flight lock (the same lock in both releases) and writes its
+    # answer only in its own layout; our first look came before it. Under the lock the claim must
+    # see it, not claim the new layout and run the handler a second time.
+    import asyncio
+    import base64
+    import json
+
+    from otel_lock.asgi.idempotency import IdempotencyStore
+
+    class Watched(IdempotencyStore):
+        looked = asyncio.Event()
+
+        async def load(self, rid, also=None):
+            record = await super().load(rid, also)
+            self.looked.set()
+            return record
+
+    charges = Charges(wait_for_inflight=10)
+    store = Watched()
+    body = b'{"amount": 5}'
+    async with make_manager(redis_url) as manager, make_manager(redis_url) as old_replica:
+        held = await old_replica.try_lock(f"idem:{_scope_id('k-1')}")
+        async with client_for(charges.app(manager, idempotency_store=store)) as client:
+            retry = asyncio.create_task(
+                client.post("/charge", content=body, headers={**KEY, "content-type": "application/json"}))
+            await asyncio.wait_for(store.looked.wait(), 10)
+            done = {"state": "done", "fp": _fp_v1("application/json", body), "route": "/charge", "status": 201,
+                    "headers": [], "body": base64.b64encode(b"first").decode()}
+            await redis_client.set(_old_key("k-1"), json.dumps(done), px=60_000)
+            await held.release()
+            answer = await asyncio.wait_for(retry, 10)
+    assert answer.status_code == 201 and answer.content == b"first", answer.text
+    assert charges.runs == 0
+
+
+async def test_a_record_of_an_unknown_fingerprint_version_is_neither_replayed_nor_run(redis_url, redis_client,
+                                                                                      caplog):
+    import json
+    newer = {"state": "done", "fp": "?", "fpv": 99, "route": "/charge", "status": 201, "headers": [], "body": ""}
+    await redis_client.set(_old_key("k-1"), json.dumps(newer), px=60_000)
+    charges = Charges()
+    async with make_manager(redis_url) as manager, client_for(charges.app(manager)) as client:
+        answers = [await client.post("/charge", json={}, headers=KEY) for _ in range(2)]
+    assert [a.status_code for a in answers] == [409, 409]
+    assert problem(answers[0])["type"] == "idempotency-outcome-unknown" and charges.runs == 0
+    assert "fingerprint version 99" in caplog.text

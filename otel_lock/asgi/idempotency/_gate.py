@@ -35,12 +35,13 @@ from ...lock import LockError, LockTimeout, RedisMisconfigured, RedisUnavailable
 from .._problem import send_problem
 from .._types import Message, Receive, ResponseEnd, Scope, Send
 from ._answer import FREE, STORE, Capture, replay_messages
-from ._fingerprint import fingerprint
 from ._key import IdempotencyKeyError, parse_key
+from ._legacy import LegacyRecords
 from ._options import Idempotent
 from ._principal import SHARED_PRINCIPAL, Principal, PrincipalProblem, check_callable, choose, missing_setting, resolve
 from ._store import Claim, IdempotencyStore, Record, RecordId, Written, answer_bound
 from ._store_errors import RecordStoreMisconfigured, RecordStoreUnavailable, translate
+from ._versions import Fingerprints, UnknownRecordVersion
 
 if TYPE_CHECKING:
     from ...lock import HeldLock
@@ -103,6 +104,11 @@ class IdempotencyGate:
                                                "give LockMiddleware(idempotency_store=IdempotencyStore.from_url(...))")
         return store
 
+    def legacy(self) -> LegacyRecords | None:
+        """Release 0.1.0's records, on the manager's Redis and namespace (None: a manager without one)."""
+        redis = getattr(self.manager, "redis", None)
+        return LegacyRecords(redis, self.manager.namespace) if redis is not None else None
+
     def report_once(self, route: str, what: str, message: str, *args: Any) -> None:
         """Log a setting problem of `route` once, not once per request."""
         if (route, what) not in self._reported:
@@ -125,6 +131,7 @@ class IdempotentRequest:
         self.response_started = False
         self.handler_called = False
         self.seen: Record | None = None        # the record found before taking the in-flight lock
+        self.legacy: LegacyRecords | None = None   # release 0.1.0's records, kept in step for one release
         self.written: Written | None = None    # what this request's last write costs, as counted
 
     async def run(self, body: bytes, inner: Inner) -> None:
@@ -153,6 +160,7 @@ class IdempotentRequest:
         self._identify(principal, key, body)
         try:
             self.store = self.gate.records()
+            self.legacy = self.gate.legacy()
             await self._gate(inner)
         except _LOCK_ERRORS as error:
             if self.response_started or self.handler_called:
@@ -167,7 +175,7 @@ class IdempotentRequest:
                          hashlib.sha256).hexdigest()[:32]
         self.lock_key = f"idem:{scope_id}"
         self.rid = RecordId(owner, scope_id, capped=principal != SHARED_PRINCIPAL)
-        self.fp = fingerprint(secret, self.scope, self.route, body)
+        self.fps = Fingerprints.of(secret, self.scope, self.route, body)
 
     async def _answer_redis_error(self, error: LockError) -> None:
         ours = isinstance(error, (RecordStoreUnavailable, RecordStoreMisconfigured))
@@ -188,7 +196,7 @@ class IdempotentRequest:
                            else "redis-error", str(error))
 
     async def _gate(self, inner: Inner) -> None:
-        self.seen = record = await self.store.load(self.rid)
+        self.seen = record = await self._load()
         if record is not None and await self._answer_settled(record):
             return
         label = f"idempotency {self.route}"
@@ -214,7 +222,11 @@ class IdempotentRequest:
 
     async def _answer_settled(self, record: Record) -> bool:
         """Answer from a record if it settles the request; False: started (maybe in flight)."""
-        if record.get("fp") != self.fp:
+        try:
+            same = self.fps.matches(record)
+        except UnknownRecordVersion as error:
+            return await self._unreadable(error)
+        if not same:
             self.gate.count(self.route, "mismatch")
             await send_problem(self.send, 422, "idempotency-key-mismatch",
                                "this Idempotency-Key was already used with a different request (payload, "
@@ -243,10 +255,21 @@ class IdempotentRequest:
             return True
         return False
 
+    async def _unreadable(self, error: UnknownRecordVersion) -> bool:
+        """A newer release's record: neither replayed nor run again (its outcome is unknown here)."""
+        self.gate.report_once(self.route, "version", "otel-lock: an idempotency record of %s has a %s this "
+                              "release cannot compare; it answers 409 until the newer release serves alone or "
+                              "the record expires (docs/versioning.md)", self.route, error)
+        self.gate.count(self.route, "conflict")
+        await send_problem(self.send, 409, "idempotency-outcome-unknown",
+                           "the first request with this Idempotency-Key was recorded by a newer release of "
+                           "this service; it is not run again: retry later, or check its result")
+        return True
+
     async def _busy(self) -> None:
-        record = await self.store.load(self.rid)
+        record = await self._load()
         # Finished between our two looks, or a different request: 422 is checked before 409.
-        if record is not None and (record.get("state") != STARTED or record.get("fp") != self.fp):
+        if record is not None and (record.get("state") != STARTED or not self._matches(record)):
             await self._answer_settled(record)
             return
         self.gate.count(self.route, "conflict")
@@ -255,8 +278,12 @@ class IdempotentRequest:
                            retry_after=self.idem.retry_after)
 
     async def _owned(self, held: HeldLock, inner: Inner) -> None:
-        # Look again only if there was something to see: a claim finds a record itself.
-        record = await self.store.load(self.rid) if self.seen is not None else None
+        # Look again only if there was something to see: a claim finds a record itself. A 0.1.0
+        # replica may have claimed since our first look: its record is read under the lock.
+        if self.seen is not None:
+            record = await self._load()
+        else:
+            record = await self.legacy.load(self.rid.scope) if self.legacy is not None else None
         if record is None:
             claim = await self.store.claim(self.rid, self._record(STARTED), self.idem.ttl,
                                            answer_bound(self.idem.max_stored_response))
@@ -264,13 +291,35 @@ class IdempotentRequest:
                 return await self._refuse(claim)
             if claim.record is None:
                 self.written = claim.written
+                await self._claim_legacy()
                 return await self._run(held, inner)
             record = claim.record
-        if record.get("state") == STARTED and record.get("fp") == self.fp:
+        if record.get("state") == STARTED and self._matches(record):
             # Started, yet nobody holds the lock: that attempt died mid-way.
-            record = {**record, "state": UNKNOWN, "cause": "interrupted"}
-            self.written, _ = await self.store.replace(self.rid, record, self.idem.ttl, None)
+            record = {**self._record(UNKNOWN), "cause": "interrupted"}
+            await self._write(record)
         await self._answer_settled(record)
+
+    async def _claim_legacy(self) -> None:
+        """Claim in 0.1.0's layout too, so a 0.1.0 replica answers 409 in flight, not runs it again."""
+        if self.legacy is None:
+            return
+        try:
+            await self.legacy.write(self.rid.scope, self.fps.as_v1(self._record(STARTED)), self.idem.ttl)
+        except BaseException:
+            await _shielded(self._forget())  # nothing ran: the key stays free
+            raise
+
+    async def _load(self) -> Record | None:
+        if self.legacy is None:
+            return await self.store.load(self.rid)
+        return await self.store.load(self.rid, (self.legacy.redis, self.legacy.key(self.rid.scope)))
+
+    def _matches(self, record: Record) -> bool:
+        try:
+            return self.fps.matches(record)
+        except UnknownRecordVersion:
+            return False  # answered by _answer_settled (409), never run
 
     async def _refuse(self, claim: Claim) -> None:
         if claim.refused == "principal":
@@ -383,17 +432,22 @@ class IdempotentRequest:
 
     async def _write(self, record: Record, fallback: Record | None = None) -> bool:
         self.written, stored = await self.store.replace(self.rid, record, self.idem.ttl, self.written, fallback)
+        if self.legacy is not None:
+            kept = record if stored or fallback is None else fallback
+            await self.legacy.write(self.rid.scope, self.fps.as_v1(kept), self.idem.ttl)
         return stored
 
     async def _forget(self) -> None:
         try:
             await self.store.forget(self.rid, self.written)
+            if self.legacy is not None:
+                await self.legacy.delete(self.rid.scope)
         except _REDIS_ERRORS as exc:
             log.warning("otel-lock: could not drop an unused idempotency claim: %s", exc)
         self.written = None
 
     def _record(self, state: str) -> Record:
-        return {"state": state, "fp": self.fp, "route": self.route}
+        return self.fps.stamp({"state": state, "route": self.route})
 
 
 def _transient_cause(error: LockError) -> bool:

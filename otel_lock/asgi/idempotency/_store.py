@@ -302,24 +302,26 @@ class IdempotencyStore:
     def _total_keys(self) -> list[str]:
         return [f"{self.namespace}:idem:{{total}}:usage", f"{self.namespace}:idem:{{total}}:buckets"]
 
-    def legacy_key(self, rid: RecordId) -> str:
-        """Where versions before the bounded store kept the record (a JSON string); read, never written."""
-        return f"{self.namespace}:{{idem:{rid.scope}}}:idempotency"
-
     # -- records ------------------------------------------------------------------------
 
-    async def load(self, rid: RecordId) -> Record | None:
-        """The record, or None (also: a record of the layout before the bounded store, until it expires)."""
-        if not self.shares_lock_redis:
-            return _parse(await self._call(lambda: self.redis.hget(self._keys(rid)[0], "d")))
+    async def load(self, rid: RecordId, also: tuple[Any, str] | None = None) -> Record | None:
+        """The record, or None; with `also` (a client and the key of release 0.1.0's record, a
+        JSON string), that record when this one is missing (one round trip on one client)."""
+        key = self._keys(rid)[0]
+        if also is None:
+            return _parse(await self._call(lambda: self.redis.hget(key, "d")))
+        client, old_key = also
+        if client is self.redis:
+            async def both() -> list[Any]:
+                pipe = self.redis.pipeline(transaction=False)
+                pipe.hget(key, "d")
+                pipe.get(old_key)
+                return list(await pipe.execute())
 
-        async def both() -> list[Any]:
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.hget(self._keys(rid)[0], "d")
-            pipe.get(self.legacy_key(rid))
-            return list(await pipe.execute())
-
-        current, legacy = await self._call(both)
+            current, legacy = await self._call(both)
+        else:
+            current = await self._call(lambda: self.redis.hget(key, "d"))
+            legacy = None if current is not None else await self._call(lambda: client.get(old_key))
         return _parse(current if current is not None else legacy)
 
     async def claim(self, rid: RecordId, record: Record, ttl: float, answer_bound: int = 0) -> Claim:

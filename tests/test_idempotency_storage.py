@@ -396,3 +396,41 @@ async def test_a_record_of_an_unknown_fingerprint_version_is_neither_replayed_no
     assert [a.status_code for a in answers] == [409, 409]
     assert problem(answers[0])["type"] == "idempotency-outcome-unknown" and charges.runs == 0
     assert "fingerprint version 99" in caplog.text
+
+
+def test_on_a_cluster_both_layouts_are_written_in_their_own_slots_and_a_retry_is_replayed():
+    # The 0.1.0 copy shares the in-flight lock's hash tag; the bounded record sits in its
+    # principal's slot, here another one (the two writes are not one transaction: both happen
+    # under the in-flight lock, see docs/versioning.md).
+    import asyncio
+    import json
+
+    import redis.asyncio as aioredis
+    from redis.crc import key_slot
+
+    try:
+        from ._deployments import deployment_url
+    except ImportError:
+        from _deployments import deployment_url
+
+    import hashlib
+    import hmac
+    owner = hmac.new(SECRET.encode(), b"principal\0s:", hashlib.sha256).hexdigest()[:32]
+    key = next(f"c-{i}" for i in range(100)
+               if key_slot(_old_key(f"c-{i}").encode()) != key_slot(f"mwtest:idem:{{{owner}}}".encode()))
+
+    async def run(url: str) -> tuple[list, dict | None, int]:
+        charges = Charges()
+        async with make_manager(url) as manager, client_for(charges.app(manager)) as client:
+            answers = [await client.post("/charge", json={"a": 1}, headers={"idempotency-key": key})
+                       for _ in range(2)]
+            cluster = manager.redis
+            old = await cluster.get(_old_key(key))
+            records = [k async for k in cluster.scan_iter(match="mwtest:idem:*:r:*")]
+        assert len(records) == 1 and key_slot(records[0]) != key_slot(_old_key(key).encode())
+        return answers, json.loads(old) if old else None, charges.runs
+
+    with deployment_url("cluster") as url:
+        answers, old, runs = asyncio.run(run(url))
+    assert [a.status_code for a in answers] == [201, 201] and answers[1].headers["idempotent-replayed"] == "true"
+    assert old is not None and old["state"] == "done" and runs == 1

@@ -230,3 +230,18 @@ def test_the_0_1_0_fingerprint_is_recomputed_exactly():
                                   "headers": [(k.encode(), v.encode()) for k, v in s["headers"]]},
                            s["route"], s["body"].encode("latin-1")) for s in scopes]
     assert old.stdout.split() == ours
+
+
+def test_the_previous_release_is_named_by_one_commit_everywhere():
+    """The bootstrap builds, docs/versioning.md names, and the commit itself says, the same release."""
+    text = BOOTSTRAP.read_text()
+    commit = re.search(r"^PREVIOUS_RELEASE=(\w+)$", text, re.M).group(1)
+    version = re.search(r"^PREVIOUS_VERSION=([\w.]+)$", text, re.M).group(1)
+    assert re.search(rf"\| {re.escape(version)} \| `{commit}` \|", (ROOT / "docs" / "versioning.md").read_text())
+    script = (ROOT / "scripts" / "test").read_text()
+    assert script.index("ensure_previous_release") < script.index("\n.venv/bin/python -m pytest")
+    shown = subprocess.run(["git", "show", f"{commit}:otel_lock/__init__.py"], cwd=ROOT, capture_output=True,
+                           text=True)
+    if shown.returncode != 0:
+        pytest.skip(f"commit {commit[:7]} is not in this clone: {shown.stderr.strip()}")
+    assert f'__version__ = "{version}"' in shown.stdout

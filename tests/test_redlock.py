@@ -478,3 +478,39 @@ async def test_the_middleware_takes_a_redlock_manager(masters):
             down = await client.post("/orders", headers={"Idempotency-Key": "k2"}, json={})
             assert down.status_code == 503 and "retry-after" in down.headers
             assert (await client.post("/stock/1")).status_code == 200  # the lock still has its quorum
+
+
+# -- the first use with masters down ------------------------------------------------
+
+
+async def test_first_use_with_one_master_down_is_granted_by_the_quorum_and_uses_it_once_back(masters, caplog):
+    """Regression: a manager first used while one of three masters was down refused every acquisition."""
+    kill(masters[2])
+    async with RedLockManager.from_urls(urls(masters), lease=2.0) as locks:
+        async with locks.lock("k", wait=1.0) as held:
+            assert held.token > 0
+            assert all(_owner(s, held.key) == held.owner for s in masters[:2])
+            assert await asyncio.create_task(locks.try_lock("k")) is None  # still exclusive on two masters
+        assert any("unreachable" in r.getMessage() and str(masters[2].port) in r.getMessage()
+                   for r in caplog.records if r.levelname == "WARNING"), "the skipped master is named"
+        assert len(locks.server_reports) == 2  # the masters that answered were checked
+        masters[2].start()  # back (empty): the next grants are written there too
+        async with locks.lock("k", wait=1.0) as again:
+            assert again.token > held.token
+            assert _owner(masters[2], again.key) == again.owner
+        kill(masters[0])  # and it counts toward the quorum: 2 of 3 with the first one down
+        async with locks.lock("k", wait=1.0) as third:
+            assert third.token > again.token and _owner(masters[2], third.key) == third.owner
+
+
+async def test_first_use_with_a_majority_down_refuses_naming_the_quorum(masters):
+    kill(masters[1])
+    kill(masters[2])
+    async with RedLockManager.from_urls(urls(masters), lease=2.0) as locks:
+        for _ in range(2):  # not a one-off: every acquisition says so, until a quorum answers
+            with pytest.raises(RedisUnavailable, match=r"1 of 3 masters.* quorum of 2"):
+                await asyncio.wait_for(locks.acquire("k", wait=0), BOUND)
+        assert lock_keys(masters[0]) == []
+        masters[1].start()
+        async with locks.lock("k", wait=1.0) as held:  # a quorum again: granted
+            assert held.token > 0

@@ -17,12 +17,16 @@ the manager core above it is the same for every topology.
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Coroutine
 
+from redis.exceptions import AuthenticationError
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from . import _redlock_scripts as scripts
 from ._attempt import Reply, Request, validity
@@ -36,6 +40,7 @@ from ._redlock_scripts import Masters
 from ._scripts import model_check
 from ._server_checks import ServerReport, check_server
 
+log = logging.getLogger("otel_lock")
 
 @dataclass
 class Round:
@@ -46,6 +51,13 @@ class Round:
     silent: list[int] = field(default_factory=list)  # masters that did not answer the ACQUIRE
     ttl: float = 0.0                              # smallest TTL seen on a busy master, seconds
     error: LockError | None = None
+
+
+@dataclass
+class _Unreachable:
+    """A master that did not answer its server checks (skipped while a quorum did)."""
+
+    error: BaseException
 
 
 def lock_keys(redis_key: str) -> tuple[str, str]:
@@ -258,16 +270,46 @@ class QuorumTransport:
         answers = await self.masters.call(model_check, (key,), [model, ttl], "acquire", name)
         answered = [int(a) for a in answers if not isinstance(a, LockError)]
         if len(answered) < self.quorum:
-            errors = [a for a in answers if isinstance(a, LockError)]
-            raise errors[0]
+            raise self._no_quorum(len(answered), f"data model check of {key}", lock_key,
+                                  next(a for a in answers if isinstance(a, LockError)))
         others = [a for a in answered if a != model]
         return others[0] if others else None
 
     async def server_reports(self, namespace: str, require_noeviction: bool) -> list[ServerReport]:
-        """The server checks of every master (a master that does not answer fails them: no report without it)."""
-        return [await check_server(client.execute_command, namespace=namespace, cluster=False,
-                                   require_noeviction=require_noeviction, address=calls.where)
-                for client, calls in zip(self.masters.clients, self.masters.calls)]
+        """The server checks of every master that answers; a minority down is skipped with a warning.
+
+        A master down at the first use must not refuse locks a quorum can
+        grant (as a Cluster master's keys fail on their own): it is used
+        again as soon as it answers, and checked at the next process's first use.
+        """
+        found = await asyncio.gather(*(self._report(i, namespace, require_noeviction)
+                                       for i in range(len(self.masters.clients))), return_exceptions=True)
+        for outcome in found:
+            if isinstance(outcome, BaseException):
+                raise outcome  # a refusal (ACL, credentials...) is an answer, not an absence
+        reports = [r for r in found if isinstance(r, ServerReport)]
+        if len(reports) < self.quorum:
+            skipped = next(r for r in found if isinstance(r, _Unreachable))
+            raise self._no_quorum(len(reports), "server checks", None, skipped.error)
+        return reports
+
+    async def _report(self, index: int, namespace: str, require_noeviction: bool) -> ServerReport | _Unreachable:
+        calls = self.masters.calls[index]
+        try:
+            return await check_server(self.masters.clients[index].execute_command, namespace=namespace, cluster=False,
+                                      require_noeviction=require_noeviction, address=calls.where)
+        except AuthenticationError:
+            raise
+        except (OSError, RedisConnectionError, RedisTimeoutError) as exc:
+            log.warning("otel-lock: server checks skipped for RedLock master %s, unreachable: %s (a quorum of the "
+                        "others grants locks; it is used again once it answers)", calls.where, exc)
+            return _Unreachable(exc)
+
+    def _no_quorum(self, answered: int, what: str, key: str | None, cause: BaseException) -> RedisUnavailable:
+        count = len(self.masters.clients)
+        detail = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        return RedisUnavailable(f"only {answered} of {count} masters answered ({what}): RedLock needs a quorum of "
+                                f"{self.quorum} to grant any lock; {detail}", key=key)
 
     def poll_instead(self, why: str | None) -> None:
         """RedLock waiters always poll."""

@@ -514,3 +514,24 @@ async def test_first_use_with_a_majority_down_refuses_naming_the_quorum(masters)
         masters[1].start()
         async with locks.lock("k", wait=1.0) as held:  # a quorum again: granted
             assert held.token > 0
+
+
+# -- operators ------------------------------------------------------------------------
+
+
+async def test_held_locks_lists_each_quorum_held_lock_once_page_by_page(masters):
+    async with RedLockManager.from_urls(urls(masters), lease=30.0) as locks:
+        held = [await locks.acquire(f"job:{i}") for i in range(5)]
+        for server, owner in ((masters[0], "minority"), (masters[1], "late"), (masters[2], "late")):
+            with redis.Redis(port=server.port) as client:  # one master alone; two of three, not the first
+                client.hset("otel-lock:{by-hand:1}" if owner == "minority" else "otel-lock:{by-hand:2}",
+                            mapping={"owner": owner, "depth": 1, "token": 7})
+        expected = sorted([h.key for h in held] + ["otel-lock:{by-hand:2}"])
+        infos = await locks.held_locks()
+        assert [i.key for i in infos] == expected
+        assert {i.key: i.owner for i in infos}["otel-lock:{job:0}"] == held[0].owner
+        pages = [page async for page in locks._held_pages(page=2)]  # several SCAN batches on each master
+        assert len(pages) > 1 and all(len(page) <= 2 for page in pages)
+        assert sorted(i.key for page in pages for i in page) == expected  # each once, across masters
+        kill(masters[0])
+        assert [i.key for i in await locks.held_locks()] == expected  # the other two still make a quorum

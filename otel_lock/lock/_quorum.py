@@ -21,7 +21,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Coroutine
+from typing import Any, AsyncIterator, Callable, Coroutine
 
 from redis.exceptions import AuthenticationError
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -35,6 +35,7 @@ from ._breaker import Breaker
 from ._calls import batch_outcomes, record_batch
 from ._errors import LockError, LockTimeout, RedisUnavailable
 from ._held import Lease, LockInfo
+from ._listing import describe, key_pages
 from ._redlock_cleanup import Cleanup
 from ._redlock_scripts import Masters
 from ._scripts import model_check
@@ -321,31 +322,39 @@ class QuorumTransport:
         answers = await self.masters.call(scripts.force_release, (redis_key,), [], "release", name)
         return any(a == 1 for a in answers), ""
 
-    async def held_locks(self, pattern: str) -> list[LockInfo]:
-        """Locks whose owner holds them on a quorum of the masters that answered."""
-        seen: dict[str, list[LockInfo]] = {}
-        for client in self.masters.clients:
+    async def held_pages(self, pattern: str, page: int) -> AsyncIterator[list[LockInfo]]:
+        """Locks whose owner holds them on a quorum of the masters that answer, a SCAN batch at a time.
+
+        Each master is scanned in turn; a page of its keys is looked up on
+        every master at once (one pipeline each). A key is listed by the
+        first answering master that has it, with the smallest TTL of the
+        quorum, so a lock held everywhere is listed once.
+        """
+        clients = self.masters.clients
+        down: set[int] = set()
+        for index, client in enumerate(clients):
             try:
-                keys = [k async for k in client.scan_iter(match=pattern, count=1000)]
-                for key in keys:
-                    fields = await client.hgetall(key)
-                    pttl = await client.pttl(key)
-                    text = {_text(k): _text(v) for k, v in fields.items()}
-                    if text.get("owner"):
-                        seen.setdefault(_text(key), []).append(LockInfo(
-                            _text(key), text["owner"], int(text.get("depth") or 0), max(pttl, 0) / 1000,
-                            int(text.get("token") or 0)))
+                async for keys in key_pages(client, pattern, page):
+                    views = await asyncio.gather(*(describe(c, keys) for c in clients), return_exceptions=True)
+                    down |= {i for i, view in enumerate(views) if isinstance(view, BaseException)}
+                    held = [info for key in keys
+                            if (info := self._quorum_view(key, index, views, down)) is not None]
+                    if held:
+                        yield held
             except (OSError, RedisError, LockError):
-                continue
-        held = []
-        for infos in seen.values():
-            by_owner: dict[str, list[LockInfo]] = {}
-            for info in infos:
-                by_owner.setdefault(info.owner, []).append(info)
-            owner_infos = max(by_owner.values(), key=len)
-            if len(owner_infos) >= self.quorum:
-                held.append(min(owner_infos, key=lambda info: info.ttl))
-        return sorted(held, key=lambda info: info.key)
+                down.add(index)  # its keys are still found on the others, if a quorum holds them
+
+    def _quorum_view(self, key: str, index: int, views: list[Any], down: set[int]) -> LockInfo | None:
+        """The lock `key` as a quorum holds it, if master `index` is the first answering one that has it."""
+        infos = [(i, view[key]) for i, view in enumerate(views)
+                 if i not in down and not isinstance(view, BaseException) and key in view]
+        if not infos or infos[0][0] != index:
+            return None  # listed from an earlier master (or not held anywhere that answers)
+        by_owner: dict[str, list[LockInfo]] = {}
+        for _, info in infos:
+            by_owner.setdefault(info.owner, []).append(info)
+        owner_infos = max(by_owner.values(), key=len)
+        return min(owner_infos, key=lambda info: info.ttl) if len(owner_infos) >= self.quorum else None
 
     def background(self, work: Coroutine[Any, Any, Any]) -> asyncio.Future[Any]:
         return self._background.add(work)
@@ -355,7 +364,3 @@ class QuorumTransport:
 
     async def aclose(self) -> None:
         self.cleanup.aclose()
-
-
-def _text(value: bytes | str | None) -> str:
-    return value.decode() if isinstance(value, bytes) else (value or "")

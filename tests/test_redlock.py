@@ -10,6 +10,7 @@ import time
 import httpx
 import pytest
 import redis
+import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
@@ -501,6 +502,21 @@ async def test_first_use_with_one_master_down_is_granted_by_the_quorum_and_uses_
         kill(masters[0])  # and it counts toward the quorum: 2 of 3 with the first one down
         async with locks.lock("k", wait=1.0) as third:
             assert third.token > again.token and _owner(masters[2], third.key) == third.owner
+
+
+async def test_first_use_with_a_master_stopped_is_granted_by_the_quorum_even_without_socket_timeouts(masters):
+    """A master that accepts connections and never answers (SIGSTOP) must not hold the first use for ever."""
+    clients = [aioredis.Redis(port=s.port) for s in masters]  # the user's clients: no socket timeout
+    os.kill(masters[1].process.pid, signal.SIGSTOP)
+    try:
+        async with RedLockManager(clients, lease=2.0) as locks:
+            held = await asyncio.wait_for(locks.acquire("k", wait=1.0), BOUND)
+            assert _owner(masters[0], held.key) == held.owner == _owner(masters[2], held.key)
+            assert await held.release() is True
+    finally:
+        os.kill(masters[1].process.pid, signal.SIGCONT)
+        for client in clients:
+            await client.aclose()
 
 
 async def test_first_use_with_a_majority_down_refuses_naming_the_quorum(masters):

@@ -513,6 +513,33 @@ def test_an_interrupted_release_still_completes_and_counts_once(sync_locks, clie
     fresh.release()
 
 
+def _scripts_run(client) -> int:
+    stats = client.info("commandstats")
+    return sum(stats.get(f"cmdstat_{name}", {}).get("calls", 0) for name in ("evalsha", "eval"))
+
+
+def test_an_interrupted_re_entry_is_undone_in_redis_and_in_the_thread(redis_url, client):
+    with SyncLockManager.from_url(redis_url, namespace=NS, lease=60) as locks:  # no renewal meanwhile
+        assert locks.acquire("warm-up").release() is True  # every script loaded: one call each from here
+        outer = locks.acquire("k")
+        client.execute_command("CLIENT", "PAUSE", int(BOUND * 1000), "WRITE")  # the re-entry will wait on Redis
+        try:
+            signal_when(lambda: client.info("clients")["blocked_clients"] == 1, "the re-entry to wait on Redis",
+                        signal.SIGALRM, True)
+            with handler(signal.SIGALRM, _raise_interrupted), pytest.raises(Interrupted):
+                locks.acquire("k")
+            before = _scripts_run(client)
+        finally:
+            client.execute_command("CLIENT", "UNPAUSE")
+        # the re-entry lands once Redis runs it, and is taken back (one level) as the async manager does
+        until(lambda: _scripts_run(client) >= before + 2, "the abandoned re-entry to run and be taken back")
+        assert int(client.hget(outer.key, "depth")) == 1
+        inner = locks.acquire("k")  # the thread counts the outer hold alone: this is depth 2, not 3
+        assert inner.depth == 2 and int(client.hget(outer.key, "depth")) == 2
+        assert inner.release() is True and outer.release() is True
+        assert owner_of(client, "k") is None  # nothing left held by the interrupted re-entry
+
+
 # -- fork -----------------------------------------------------------------------
 
 

@@ -297,8 +297,10 @@ class QuorumTransport:
     async def _report(self, index: int, namespace: str, require_noeviction: bool) -> ServerReport | _Unreachable:
         calls = self.masters.calls[index]
         try:
-            return await check_server(self.masters.clients[index].execute_command, namespace=namespace, cluster=False,
-                                      require_noeviction=require_noeviction, address=calls.where)
+            # a stopped master must not hold the first use for ever (a client may have no socket timeout)
+            async with asyncio.timeout(max(2.0, 10 * self.masters.timeout)):
+                return await check_server(self.masters.clients[index].execute_command, namespace=namespace,
+                                          cluster=False, require_noeviction=require_noeviction, address=calls.where)
         except AuthenticationError:
             raise
         except (OSError, RedisConnectionError, RedisTimeoutError) as exc:

@@ -241,6 +241,21 @@ async def test_a_json_listing_cut_short_by_redis_is_not_valid_json(fresh_redis):
     assert out.startswith("[\n  {") and not out.rstrip().endswith("]")
 
 
+@pytest.mark.parametrize("form", ["text", "json"])
+async def test_locks_piped_into_head_ends_quietly(fresh_redis, form):
+    """`otel-lock locks | head -2`: the reader closes the pipe; no traceback, no 'Redis unreachable'."""
+    await _fill(fresh_redis.url, "busy", 5_000)
+    flags = ["--json"] if form == "json" else []
+    with subprocess.Popen([sys.executable, "-m", "otel_lock.cli", "locks", *flags, "--redis-url", fresh_redis.url,
+                           "--namespace", "busy"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as listing:
+        assert listing.stdout.readline() and listing.stdout.readline()
+        listing.stdout.close()
+        stderr = listing.stderr.read()
+        assert listing.wait(120) == 1
+    assert stderr == ""
+
+
 def test_version_names_the_package_version():
     result = run_cli("--version", env=dict(os.environ))
     assert result.returncode == 0

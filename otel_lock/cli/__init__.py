@@ -314,19 +314,28 @@ def _locks(args: argparse.Namespace) -> int:
 
     async def stream(manager: LockManager) -> None:
         async for page in manager._held_pages():
-            rows.write(page)
+            try:
+                rows.write(page)
+            except BrokenPipeError as exc:  # not a Redis error: the reader went away
+                raise _ReaderGone from exc
 
     try:
-        _against_redis("locks", args, stream)
-    except _RedisFailed as exc:
-        rows.cut()
-        print(exc, file=sys.stderr)
-        return 1
-    except BrokenPipeError:  # `otel-lock locks | head`: the reader has what it wanted
+        try:
+            _against_redis("locks", args, stream)
+        except _RedisFailed as exc:
+            print(exc, file=sys.stderr)
+            rows.cut()
+            return 1
+        rows.end()
+        return 0
+    except (_ReaderGone, BrokenPipeError):
+        # `otel-lock locks | head`: the reader has what it wanted; nothing more to print, not even at exit
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
-    rows.end()
-    return 0
+
+
+class _ReaderGone(Exception):
+    """Whoever read the output closed it (`| head`)."""
 
 
 def _lock_name(key: str, namespace: str) -> str:

@@ -551,3 +551,20 @@ async def test_held_locks_lists_each_quorum_held_lock_once_page_by_page(masters)
         assert sorted(i.key for page in pages for i in page) == expected  # each once, across masters
         kill(masters[0])
         assert [i.key for i in await locks.held_locks()] == expected  # the other two still make a quorum
+
+
+async def test_held_locks_with_a_master_stopped_lists_what_the_quorum_holds(masters):
+    """A master that never answers (SIGSTOP) and clients without a socket timeout: the listing still ends."""
+    clients = [aioredis.Redis(port=s.port) for s in masters]
+    try:
+        async with RedLockManager(clients, lease=30.0) as locks:
+            held = [await locks.acquire(f"job:{i}") for i in range(3)]
+            os.kill(masters[0].process.pid, signal.SIGSTOP)
+            try:
+                infos = await asyncio.wait_for(locks.held_locks(), BOUND)
+            finally:
+                os.kill(masters[0].process.pid, signal.SIGCONT)
+            assert [(i.key, i.owner) for i in infos] == [(h.key, h.owner) for h in held]
+    finally:
+        for client in clients:
+            await client.aclose()

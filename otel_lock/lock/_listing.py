@@ -10,14 +10,14 @@ as it comes.
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator
+from typing import Any, AsyncGenerator
 
 from ._held import LockInfo
 
 PAGE = 1000  # keys per SCAN COUNT and per pipeline
 
 
-async def key_pages(client: Any, pattern: str, page: int = PAGE) -> AsyncIterator[list[str]]:
+async def key_pages(client: Any, pattern: str, page: int = PAGE) -> AsyncGenerator[list[str], None]:
     """The keys matching `pattern`, `page` at a time (SCAN may return a key twice: a page never does)."""
     batch: dict[str, None] = {}
     async for key in client.scan_iter(match=pattern, count=page):
@@ -47,7 +47,7 @@ async def describe(client: Any, keys: list[str]) -> dict[str, LockInfo]:
     return found
 
 
-async def held_pages(client: Any, pattern: str, page: int = PAGE) -> AsyncIterator[list[LockInfo]]:
+async def held_pages(client: Any, pattern: str, page: int = PAGE) -> AsyncGenerator[list[LockInfo], None]:
     """The locks held on one Redis (or Cluster), a page at a time, each page sorted by key."""
     async for keys in key_pages(client, pattern, page):
         found = await describe(client, keys)

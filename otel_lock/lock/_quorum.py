@@ -333,11 +333,27 @@ class QuorumTransport:
         quorum, so a lock held everywhere is listed once.
         """
         clients = self.masters.clients
+        bound = max(2.0, 10 * self.masters.timeout)  # a stopped master must not stop the listing for ever
         down: set[int] = set()
+
+        async def look(i: int, keys: list[str]) -> dict[str, LockInfo]:
+            if i in down:
+                raise RedisUnavailable(f"master {self.masters.calls[i].where} did not answer the listing")
+            async with asyncio.timeout(bound):
+                return await describe(clients[i], keys)
+
         for index, client in enumerate(clients):
+            if index in down:
+                continue
+            pages = key_pages(client, pattern, page)
             try:
-                async for keys in key_pages(client, pattern, page):
-                    views = await asyncio.gather(*(describe(c, keys) for c in clients), return_exceptions=True)
+                while True:
+                    async with asyncio.timeout(bound):
+                        keys = await anext(pages, None)
+                    if keys is None:
+                        break
+                    views = await asyncio.gather(*(look(i, keys) for i in range(len(clients))),
+                                                 return_exceptions=True)
                     down |= {i for i, view in enumerate(views) if isinstance(view, BaseException)}
                     held = [info for key in keys
                             if (info := self._quorum_view(key, index, views, down)) is not None]
@@ -345,6 +361,8 @@ class QuorumTransport:
                         yield held
             except (OSError, RedisError, LockError):
                 down.add(index)  # its keys are still found on the others, if a quorum holds them
+            finally:
+                await pages.aclose()
 
     def _quorum_view(self, key: str, index: int, views: list[Any], down: set[int]) -> LockInfo | None:
         """The lock `key` as a quorum holds it, if master `index` is the first answering one that has it."""

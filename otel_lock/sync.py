@@ -13,10 +13,12 @@ the answer: a pending acquire is cancelled, and a lock it was granted
 meanwhile is released. No lock is left held and renewed that no code can
 release.
 
-Re-entry is per thread and counted here, the same for any `Locks`: a thread
-that holds a key re-enters it (depth + 1, same token) without a round trip
-to Redis, a nested acquire of a lease known lost raises LockLost, and only
-the thread's last release of the key reaches Redis.
+Re-entry is per thread: a thread that holds a key re-enters it (depth + 1,
+same token); another thread is another caller. The re-entry itself is the
+async manager's own (`Core._reenter`): one round trip that checks the lease
+is still this owner's in Redis, so a lease gone there raises LockLost, as in
+async code, and each nested hold is released as the manager releases it
+(any order). A `Locks` of another kind is re-entered by a local count.
 
 A thread cannot be cancelled, so `cancel_on_lost=True` means: a `with` block
 whose lease was lost raises LockLost as it ends. `held.lost` (a
@@ -292,6 +294,8 @@ class _Hold:
         self.key: str = key
         self.held: HeldLock = held
         self.cancel_on_lost: bool = cancel_on_lost
+        # otel-lock's own managers re-enter (and count nested holds) themselves; anything else: counted here
+        self.reenter: Callable[..., Awaitable[HeldLock]] | None = getattr(runtime.manager, "_reenter", None)
         self.depth: int = 0
         self.lost: threading.Event = _LostEvent(runtime, held)
         self._watch = asyncio.ensure_future(self._tell_lost())
@@ -313,10 +317,16 @@ class _Hold:
                 del self.holds[self.key]
             return True
 
-    async def end(self) -> bool:
-        """On the loop: the thread's last release of the key."""
-        self._watch.cancel()
-        return await self.held.release()
+    async def end(self, own: HeldLock, last: bool) -> bool:
+        """On the loop: the release of one of the thread's holds (`own`), the last one of the key or not."""
+        if last:
+            self._watch.cancel()
+        return await own.release()
+
+    async def nest(self) -> HeldLock:
+        """On the loop: one more hold of this lease, as the async manager re-enters it (LockLost if gone)."""
+        assert self.reenter is not None
+        return await self.reenter(self.held._lease, child=False)
 
     def abandon(self) -> None:
         """On the loop: a grant no thread will ever see is taken out of its map and released."""
@@ -324,16 +334,17 @@ class _Hold:
             self.depth = 0
             if self.holds.get(self.key) is self:
                 del self.holds[self.key]
-        self.runtime.in_background(self.end())
+        self.runtime.in_background(self.end(self.held, True))
 
 
 class SyncHeldLock:
     """A hold seen from a thread: key, name, owner, token, depth, and `lost` (a threading.Event)."""
 
-    __slots__ = ("_manager", "_hold", "depth", "_last", "_released")
+    __slots__ = ("_manager", "_hold", "_own", "depth", "_last", "_released")
 
-    def __init__(self, manager: SyncLockManager, hold: _Hold, depth: int) -> None:
+    def __init__(self, manager: SyncLockManager, hold: _Hold, depth: int, own: HeldLock | None) -> None:
         self._manager, self._hold = manager, hold
+        self._own = own  # the manager's hold this one releases (None: a nested hold counted here)
         self.depth: int = depth
         """Reentrancy depth in this thread: 1 for the outermost hold."""
         self._last: bool | None = None      # counted out of the thread's depth: was it the last hold?
@@ -369,7 +380,7 @@ class SyncHeldLock:
         if self._released is None:
             if self._last is None:  # counted out once, even if the wait below is interrupted
                 self._last = self._manager._count_out(self._hold)
-            self._released = self._manager._release(self._hold, self._last)
+            self._released = self._manager._release(self._hold, self._last, self._own)
         return self._released
 
     def __repr__(self) -> str:
@@ -556,7 +567,11 @@ class SyncLockManager:
         return runtime.run(lambda: coro)
 
     def _reenter(self, key: str) -> SyncHeldLock | None:
-        """A nested hold of a key this thread holds, counted here; None if it holds none."""
+        """A nested hold of a key this thread holds; None if it holds none.
+
+        Counted in the thread first, so that a release racing it cannot miss
+        it; then the manager re-enters the lease as the async API does.
+        """
         runtime = self._current()
         hold = runtime.holds().get(key)
         if hold is None:
@@ -565,10 +580,18 @@ class SyncLockManager:
             raise LockLost(f"lease of {hold.held.key} was lost: a nested acquire cannot re-enter it",
                            key=hold.held.key, reason="lost before re-entry")
         with runtime.mutex:
-            if runtime.holds().get(key) is hold:
-                hold.depth += 1
-                return SyncHeldLock(self, hold, hold.depth)
-        return None  # released meanwhile (by another thread): take it afresh
+            if runtime.holds().get(key) is not hold:
+                return None  # released meanwhile (by another thread): take it afresh
+            hold.depth += 1
+            depth = hold.depth
+        if hold.reenter is None:
+            return SyncHeldLock(self, hold, depth, None)
+        try:
+            nested = runtime.run(hold.nest, undo=lambda inner: runtime.in_background(inner.release()))
+            return SyncHeldLock(self, hold, depth, nested)
+        except BaseException:
+            hold.forget()  # never entered (lost, Redis down, interrupted): out of the thread's count again
+            raise
 
     def _take(self, key: str, take: Callable[[Locks], Awaitable[HeldLock | None]],
               cancel_on_lost: bool | None) -> SyncHeldLock | None:
@@ -584,7 +607,7 @@ class SyncLockManager:
         if hold is None:
             return None
         try:
-            return SyncHeldLock(self, hold, 1)
+            return SyncHeldLock(self, hold, 1, hold.held)
         except BaseException:  # interrupted before the caller could see the hold: let it go
             runtime.abandon_soon(hold.abandon)
             raise
@@ -594,15 +617,18 @@ class SyncLockManager:
         """One release of the thread's hold: True if it was the last (a hold inherited across fork: never)."""
         return hold.runtime.pid == os.getpid() and hold.forget()
 
-    def _release(self, hold: _Hold, last: bool) -> bool:
+    def _release(self, hold: _Hold, last: bool, own: HeldLock | None) -> bool:
         runtime = hold.runtime
         if runtime.pid != os.getpid():
             return False  # inherited across fork: the parent's lock, not this process's
-        if not last:
-            return not hold.lost.is_set()
+        if hold.reenter is None:  # counted here: only the thread's last release reaches Redis
+            if not last:
+                return not hold.lost.is_set()
+            own = hold.held
         if runtime.closing:
             return False  # closed meanwhile: the lease expires by itself
-        return runtime.run(hold.end, cancel_on_abandon=False)
+        assert own is not None
+        return runtime.run(partial(hold.end, own, last), cancel_on_abandon=False)
 
 
 def _abandon_hold(hold: _Hold | None) -> None:

@@ -13,6 +13,7 @@ import types
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+import redis
 
 import otel_lock
 from otel_lock import LockManager
@@ -102,6 +103,157 @@ async def test_locks_json_is_one_parseable_document(redis_url, capsys):
     # Nothing held: still JSON (an empty array), not the sentence for people.
     assert await asyncio.to_thread(main, ["locks", "--json", "--redis-url", redis_url, "--namespace", "js"]) == 0
     assert json.loads(capsys.readouterr().out) == []
+
+
+# -- a busy namespace: paged, streamed, bounded memory ---------------------------------
+
+MANY = 200_000  # `otel-lock locks` used to fail at this size: a socket timeout and 235 MB in the client
+# Copies each real hold's fields for keys ARGV[1] .. i .. '}' (i = ARGV[2] .. ARGV[3]): owner and token made
+# unique per key, the TTL (ARGV[4], ms) as a real lease's. ARGV[5..]: the real hash's field, value pairs.
+_FILL = """
+local prefix, ttl = ARGV[1], ARGV[4]
+for i = tonumber(ARGV[2]), tonumber(ARGV[3]) do
+  local key = prefix .. i .. '}'
+  local fields = {}
+  for j = 5, #ARGV, 2 do
+    local value = ARGV[j + 1]
+    if ARGV[j] == 'owner' then value = value .. ':' .. i end
+    if ARGV[j] == 'token' then value = string.format('%.0f', tonumber(value) + i) end
+    fields[#fields + 1] = ARGV[j]
+    fields[#fields + 1] = value
+  end
+  redis.call('HSET', key, unpack(fields))
+  redis.call('PEXPIRE', key, ttl)
+end
+return 0
+"""
+
+
+async def _fill(url: str, namespace: str, count: int) -> set[str]:
+    """`count` held locks in the layout real holds have (three real ones, copied), fast: a Lua loop per 20,000."""
+    async with LockManager.from_url(url, namespace=namespace) as locks:
+        real = [await locks.acquire(f"real:{i}", lease=600, wait=0) for i in range(3)]
+        # the manager closes without releasing: the real holds stay held for their lease
+    client = redis.Redis.from_url(url)
+    try:
+        fields = [part.decode() for pair in client.hgetall(real[0].key).items() for part in pair]
+        assert "owner" in fields and "token" in fields, fields
+        for first in range(0, count, 20_000):
+            client.eval(_FILL, 0, f"{namespace}:{{fill:", first, min(first + 20_000, count) - 1, 600_000, *fields)
+        keys = {held.key for held in real} | {f"{namespace}:{{fill:{i}}}" for i in range(count)}
+        assert client.dbsize() == len(keys) + 3 + 1  # + the real holds' fence keys and the data model key
+    finally:
+        client.close()
+    return keys
+
+
+def _measured(*args: str) -> list[str]:
+    """`python -m otel_lock.cli ARGS` under a parent that reports the child's peak RSS (KiB) on its stderr."""
+    report = ("import resource, subprocess, sys; code = subprocess.call(sys.argv[1:]); "
+              "print('maxrss', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); "
+              "sys.exit(code)")
+    return [sys.executable, "-c", report, sys.executable, "-m", "otel_lock.cli", *args]
+
+
+def _peak_rss(stderr: str) -> int:
+    [line] = [line for line in stderr.splitlines() if line.startswith("maxrss ")]
+    return int(line.split()[1])
+
+
+def _rows(lines, form: str):
+    """The keys a listing printed, read line by line as they come (the test never holds the whole output)."""
+    if form == "text":
+        assert next(lines).split() == ["KEY", "OWNER", "DEPTH", "TTL", "TOKEN"]
+        for line in lines:
+            key, _owner, depth, _ttl, _token = line.split()
+            assert depth == "1"
+            yield key
+        return
+    assert next(lines) == "[\n"
+    for line in lines:
+        if line == "]\n":
+            assert next(lines, None) is None
+            return
+        row = json.loads(line.strip().removesuffix(","))
+        assert row["name"] == row["key"][len("busy:{"):-1] and row["depth"] == 1 and 0 < row["ttl"] <= 600
+        yield row["key"]
+    pytest.fail("the JSON array was not closed")
+
+
+@pytest.mark.parametrize("form", ["text", "json"])
+async def test_locks_lists_200000_held_locks_in_bounded_memory(fresh_redis, form):
+    keys = await _fill(fresh_redis.url, "busy", MANY)
+    flags = ["--json"] if form == "json" else []
+    empty = subprocess.run(_measured("locks", *flags, "--redis-url", fresh_redis.url, "--namespace", "none"),
+                           capture_output=True, text=True, timeout=120)
+    assert empty.returncode == 0, empty.stderr
+    baseline = _peak_rss(empty.stderr)
+    seen, count = set(), 0
+    with subprocess.Popen(_measured("locks", *flags, "--redis-url", fresh_redis.url, "--namespace", "busy"),
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as listing:
+        for key in _rows(iter(listing.stdout), form):
+            seen.add(key)
+            count += 1
+        stderr = listing.stderr.read()
+        assert listing.wait(120) == 0, stderr
+    assert seen == keys and count == len(keys)  # every lock, each once
+    # One page in memory, not the namespace: the listing that read it all peaked at 480 MB for 200,000 locks.
+    peak = _peak_rss(stderr)
+    assert peak - baseline < 48 * 1024, f"peak RSS {peak} KiB, {baseline} KiB when nothing is held"
+
+
+async def test_locks_prints_while_it_still_scans(fresh_redis):
+    """The first page is printed before the scan ends: after reading it, the rest of the namespace is
+    deleted, and the listing ends with what it had read by then (a reader that does not read holds the
+    command back by a pipe buffer), not with every lock."""
+    keys = await _fill(fresh_redis.url, "busy", 20_000)
+    with subprocess.Popen([sys.executable, "-m", "otel_lock.cli", "locks", "--redis-url", fresh_redis.url,
+                           "--namespace", "busy"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as listing:
+        assert listing.stdout.readline().split() == ["KEY", "OWNER", "DEPTH", "TTL", "TOKEN"]
+        first = listing.stdout.readline().split()
+        assert first[0] in keys and first[2] == "1"
+        with redis.Redis.from_url(fresh_redis.url) as client:
+            client.flushdb()
+        rest = listing.stdout.readlines()
+        stderr = listing.stderr.read()
+        assert listing.wait(120) == 0, stderr
+    listed = 1 + len(rest)
+    assert 0 < listed < len(keys) // 4, f"{listed} locks listed: read before the first line was printed"
+    assert all(line.split()[0] in keys for line in rest)
+
+
+async def test_a_json_listing_cut_short_by_redis_is_not_valid_json(fresh_redis):
+    """Redis gone in the middle of a streamed listing: exit 1 and the error on stderr, and what was printed
+    does not parse as a (shorter) array."""
+    await _fill(fresh_redis.url, "busy", 20_000)
+    with subprocess.Popen([sys.executable, "-m", "otel_lock.cli", "locks", "--json", "--redis-url",
+                           fresh_redis.url, "--namespace", "busy"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as listing:
+        head = listing.stdout.readline() + listing.stdout.readline()
+        fresh_redis.stop()
+        out = head + listing.stdout.read()
+        stderr = listing.stderr.read()
+        assert listing.wait(120) == 1, stderr
+    assert stderr.startswith("otel-lock locks: Redis unreachable at ") and stderr.count("\n") == 1, stderr
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(out)
+    assert out.startswith("[\n  {") and not out.rstrip().endswith("]")
+
+
+@pytest.mark.parametrize("form", ["text", "json"])
+async def test_locks_piped_into_head_ends_quietly(fresh_redis, form):
+    """`otel-lock locks | head -2`: the reader closes the pipe; no traceback, no 'Redis unreachable'."""
+    await _fill(fresh_redis.url, "busy", 5_000)
+    flags = ["--json"] if form == "json" else []
+    with subprocess.Popen([sys.executable, "-m", "otel_lock.cli", "locks", *flags, "--redis-url", fresh_redis.url,
+                           "--namespace", "busy"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as listing:
+        assert listing.stdout.readline() and listing.stdout.readline()
+        listing.stdout.close()
+        stderr = listing.stderr.read()
+        assert listing.wait(120) == 1
+    assert stderr == ""
 
 
 def test_version_names_the_package_version():

@@ -10,6 +10,7 @@ import time
 import httpx
 import pytest
 import redis
+import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
@@ -478,3 +479,92 @@ async def test_the_middleware_takes_a_redlock_manager(masters):
             down = await client.post("/orders", headers={"Idempotency-Key": "k2"}, json={})
             assert down.status_code == 503 and "retry-after" in down.headers
             assert (await client.post("/stock/1")).status_code == 200  # the lock still has its quorum
+
+
+# -- the first use with masters down ------------------------------------------------
+
+
+async def test_first_use_with_one_master_down_is_granted_by_the_quorum_and_uses_it_once_back(masters, caplog):
+    """Regression: a manager first used while one of three masters was down refused every acquisition."""
+    kill(masters[2])
+    async with RedLockManager.from_urls(urls(masters), lease=2.0) as locks:
+        async with locks.lock("k", wait=1.0) as held:
+            assert held.token > 0
+            assert all(_owner(s, held.key) == held.owner for s in masters[:2])
+            assert await asyncio.create_task(locks.try_lock("k")) is None  # still exclusive on two masters
+        assert any("unreachable" in r.getMessage() and str(masters[2].port) in r.getMessage()
+                   for r in caplog.records if r.levelname == "WARNING"), "the skipped master is named"
+        assert len(locks.server_reports) == 2  # the masters that answered were checked
+        masters[2].start()  # back (empty): the next grants are written there too
+        async with locks.lock("k", wait=1.0) as again:
+            assert again.token > held.token
+            assert _owner(masters[2], again.key) == again.owner
+        kill(masters[0])  # and it counts toward the quorum: 2 of 3 with the first one down
+        async with locks.lock("k", wait=1.0) as third:
+            assert third.token > again.token and _owner(masters[2], third.key) == third.owner
+
+
+async def test_first_use_with_a_master_stopped_is_granted_by_the_quorum_even_without_socket_timeouts(masters):
+    """A master that accepts connections and never answers (SIGSTOP) must not hold the first use for ever."""
+    clients = [aioredis.Redis(port=s.port) for s in masters]  # the user's clients: no socket timeout
+    os.kill(masters[1].process.pid, signal.SIGSTOP)
+    try:
+        async with RedLockManager(clients, lease=2.0) as locks:
+            held = await asyncio.wait_for(locks.acquire("k", wait=1.0), BOUND)
+            assert _owner(masters[0], held.key) == held.owner == _owner(masters[2], held.key)
+            assert await held.release() is True
+    finally:
+        os.kill(masters[1].process.pid, signal.SIGCONT)
+        for client in clients:
+            await client.aclose()
+
+
+async def test_first_use_with_a_majority_down_refuses_naming_the_quorum(masters):
+    kill(masters[1])
+    kill(masters[2])
+    async with RedLockManager.from_urls(urls(masters), lease=2.0) as locks:
+        for _ in range(2):  # not a one-off: every acquisition says so, until a quorum answers
+            with pytest.raises(RedisUnavailable, match=r"1 of 3 masters.* quorum of 2"):
+                await asyncio.wait_for(locks.acquire("k", wait=0), BOUND)
+        assert lock_keys(masters[0]) == []
+        masters[1].start()
+        async with locks.lock("k", wait=1.0) as held:  # a quorum again: granted
+            assert held.token > 0
+
+
+# -- operators ------------------------------------------------------------------------
+
+
+async def test_held_locks_lists_each_quorum_held_lock_once_page_by_page(masters):
+    async with RedLockManager.from_urls(urls(masters), lease=30.0) as locks:
+        held = [await locks.acquire(f"job:{i}") for i in range(5)]
+        for server, owner in ((masters[0], "minority"), (masters[1], "late"), (masters[2], "late")):
+            with redis.Redis(port=server.port) as client:  # one master alone; two of three, not the first
+                client.hset("otel-lock:{by-hand:1}" if owner == "minority" else "otel-lock:{by-hand:2}",
+                            mapping={"owner": owner, "depth": 1, "token": 7})
+        expected = sorted([h.key for h in held] + ["otel-lock:{by-hand:2}"])
+        infos = await locks.held_locks()
+        assert [i.key for i in infos] == expected
+        assert {i.key: i.owner for i in infos}["otel-lock:{job:0}"] == held[0].owner
+        pages = [page async for page in locks._held_pages(page=2)]  # several SCAN batches on each master
+        assert len(pages) > 1 and all(len(page) <= 2 for page in pages)
+        assert sorted(i.key for page in pages for i in page) == expected  # each once, across masters
+        kill(masters[0])
+        assert [i.key for i in await locks.held_locks()] == expected  # the other two still make a quorum
+
+
+async def test_held_locks_with_a_master_stopped_lists_what_the_quorum_holds(masters):
+    """A master that never answers (SIGSTOP) and clients without a socket timeout: the listing still ends."""
+    clients = [aioredis.Redis(port=s.port) for s in masters]
+    try:
+        async with RedLockManager(clients, lease=30.0) as locks:
+            held = [await locks.acquire(f"job:{i}") for i in range(3)]
+            os.kill(masters[0].process.pid, signal.SIGSTOP)
+            try:
+                infos = await asyncio.wait_for(locks.held_locks(), BOUND)
+            finally:
+                os.kill(masters[0].process.pid, signal.SIGCONT)
+            assert [(i.key, i.owner) for i in infos] == [(h.key, h.owner) for h in held]
+    finally:
+        for client in clients:
+            await client.aclose()

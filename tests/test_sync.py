@@ -196,6 +196,39 @@ def test_a_nested_acquire_of_a_lost_lease_raises_lock_lost(redis_url, client):
         assert owner_of(client, "k") == "someone-else"  # never released from under the new holder
 
 
+@pytest.mark.parametrize("taken_over", ["deleted", "force-released"])
+def test_a_nested_acquire_asks_redis_and_raises_lock_lost_for_a_lease_gone_there(redis_url, client, other,
+                                                                                taken_over):
+    """Regression: the facade re-entered a lease lost in Redis (taken and released by another client since)
+    locally, at depth 2, where the async manager asks Redis and raises LockLost."""
+    with SyncLockManager.from_url(redis_url, namespace=NS, lease=60) as locks:  # no renewal before the re-entry
+        with locks.lock("k") as outer:
+            if taken_over == "deleted":
+                client.delete(outer.key)  # a FLUSH, a restart without persistence, an eviction
+            else:
+                assert other.force_release("k") is True  # an operator's `otel-lock unlock`
+            with other.lock("k", wait=BOUND) as theirs:  # another client takes it and lets it go
+                assert theirs.token > outer.token
+            assert owner_of(client, "k") is None
+            with pytest.raises(LockLost, match="re-entered"):
+                with locks.lock("k"):
+                    pytest.fail("re-entered a lease that Redis no longer has")
+            assert outer.lost.is_set()  # the outer hold is told too, as in the async manager
+            with pytest.raises(LockLost):
+                locks.try_lock("k")
+        assert owner_of(client, "k") is None  # nothing was taken afresh under the old hold
+        with locks.lock("k") as fresh:  # the thread's map is clean: a fresh hold
+            assert fresh.depth == 1 and fresh.token > outer.token
+
+
+def test_a_nested_hold_is_counted_in_redis_as_the_async_managers_is(sync_locks, client):
+    with sync_locks.lock("k") as outer:
+        with sync_locks.lock("k") as inner:
+            assert inner.depth == 2 and int(client.hget(outer.key, "depth")) == 2
+        assert int(client.hget(outer.key, "depth")) == 1 and owner_of(client, "k") == outer.owner
+    assert owner_of(client, "k") is None
+
+
 @pytest.mark.parametrize("where", ["manager default", "per lock"])
 def test_cancel_on_lost_raises_lock_lost_as_the_with_block_ends(redis_url, client, where):
     manager_default, per_lock = (True, None) if where == "manager default" else (False, True)
@@ -462,9 +495,10 @@ def test_a_lock_granted_while_the_waiter_is_interrupted_is_released(
 def test_an_interrupted_release_still_completes_and_counts_once(sync_locks, client):
     outer = sync_locks.acquire("k")
     inner = sync_locks.acquire("k")
+    assert inner.release() is True  # nested: one level less in Redis, the lock still held
+    assert owner_of(client, "k") == outer.owner
     client.execute_command("CLIENT", "PAUSE", int(BOUND * 1000), "WRITE")  # the release will wait on Redis
     try:
-        assert inner.release() is True  # nested: counted here, no write
         signal_when(lambda: client.info("clients")["blocked_clients"] == 1, "the release to wait on Redis",
                     signal.SIGALRM, True)
         with handler(signal.SIGALRM, _raise_interrupted), pytest.raises(Interrupted):
@@ -477,6 +511,33 @@ def test_an_interrupted_release_still_completes_and_counts_once(sync_locks, clie
     fresh = sync_locks.acquire("k")
     assert fresh.depth == 1
     fresh.release()
+
+
+def _scripts_run(client) -> int:
+    stats = client.info("commandstats")
+    return sum(stats.get(f"cmdstat_{name}", {}).get("calls", 0) for name in ("evalsha", "eval"))
+
+
+def test_an_interrupted_re_entry_is_undone_in_redis_and_in_the_thread(redis_url, client):
+    with SyncLockManager.from_url(redis_url, namespace=NS, lease=60) as locks:  # no renewal meanwhile
+        assert locks.acquire("warm-up").release() is True  # every script loaded: one call each from here
+        outer = locks.acquire("k")
+        client.execute_command("CLIENT", "PAUSE", int(BOUND * 1000), "WRITE")  # the re-entry will wait on Redis
+        try:
+            signal_when(lambda: client.info("clients")["blocked_clients"] == 1, "the re-entry to wait on Redis",
+                        signal.SIGALRM, True)
+            with handler(signal.SIGALRM, _raise_interrupted), pytest.raises(Interrupted):
+                locks.acquire("k")
+            before = _scripts_run(client)
+        finally:
+            client.execute_command("CLIENT", "UNPAUSE")
+        # the re-entry lands once Redis runs it, and is taken back (one level) as the async manager does
+        until(lambda: _scripts_run(client) >= before + 2, "the abandoned re-entry to run and be taken back")
+        assert int(client.hget(outer.key, "depth")) == 1
+        inner = locks.acquire("k")  # the thread counts the outer hold alone: this is depth 2, not 3
+        assert inner.depth == 2 and int(client.hget(outer.key, "depth")) == 2
+        assert inner.release() is True and outer.release() is True
+        assert owner_of(client, "k") is None  # nothing left held by the interrupted re-entry
 
 
 # -- fork -----------------------------------------------------------------------

@@ -156,10 +156,12 @@ def build_parser() -> argparse.ArgumentParser:
                        choices=["critical", "error", "warning", "info", "debug"], help="(default: %(default)s)")
 
     locks = commands.add_parser("locks", help="list held locks: key, owner, depth, TTL, token",
-                                description="List the locks held right now in a namespace.")
+                                description="List the locks held right now in a namespace, page by page as "
+                                            "SCAN reads them (sorted within a page), in bounded memory.")
     _add_redis(locks, "redis://127.0.0.1:6379/0")
     locks.add_argument("--json", action="store_true",
-                       help="print a JSON array of {key, name, owner, depth, ttl, token} (ttl in seconds)")
+                       help="print a JSON array of {key, name, owner, depth, ttl, token} (ttl in seconds), "
+                            "one object per line as the locks are read")
 
     unlock = commands.add_parser(
         "unlock", help="force-release a lock (audited)",
@@ -305,27 +307,35 @@ def _root_cause(exc: BaseException) -> BaseException:
 
 
 def _locks(args: argparse.Namespace) -> int:
-    async def held(manager: LockManager) -> list[LockInfo]:
-        return await manager.held_locks()
+    """Print each SCAN batch as it comes: memory stays one page, whatever the namespace holds."""
+    from ._printing import JsonRows, TextRows
+
+    rows = JsonRows(args.namespace) if args.json else TextRows(args.namespace)
+
+    async def stream(manager: LockManager) -> None:
+        async for page in manager._held_pages():
+            try:
+                rows.write(page)
+            except BrokenPipeError as exc:  # not a Redis error: the reader went away
+                raise _ReaderGone from exc
 
     try:
-        infos = _against_redis("locks", args, held)
-    except _RedisFailed as exc:
-        print(exc, file=sys.stderr)
+        try:
+            _against_redis("locks", args, stream)
+        except _RedisFailed as exc:
+            print(exc, file=sys.stderr)
+            rows.cut()
+            return 1
+        rows.end()
+        return 0
+    except (_ReaderGone, BrokenPipeError):
+        # `otel-lock locks | head`: the reader has what it wanted; nothing more to print, not even at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
-    if args.json:
-        print(json.dumps([{"key": i.key, "name": _lock_name(i.key, args.namespace), "owner": i.owner,
-                           "depth": i.depth, "ttl": i.ttl, "token": i.token} for i in infos], indent=2))
-        return 0
-    if not infos:
-        print(f"no locks held in namespace {args.namespace!r}")
-        return 0
-    rows = [("KEY", "OWNER", "DEPTH", "TTL", "TOKEN")]
-    rows += [(i.key, i.owner, str(i.depth), "-" if i.ttl is None else f"{i.ttl:.1f}s", str(i.token)) for i in infos]
-    widths = [max(len(row[col]) for row in rows) for col in range(5)]
-    for row in rows:
-        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
-    return 0
+
+
+class _ReaderGone(Exception):
+    """Whoever read the output closed it (`| head`)."""
 
 
 def _lock_name(key: str, namespace: str) -> str:

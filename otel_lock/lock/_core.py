@@ -23,7 +23,7 @@ import time
 import uuid
 from functools import partial
 from types import TracebackType
-from typing import Any, Awaitable, Callable, Never, Self, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, Never, Self, TypeVar
 
 from opentelemetry import trace
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -34,6 +34,7 @@ from ._background import Background
 from ._breaker import Breaker
 from ._errors import LockBusy, LockError, LockTimeout, RedisMisconfigured, RedisUnavailable, error_type, to_lock_error
 from ._held import NEVER, HeldLock, Lease, LockContext, LockInfo, forget, held_here, remember
+from ._listing import PAGE
 from ._options import ManagerOptions, check_breaker, check_key, check_seconds, default_name, unknown_argument
 from ._periodic import once_per_period, run_every
 from ._ending import HoldEnds
@@ -202,9 +203,26 @@ class Core:
             raise ValueError(f"owner must be a non-empty string, not {owner!r}")
 
     async def held_locks(self) -> list[LockInfo]:
-        """Every lock held in this namespace (SCAN, for operators)."""
+        """Every lock held in this namespace (SCAN, for operators), sorted by key."""
+        infos = [info async for page in self._held_pages() for info in page]
+        return sorted(infos, key=lambda info: info.key)
+
+    async def _held_pages(self, page: int = PAGE) -> AsyncIterator[list[LockInfo]]:
+        """The locks held in this namespace, one SCAN batch at a time: memory bounded by a page, not the namespace."""
         pattern = _glob_escape(self.namespace) + ":{*}"
-        return await self._ask(lambda t: t.held_locks(pattern), "listing locks", None)
+        transport = self._runtimes.here().transport
+        pages = transport.held_pages(pattern, page)
+        try:
+            while True:
+                try:
+                    infos = await anext(pages)
+                except StopAsyncIteration:
+                    return
+                except (RedisError, OSError) as exc:
+                    raise to_lock_error(exc, "listing locks", key=None, client=transport.records) from exc
+                yield infos
+        finally:
+            await pages.aclose()
 
     async def force_release(self, key: str) -> bool:
         """Release whoever holds `key` (an operator's last resort); the next waiter gets it."""

@@ -17,12 +17,16 @@ the manager core above it is the same for every topology.
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Coroutine
+from typing import Any, AsyncIterator, Callable, Coroutine
 
+from redis.exceptions import AuthenticationError
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from . import _redlock_scripts as scripts
 from ._attempt import Reply, Request, validity
@@ -31,11 +35,13 @@ from ._breaker import Breaker
 from ._calls import batch_outcomes, record_batch
 from ._errors import LockError, LockTimeout, RedisUnavailable
 from ._held import Lease, LockInfo
+from ._listing import describe, key_pages
 from ._redlock_cleanup import Cleanup
 from ._redlock_scripts import Masters
 from ._scripts import model_check
 from ._server_checks import ServerReport, check_server
 
+log = logging.getLogger("otel_lock")
 
 @dataclass
 class Round:
@@ -46,6 +52,13 @@ class Round:
     silent: list[int] = field(default_factory=list)  # masters that did not answer the ACQUIRE
     ttl: float = 0.0                              # smallest TTL seen on a busy master, seconds
     error: LockError | None = None
+
+
+@dataclass
+class _Unreachable:
+    """A master that did not answer its server checks (skipped while a quorum did)."""
+
+    error: BaseException
 
 
 def lock_keys(redis_key: str) -> tuple[str, str]:
@@ -258,16 +271,48 @@ class QuorumTransport:
         answers = await self.masters.call(model_check, (key,), [model, ttl], "acquire", name)
         answered = [int(a) for a in answers if not isinstance(a, LockError)]
         if len(answered) < self.quorum:
-            errors = [a for a in answers if isinstance(a, LockError)]
-            raise errors[0]
+            raise self._no_quorum(len(answered), f"data model check of {key}", lock_key,
+                                  next(a for a in answers if isinstance(a, LockError)))
         others = [a for a in answered if a != model]
         return others[0] if others else None
 
     async def server_reports(self, namespace: str, require_noeviction: bool) -> list[ServerReport]:
-        """The server checks of every master (a master that does not answer fails them: no report without it)."""
-        return [await check_server(client.execute_command, namespace=namespace, cluster=False,
-                                   require_noeviction=require_noeviction, address=calls.where)
-                for client, calls in zip(self.masters.clients, self.masters.calls)]
+        """The server checks of every master that answers; a minority down is skipped with a warning.
+
+        A master down at the first use must not refuse locks a quorum can
+        grant (as a Cluster master's keys fail on their own): it is used
+        again as soon as it answers, and checked at the next process's first use.
+        """
+        found = await asyncio.gather(*(self._report(i, namespace, require_noeviction)
+                                       for i in range(len(self.masters.clients))), return_exceptions=True)
+        for outcome in found:
+            if isinstance(outcome, BaseException):
+                raise outcome  # a refusal (ACL, credentials...) is an answer, not an absence
+        reports = [r for r in found if isinstance(r, ServerReport)]
+        if len(reports) < self.quorum:
+            skipped = next(r for r in found if isinstance(r, _Unreachable))
+            raise self._no_quorum(len(reports), "server checks", None, skipped.error)
+        return reports
+
+    async def _report(self, index: int, namespace: str, require_noeviction: bool) -> ServerReport | _Unreachable:
+        calls = self.masters.calls[index]
+        try:
+            # a stopped master must not hold the first use for ever (a client may have no socket timeout)
+            async with asyncio.timeout(max(2.0, 10 * self.masters.timeout)):
+                return await check_server(self.masters.clients[index].execute_command, namespace=namespace,
+                                          cluster=False, require_noeviction=require_noeviction, address=calls.where)
+        except AuthenticationError:
+            raise
+        except (OSError, RedisConnectionError, RedisTimeoutError) as exc:
+            log.warning("otel-lock: server checks skipped for RedLock master %s, unreachable: %s (a quorum of the "
+                        "others grants locks; it is used again once it answers)", calls.where, exc)
+            return _Unreachable(exc)
+
+    def _no_quorum(self, answered: int, what: str, key: str | None, cause: BaseException) -> RedisUnavailable:
+        count = len(self.masters.clients)
+        detail = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        return RedisUnavailable(f"only {answered} of {count} masters answered ({what}): RedLock needs a quorum of "
+                                f"{self.quorum} to grant any lock; {detail}", key=key)
 
     def poll_instead(self, why: str | None) -> None:
         """RedLock waiters always poll."""
@@ -279,31 +324,57 @@ class QuorumTransport:
         answers = await self.masters.call(scripts.force_release, (redis_key,), [], "release", name)
         return any(a == 1 for a in answers), ""
 
-    async def held_locks(self, pattern: str) -> list[LockInfo]:
-        """Locks whose owner holds them on a quorum of the masters that answered."""
-        seen: dict[str, list[LockInfo]] = {}
-        for client in self.masters.clients:
-            try:
-                keys = [k async for k in client.scan_iter(match=pattern, count=1000)]
-                for key in keys:
-                    fields = await client.hgetall(key)
-                    pttl = await client.pttl(key)
-                    text = {_text(k): _text(v) for k, v in fields.items()}
-                    if text.get("owner"):
-                        seen.setdefault(_text(key), []).append(LockInfo(
-                            _text(key), text["owner"], int(text.get("depth") or 0), max(pttl, 0) / 1000,
-                            int(text.get("token") or 0)))
-            except (OSError, RedisError, LockError):
+    async def held_pages(self, pattern: str, page: int) -> AsyncIterator[list[LockInfo]]:
+        """Locks whose owner holds them on a quorum of the masters that answer, a SCAN batch at a time.
+
+        Each master is scanned in turn; a page of its keys is looked up on
+        every master at once (one pipeline each). A key is listed by the
+        first answering master that has it, with the smallest TTL of the
+        quorum, so a lock held everywhere is listed once.
+        """
+        clients = self.masters.clients
+        bound = max(2.0, 10 * self.masters.timeout)  # a stopped master must not stop the listing for ever
+        down: set[int] = set()
+
+        async def look(i: int, keys: list[str]) -> dict[str, LockInfo]:
+            if i in down:
+                raise RedisUnavailable(f"master {self.masters.calls[i].where} did not answer the listing")
+            async with asyncio.timeout(bound):
+                return await describe(clients[i], keys)
+
+        for index, client in enumerate(clients):
+            if index in down:
                 continue
-        held = []
-        for infos in seen.values():
-            by_owner: dict[str, list[LockInfo]] = {}
-            for info in infos:
-                by_owner.setdefault(info.owner, []).append(info)
-            owner_infos = max(by_owner.values(), key=len)
-            if len(owner_infos) >= self.quorum:
-                held.append(min(owner_infos, key=lambda info: info.ttl))
-        return sorted(held, key=lambda info: info.key)
+            pages = key_pages(client, pattern, page)
+            try:
+                while True:
+                    async with asyncio.timeout(bound):
+                        keys = await anext(pages, None)
+                    if keys is None:
+                        break
+                    views = await asyncio.gather(*(look(i, keys) for i in range(len(clients))),
+                                                 return_exceptions=True)
+                    down |= {i for i, view in enumerate(views) if isinstance(view, BaseException)}
+                    held = [info for key in keys
+                            if (info := self._quorum_view(key, index, views, down)) is not None]
+                    if held:
+                        yield held
+            except (OSError, RedisError, LockError):
+                down.add(index)  # its keys are still found on the others, if a quorum holds them
+            finally:
+                await pages.aclose()
+
+    def _quorum_view(self, key: str, index: int, views: list[Any], down: set[int]) -> LockInfo | None:
+        """The lock `key` as a quorum holds it, if master `index` is the first answering one that has it."""
+        infos = [(i, view[key]) for i, view in enumerate(views)
+                 if i not in down and not isinstance(view, BaseException) and key in view]
+        if not infos or infos[0][0] != index:
+            return None  # listed from an earlier master (or not held anywhere that answers)
+        by_owner: dict[str, list[LockInfo]] = {}
+        for _, info in infos:
+            by_owner.setdefault(info.owner, []).append(info)
+        owner_infos = max(by_owner.values(), key=len)
+        return min(owner_infos, key=lambda info: info.ttl) if len(owner_infos) >= self.quorum else None
 
     def background(self, work: Coroutine[Any, Any, Any]) -> asyncio.Future[Any]:
         return self._background.add(work)
@@ -313,7 +384,3 @@ class QuorumTransport:
 
     async def aclose(self) -> None:
         self.cleanup.aclose()
-
-
-def _text(value: bytes | str | None) -> str:
-    return value.decode() if isinstance(value, bytes) else (value or "")

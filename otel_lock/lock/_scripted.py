@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from typing import Any, Callable, Coroutine
+from typing import Any, AsyncIterator, Callable, Coroutine
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError
@@ -25,6 +25,7 @@ from ._background import Background
 from ._calls import Calls, batch_outcomes, record_batch
 from ._errors import RedisUnavailable
 from ._held import Lease, LockInfo
+from ._listing import held_pages
 from ._options import default_name
 from ._server_checks import ServerReport, check_server
 from ._topology import ClusterLink, LeanLink, Link, ReplicatedLink
@@ -206,23 +207,9 @@ class ScriptTransport:
         released = await self.call(_scripts.force_release, lock_keys(redis_key), [self.fence_ttl_ms], "release", name)
         return bool(released), owner
 
-    async def held_locks(self, pattern: str) -> list[LockInfo]:
-        redis = self.link.redis
-        keys = [_text(k) async for k in redis.scan_iter(match=pattern, count=1000)]
-        if not keys:
-            return []
-        pipe = redis.pipeline(transaction=False)
-        for key in keys:
-            pipe.hgetall(key)
-            pipe.pttl(key)
-        answers = await pipe.execute()
-        infos = []
-        for key, fields, pttl in zip(keys, answers[::2], answers[1::2]):
-            fields = {_text(k): _text(v) for k, v in fields.items()}
-            if fields.get("owner"):
-                infos.append(LockInfo(key, fields["owner"], int(fields.get("depth") or 0),
-                                      max(pttl, 0) / 1000, int(fields.get("token") or 0)))
-        return sorted(infos, key=lambda info: info.key)
+    def held_pages(self, pattern: str, page: int) -> AsyncIterator[list[LockInfo]]:
+        """The locks held, one SCAN batch at a time (`_listing.py`)."""
+        return held_pages(self.link.redis, pattern, page)
 
     def figures(self) -> tuple[int, int]:
         return self.link.figures()

@@ -271,3 +271,66 @@ async def _scrape_exemplars(redis_client) -> None:
         assert "trace_id" not in plain.text  # the classic text format has no exemplars
     finally:
         telemetry._reset_for_tests()
+
+
+GAUGES = """
+    import asyncio, os, sys, time
+    from prometheus_client.exposition import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+    from otel_lock import LockManager, telemetry
+
+    installed = telemetry.setup("gauges", otlp=False, flush_on_signal=False)
+
+    def scrape():
+        text = generate_latest(installed.registry).decode()
+        return {(s.name, s.labels.get("pid")): s.value for f in text_string_to_metric_families(text)
+                for s in f.samples if s.labels.get("lock_name") == "g"}
+
+    def until(check):
+        deadline = time.monotonic() + 20
+        while not check(scrape()):
+            assert time.monotonic() < deadline, scrape()
+            time.sleep(0.05)
+        return scrape()
+
+    async def hold(key, ready, leave):
+        locks = LockManager.from_url(sys.argv[1], namespace="gauges")
+        async with locks.lock(key, name="g"):
+            os.write(ready, b"x")
+            await asyncio.get_running_loop().run_in_executor(None, os.read, leave, 1)
+        await locks.aclose()
+
+    ready, child_ready = os.pipe()
+    leave, child_leave = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        asyncio.run(hold("child", child_ready, leave))
+        os._exit(0)  # no exit hooks: the sweep at the next scrape must see it gone
+    os.read(ready, 1)
+    me = str(os.getpid())
+
+    async def parent():
+        locks = LockManager.from_url(sys.argv[1], namespace="gauges")
+        async with locks.lock("parent", name="g"):
+            both = await asyncio.to_thread(until, lambda s: s.get(("otel_lock_active", None)) == 2)
+            ages = {pid for name, pid in both if name == "otel_lock_hold_age_seconds"}
+            assert ages == {me, str(pid)}, both  # liveall: one hold age per process
+            os.write(child_leave, b"x")
+            os.waitpid(pid, 0)
+            one = await asyncio.to_thread(until, lambda s: s.get(("otel_lock_active", None)) == 1)
+            assert {pid for name, pid in one if name == "otel_lock_hold_age_seconds"} == {me}, one
+        await locks.aclose()
+
+    asyncio.run(parent())
+    print("ok")
+"""
+
+
+def test_gauges_of_worker_processes_add_up_or_stay_per_process(redis_url, tmp_path):
+    """Held locks add up over live processes (livesum); a hold's age stays with its process (liveall) and goes with it."""
+    script = textwrap.dedent(GAUGES)
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "PROMETHEUS_"))},
+           "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", script, redis_url], env=env, timeout=90, capture_output=True,
+                          text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr

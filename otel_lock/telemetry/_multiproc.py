@@ -33,6 +33,7 @@ import glob
 import logging
 import os
 import threading
+import time
 import uuid
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
@@ -157,23 +158,23 @@ class Publisher:
         self._limits = {which: Limits(spec.name, spec.labels) for which, spec in OBSERVED.items()}
         self._written: dict[str, set[str]] = {}
         self._lock = threading.Lock()
-        self._stop = threading.Event()
         self._start()
         watch_fork(self._forked)
         atexit.register(_exited, files)
 
     def _forked(self) -> None:
         # The child's own files, lock and thread (the parent's thread is not in the child).
-        self._written, self._lock, self._stop = {}, threading.Lock(), threading.Event()
+        self._written, self._lock = {}, threading.Lock()
         self._start()
 
     def _start(self) -> None:
         # The thread publishes first: in a forked child every fork hook (a new instance id) has run by then.
-        threading.Thread(target=_run, args=(weakref.ref(self), self._stop), name="otel-lock gauge files",
-                         daemon=True).start()
+        threading.Thread(target=_run, args=(weakref.ref(self),), name="otel-lock gauge files", daemon=True).start()
 
-    def stop(self) -> None:
-        self._stop.set()
+    def writable(self) -> bool:
+        """False once the directory is gone (emptied for a new run): this thread has nothing left to do."""
+        files = self._files()
+        return files is not None and os.path.isdir(files.path)
 
     def publish(self) -> None:
         files = self._files()
@@ -230,18 +231,17 @@ def _copy(files: Files, family: Metric) -> None:
         file.write_value(key, value, 0.0)
 
 
-def _run(ref: weakref.ref[Publisher], stop: threading.Event) -> None:
+def _run(ref: weakref.ref[Publisher]) -> None:
     while True:
         publisher = ref()
-        if publisher is None:
+        if publisher is None or not publisher.writable():
             return
         try:
             publisher.publish()
         except Exception:  # a sample must never end the thread
             log.exception("otel-lock: writing the gauge files failed")
-        del publisher
-        if stop.wait(INTERVAL):
-            return
+        del publisher  # the thread must not keep it alive
+        time.sleep(INTERVAL)  # a sampling period, not a wait for anything
 
 
 def _exited(files: Callable[[], Files | None]) -> None:

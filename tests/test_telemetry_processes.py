@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import signal
 import socket
@@ -334,3 +335,29 @@ def test_gauges_of_worker_processes_add_up_or_stay_per_process(redis_url, tmp_pa
     done = subprocess.run([sys.executable, "-c", script, redis_url], env=env, timeout=90, capture_output=True,
                           text=True)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+async def test_target_info_names_the_processes_that_have_a_lock_manager(redis_client, tmp_path, monkeypatch):
+    """A gunicorn master without a manager pushes no lock metrics: listed, it would page as a broken push."""
+    from prometheus_client.exposition import generate_latest
+
+    from otel_lock import LockManager
+
+    for name in [n for n in os.environ if n.startswith(("OTEL_", "PROMETHEUS_"))]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    telemetry._reset_for_tests()
+    try:
+        installed = telemetry.setup("masters", otlp=False, flush_on_signal=False)
+
+        def listed() -> dict[str, str]:
+            text = generate_latest(installed.registry).decode()
+            return {s.labels["pid"]: s.labels["service_instance_id"] for s in _samples(text, "target_info")}
+
+        gc.collect()  # the managers of earlier tests in this process, closed but not yet collected
+        assert listed() == {}
+        locks = LockManager(redis_client, namespace="masters")
+        assert listed() == {str(os.getpid()): installed.resource.attributes["service.instance.id"]}
+        await locks.aclose()
+    finally:
+        telemetry._reset_for_tests()

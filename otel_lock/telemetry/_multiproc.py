@@ -16,8 +16,8 @@ share one with ours). A scrape reads them all with
   (and by the answering one at each scrape), in a mode chosen per gauge
   (`GAUGE_MODES`); the files of an exited process are removed at the next
   scrape (or by `mark_process_dead` from gunicorn's ``child_exit``);
-- ``target_info`` is one series per live process, with its
-  ``service_instance_id`` and ``pid``;
+- ``target_info`` is one series per live process that has a lock manager,
+  with its ``service_instance_id`` and ``pid``;
 - the SDK's families (the HTTP instrumentation's) are copied from this
   process's own registry with the gauges: counters and histograms summed,
   ``http_server_active_requests`` as ``livesum``.
@@ -180,21 +180,23 @@ class Publisher:
         files = self._files()
         if files is None:
             return
+        from ._instruments import routed
+
+        counts = [c for c in list(_counts.ALL_COUNTS) if routed(c.meter_provider)]
         with self._lock:
-            # liveall: the collector adds each process's `pid` label.
-            labels = {prom_label(str(k)): prom_value(v) for k, v in sorted(self._target().items())}
-            key = mmap_key("target_info", "target_info", list(labels), list(labels.values()), "Target metadata")
-            files.bind("gauge_liveall", [key]).write_value(key, 1.0, 0.0)
+            # Only a process with a lock manager pushes lock metrics: a gunicorn master without one
+            # would otherwise be a replica whose metrics never arrive (OtelLockReplicaMetricsMissing).
+            if counts:  # liveall: the collector adds each process's `pid` label
+                labels = {prom_label(str(k)): prom_value(v) for k, v in sorted(self._target().items())}
+                key = mmap_key("target_info", "target_info", list(labels), list(labels.values()), "Target metadata")
+                files.bind("gauge_liveall", [key]).write_value(key, 1.0, 0.0)
             if self._fast is not None:
-                self._gauges(files)
+                self._gauges(files, counts)
             if self._sdk is not None:
                 for family in self._sdk.collect():
                     _copy(files, family)
 
-    def _gauges(self, files: Files) -> None:
-        from ._instruments import routed
-
-        counts = [c for c in list(_counts.ALL_COUNTS) if routed(c.meter_provider)]
+    def _gauges(self, files: Files, counts: list[_counts.LockCounts]) -> None:
         for which, spec in OBSERVED.items():
             names = [prom_label(n) for n in spec.labels]
             points = {mmap_key(spec.prom, spec.prom, names, [str(attributes.get(n, "")) for n in spec.labels],

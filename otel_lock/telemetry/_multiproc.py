@@ -14,8 +14,8 @@ share one with ours). A scrape reads them all with
   goes backwards while the directory lives;
 - gauges are sampled by a thread of each process every `INTERVAL` seconds
   (and by the answering one at each scrape), in a mode chosen per gauge
-  (`GAUGE_MODES`); the files of an exited process are removed at the next
-  scrape (or by `mark_process_dead` from gunicorn's ``child_exit``);
+  (`GAUGE_MODES`); a process removes its own at its normal exit, and a
+  scrape those of any pid no longer alive (no ``child_exit`` hook needed);
 - ``target_info`` is one series per live process that has a lock manager,
   with its ``service_instance_id`` and ``pid``;
 - the SDK's families (the HTTP instrumentation's) are copied from this

@@ -361,3 +361,24 @@ async def test_target_info_names_the_processes_that_have_a_lock_manager(redis_cl
         await locks.aclose()
     finally:
         telemetry._reset_for_tests()
+
+
+def test_a_reused_pid_never_overwrites_the_counts_of_the_process_that_had_it(tmp_path):
+    """A new worker with a dead worker's pid starts its own counts; the dead one's stay in the sum."""
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.exposition import generate_latest
+
+    from otel_lock.telemetry import _multiproc
+    from otel_lock.telemetry._prom import FastMetrics
+
+    def errors(fast: FastMetrics, times: int) -> None:
+        for _ in range(times):
+            fast.instruments["errors"].add(1, {"lock.name": "a", "lock.operation": "acquire", "error.type": "x"})
+
+    errors(FastMetrics(CollectorRegistry(), shared=str(tmp_path)), 5)  # the first process with this pid
+    registry = CollectorRegistry()
+    later = FastMetrics(registry, shared=str(tmp_path))  # the next one with the same pid
+    _multiproc.serve(registry, str(tmp_path), later, dict)
+    errors(later, 2)
+    text = generate_latest(registry).decode()
+    assert [s.value for s in _samples(text, "otel_lock_errors_total")] == [7.0]

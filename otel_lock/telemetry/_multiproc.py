@@ -91,6 +91,9 @@ class Files:
         self.pid = os.getpid()
         self._open: dict[str, MmapedDict] = {}
         self._lock = threading.Lock()  # opening a file and adding a key (which may grow the map)
+        # Closed once unused (a forked child's copy of its parent's, a retired setup's); never at exit,
+        # where a last record (a lock released on the way out) may still write.
+        weakref.finalize(self, _close, self._open).atexit = False
 
     def bind(self, kind: str, keys: Iterable[str]) -> MmapedDict:
         """The file of `kind` with `keys` added, so that a write is a bare store (no growth)."""
@@ -110,6 +113,11 @@ class Files:
             else:
                 os.replace(name, os.path.join(self.path, f"{kind}_{self.pid}-{uuid.uuid4().hex[:8]}.db"))
         return name
+
+
+def _close(files: dict[str, MmapedDict]) -> None:
+    for file in files.values():
+        file.close()
 
 
 class SharedCounter:

@@ -368,6 +368,11 @@ def overview() -> dict:
                    [target(f"histogram_quantile(0.95, sum by (http_target, le) "
                            f"(rate(http_server_duration_milliseconds_bucket{sel()}{RATE})))", "{{http_target}}")],
                    "ms"),
+        timeseries("Requests in flight by replica",
+                   "HTTP requests being served right now (http.server.active_requests), summed over each "
+                   "replica's worker processes. A line that climbs while requests/s stays flat: requests "
+                   "pile up, e.g. queued behind a lock (compare Waiting now).",
+                   [target(f"sum by (instance) (http_server_active_requests{sel()})", "{{instance}}")]),
     ]
     return dashboard("otel-lock-overview", "otel-lock: lock overview",
                      "Acquisitions, contention, wait and hold time, holds right now, Redis, idempotency and HTTP "

@@ -12,8 +12,12 @@ number of destinations.
 
 Same family names and label sets as the SDK's Prometheus reader (see
 `_names`; a label appears only where an attribute was given), without its
-`otel_scope_*` labels. Exemplars are sampled only when OTLP is on (they
-travel by OTLP; /metrics carries none).
+`otel_scope_*` labels. Exemplars are sampled only when traces are recorded
+(`setup()` with OTLP): the last one of each bucket goes with each OTLP
+export and stays on the OpenMetrics exposition of /metrics.
+
+With ``PROMETHEUS_MULTIPROC_DIR`` set, each record is also written through
+to this process's file (`_multiproc`), so one /metrics serves every worker.
 
 Bounded by construction: a child is bound only for attributes the
 instrument declares, and each attribute admits at most
@@ -26,20 +30,23 @@ from __future__ import annotations
 import threading
 import time
 from bisect import bisect_left
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping
 
 from opentelemetry import trace
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Exemplar as PromExemplar
 from prometheus_client.utils import floatToGoString
 
-from . import _counts
+from ..lock._runtime import watch_fork
+from . import _counts, _multiproc
 from ._bounds import Limits
 from ._names import OBSERVED, RECORDED, Spec, prom_label, prom_value
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context
+    from opentelemetry.sdk.resources import Resource
     from opentelemetry.util.types import Attributes, AttributeValue
     from prometheus_client.metrics_core import Metric
 
@@ -53,28 +60,34 @@ Exemplar = tuple[float, int, int, int]
 class _Child:
     """One label set's value: a counter total, or a histogram's per-bucket counts, sum, min and max."""
 
-    __slots__ = ("labels", "attributes", "counts", "total", "low", "high", "exemplars", "started", "lock")
+    __slots__ = ("labels", "attributes", "counts", "total", "low", "high", "exemplars", "latest", "started", "lock",
+                 "shared")
 
-    def __init__(self, labels: dict[str, str], attributes: dict[str, AttributeValue], buckets: int) -> None:
+    def __init__(self, labels: dict[str, str], attributes: dict[str, AttributeValue], buckets: int,
+                 shared: _multiproc.SharedCounter | _multiproc.SharedHistogram | None = None) -> None:
         self.labels = labels
         self.attributes = attributes  # as recorded (OTLP keeps types and dotted names), values bounded
         self.counts = [0] * (buckets + 1)  # the last one is +Inf
         self.total = 0.0
         self.low = float("inf")
         self.high = float("-inf")
-        self.exemplars: dict[int, Exemplar] = {}
+        self.exemplars: dict[int, Exemplar] = {}  # since the last OTLP export (which takes them)
+        self.latest: dict[int, Exemplar] = {}  # the last one of each bucket, for /metrics
         self.started = time.time_ns()
         # Records may come from several threads (the sync wrapper, apps with threads);
         # an uncontended lock is cheaper than a lost update.
         self.lock = threading.Lock()
+        self.shared = shared  # this process's file (PROMETHEUS_MULTIPROC_DIR), written under `lock`
 
 
 class FastInstrument:
     """`record()`/`add()` like an OTel instrument; children cached by the attribute items."""
 
-    __slots__ = ("spec", "exemplars", "_bounds", "_children", "_by_labels", "_histogram", "_binding", "_limits")
+    __slots__ = ("spec", "exemplars", "_bounds", "_children", "_by_labels", "_histogram", "_binding", "_limits",
+                 "_files")
 
-    def __init__(self, spec: Spec, exemplars: bool = False) -> None:
+    def __init__(self, spec: Spec, exemplars: bool = False,
+                 files: Callable[[], _multiproc.Files | None] | None = None) -> None:
         self.spec = spec
         self.exemplars = exemplars and spec.kind == "histogram"
         self._bounds = tuple(spec.buckets)
@@ -83,6 +96,11 @@ class FastInstrument:
         self._histogram = spec.kind == "histogram"
         self._binding = threading.Lock()  # two threads binding one new label set must share a child
         self._limits = Limits(spec.name, spec.labels)
+        self._files = files
+
+    def forked(self) -> None:
+        """In a forked child: a new process, new series (its parent's values are its parent's)."""
+        self._children, self._by_labels, self._binding = {}, {}, threading.Lock()
 
     def record(self, amount: float, attributes: Attributes = None, context: Context | None = None) -> None:
         # The core builds its attribute dicts in a fixed order per call site, so
@@ -94,6 +112,8 @@ class FastInstrument:
         if not self._histogram:
             with child.lock:
                 child.total += amount
+                if child.shared is not None:
+                    child.shared.write(0, 0, child.total)
             return
         index = bisect_left(self._bounds, amount)  # first bound >= amount: buckets are `le`
         with child.lock:
@@ -103,10 +123,13 @@ class FastInstrument:
                 child.low = amount
             if amount > child.high:
                 child.high = amount
+            if child.shared is not None:
+                child.shared.write(index, child.counts[index], child.total)
         if self.exemplars:
             span = trace.get_current_span(context).get_span_context()
             if span.trace_flags.sampled:  # the SDK's default, trace-based exemplar filter
-                child.exemplars[index] = (amount, time.time_ns(), span.trace_id, span.span_id)
+                child.exemplars[index] = child.latest[index] = (amount, time.time_ns(), span.trace_id,
+                                                                span.span_id)
 
     add = record
 
@@ -128,7 +151,9 @@ class FastInstrument:
         with self._binding:
             child = self._by_labels.get(canonical)
             if child is None:
-                child = self._by_labels[canonical] = _Child(labels, kept, len(self._bounds))
+                files = self._files() if self._files is not None else None
+                shared = _multiproc.shared(files, self.spec, labels) if files is not None else None
+                child = self._by_labels[canonical] = _Child(labels, kept, len(self._bounds), shared)
             if not folded:  # an overflowing key is bound again each time: the cache stays bounded
                 self._children[key] = child
         return child
@@ -153,23 +178,72 @@ class FastInstrument:
             values = [child.labels.get(name, "") for name in names]
             with child.lock:
                 counts, total = list(child.counts), child.total
-            cumulative, buckets = 0, []
-            for bound, count in zip(self._bounds + (float("inf"),), counts):
+            latest = dict(child.latest)
+            cumulative, buckets = 0, list[tuple[str, float] | tuple[str, float, PromExemplar]]()
+            for index, (bound, count) in enumerate(zip(self._bounds + (float("inf"),), counts)):
                 cumulative += count
-                buckets.append((floatToGoString(bound), cumulative))
+                exemplar = latest.get(index)
+                if exemplar is None:
+                    buckets.append((floatToGoString(bound), cumulative))
+                else:
+                    buckets.append((floatToGoString(bound), cumulative, _prom_exemplar(exemplar)))
             histogram.add_metric(values, buckets, total)
         return histogram
 
+    def add_exemplars(self, metric: Metric) -> None:
+        """Give the merged buckets of `metric` (every process's) this process's last exemplars."""
+        if not self.exemplars:
+            return
+        by_labels = {tuple(sorted(child.labels.items())): dict(child.latest) for child in self.children()}
+        index_of = {floatToGoString(bound): i for i, bound in enumerate(self._bounds + (float("inf"),))}
+        for i, sample in enumerate(metric.samples):
+            if not sample.name.endswith("_bucket"):
+                continue
+            labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "le"))
+            exemplar = by_labels.get(labels, {}).get(index_of.get(sample.labels.get("le", ""), -1))
+            if exemplar is not None:
+                metric.samples[i] = sample._replace(exemplar=_prom_exemplar(exemplar))
+
+
+def _prom_exemplar(exemplar: Exemplar) -> PromExemplar:
+    value, at, trace_id, span_id = exemplar
+    return PromExemplar({"trace_id": f"{trace_id:032x}", "span_id": f"{span_id:016x}"}, value, at / 1e9)
+
 
 class FastMetrics:
-    """The recorded instruments of `_names.RECORDED`; on a registry (/metrics) when one is given."""
+    """The recorded instruments of `_names.RECORDED`; on a registry (/metrics) when one is given.
 
-    def __init__(self, registry: CollectorRegistry | None = None, *, exemplars: bool = False) -> None:
+    `shared`: the directory of `_multiproc.directory()` (``PROMETHEUS_MULTIPROC_DIR``): every
+    record is written through to this process's files there, and the registry serves the
+    files of every process (`_multiproc.serve`).
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None, *, exemplars: bool = False,
+                 shared: str | None = None) -> None:
         self.registry = registry
-        self.instruments = {spec.attr: FastInstrument(spec, exemplars) for spec in RECORDED}
-        if registry is not None:
+        self._path = shared if registry is not None else None
+        self._files = _multiproc.Files(self._path) if self._path is not None else None
+        files = self.files if self._path is not None else None
+        self.instruments = {spec.attr: FastInstrument(spec, exemplars, files) for spec in RECORDED}
+        watch_fork(self._forked)
+        if registry is not None and self._path is None:
             registry.register(_RecordedCollector(self))
             registry.register(GaugeCollector())
+
+    def files(self) -> _multiproc.Files | None:
+        """This process's files (None: one process, nothing written)."""
+        return self._files
+
+    def _forked(self) -> None:
+        if self._path is not None:
+            self._files = _multiproc.Files(self._path)
+        for instrument in self.instruments.values():
+            instrument.forked()
+
+    def add_exemplars(self, metric: Metric) -> None:
+        for instrument in self.instruments.values():
+            if instrument.spec.prom == metric.name:
+                instrument.add_exemplars(metric)
 
 
 class _RecordedCollector(Collector):
@@ -216,10 +290,11 @@ class TargetInfo(Collector):
     (OtelLockTelemetryMissing) from one that is simply down.
     """
 
-    def __init__(self, attributes: Mapping[str, Any]) -> None:
-        self._labels = {prom_label(str(k)): prom_value(v) for k, v in sorted(attributes.items())}
+    def __init__(self, resource: Resource) -> None:
+        self._resource = resource  # read at each scrape: a forked worker gets its own instance id
 
     def collect(self) -> Iterable[Metric]:
-        family = GaugeMetricFamily("target_info", "Target metadata", labels=list(self._labels))
-        family.add_metric(list(self._labels.values()), 1)
+        labels = {prom_label(str(k)): prom_value(v) for k, v in sorted(self._resource.attributes.items())}
+        family = GaugeMetricFamily("target_info", "Target metadata", labels=list(labels))
+        family.add_metric(list(labels.values()), 1)
         yield family

@@ -25,21 +25,24 @@ returns their providers unchanged (the lock then records through that SDK).
 Calling `setup()` twice returns the first result, so every worker or import
 path may call it.
 
-Exemplars travel by OTLP only: the fast path samples them in the request
-context (trace-based, as the SDK; ``OTEL_METRICS_EXEMPLAR_FILTER=always_off``
-turns them off), the collector's ``prometheus`` exporter exposes them as OpenMetrics, and a
-Prometheus started with ``--enable-feature=exemplar-storage`` keeps them
-(deploy/ does this). ``/metrics`` carries none.
+Exemplars come with recorded traces: the fast path samples them in the
+request context (trace-based, as the SDK; ``OTEL_METRICS_EXEMPLAR_FILTER=always_off``
+turns them off). OTLP carries them (the collector's ``prometheus`` exporter
+exposes them as OpenMetrics), and so does ``/metrics`` when the scraper asks
+for OpenMetrics; a Prometheus started with ``--enable-feature=exemplar-storage``
+keeps them (deploy/ does this).
+
+Worker processes: with ``PROMETHEUS_MULTIPROC_DIR`` set, /metrics serves the
+sum of every worker (`_multiproc`), and a process forked after `setup()`
+gets its own ``service.instance.id`` (`_instance`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, cast
 
@@ -48,7 +51,8 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
 from .. import __version__
-from . import _signals
+from . import _multiproc, _signals
+from ._instance import default_instance_id, follow_forks
 from ._instruments import route_default_metrics
 from ._prom import FastMetrics, TargetInfo
 from ._redact import MODES, configure_redaction
@@ -119,11 +123,6 @@ class TelemetrySetup:
 _lock = threading.Lock()
 _current: TelemetrySetup | None = None
 _retired: list[TelemetrySetup] = []
-
-
-def default_instance_id() -> str:
-    """hostname-pid-random: unique per replica and per worker process, even across restarts."""
-    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
 def setup(
@@ -243,18 +242,27 @@ def _install(service_name: str, service_instance_id: str | None, prometheus: boo
     from opentelemetry.sdk.trace import TracerProvider
 
     resource = _resource(service_name, service_instance_id, resource_attributes)
+    follow_forks(resource)  # a forked worker (gunicorn --preload) gets its own service.instance.id
     # A registry of our own: a second app or test in the process cannot collide
     # with prometheus-client's global one. Always there, for `target_info`.
     registry = CollectorRegistry(auto_describe=True)
-    registry.register(TargetInfo(resource.attributes))
-    fast = FastMetrics(registry if prometheus else None, exemplars=otlp_metrics and _exemplars_on())
+    shared = _multiproc.directory()  # PROMETHEUS_MULTIPROC_DIR: one /metrics for every worker process
+    # Exemplars where traces are recorded: OTLP, and /metrics' OpenMetrics.
+    fast = FastMetrics(registry if prometheus else None, exemplars=otlp and _exemplars_on(), shared=shared)
+    # With workers, the SDK's families are this process's share, copied to the shared files.
+    sdk_registry = CollectorRegistry() if shared and prometheus else registry
+    if shared is None:
+        registry.register(TargetInfo(resource))
+    else:
+        _multiproc.serve(registry, shared, fast if prometheus else None, lambda: resource.attributes,
+                         sdk_registry if prometheus else None)
     readers: list[MetricReader] = []
     if prometheus:
         from opentelemetry.exporter.prometheus import PrometheusMetricReader
 
         # The SDK reader only carries the HTTP instrumentation's metrics; the
         # lock's are on the fast path, target_info comes from TargetInfo.
-        readers.append(PrometheusMetricReader(disable_target_info=True, registry=registry))
+        readers.append(PrometheusMetricReader(disable_target_info=True, registry=sdk_registry))
     push = _otlp_push(fast, resource) if otlp_metrics else None
     if push is not None:
         readers.append(push.reader)

@@ -110,9 +110,9 @@ class RouteBinding:
 
     # -- per request ------------------------------------------------------------
 
-    async def request_values(self, scope: Scope, body: bytes) -> dict[Part, str] | Any:
+    async def request_values(self, scope: Scope, body: bytes) -> dict[Part, str | None] | Any:
         """The rendered values, or INVALID; raises TemplateValueError (400) for absent raw values."""
-        found: dict[Part, str] = {}
+        found: dict[Part, str | None] = {}
         validated: Any = MISSING
         raw = RawValues(scope, body)
         for bound in self.bounds:
@@ -133,7 +133,7 @@ class RouteBinding:
             found[bound.part] = render(value, bound.part)
         return found
 
-    async def call_values(self, arguments: Mapping[str, Any]) -> dict[Part, str]:
+    async def call_values(self, arguments: Mapping[str, Any]) -> dict[Part, str | None]:
         """The rendered values from a handler's arguments; raises Unrenderable if they lack one."""
         if all(b.argument is not None and b.argument in arguments for b in self.bounds):
             return {b.part: render(walk(arguments[b.argument or ""], b.steps), b.part) for b in self.bounds}
@@ -144,7 +144,7 @@ class RouteBinding:
         values = await self.request_values(request.scope, body)
         if values is INVALID:
             raise TemplateValueError("a value of the lock key is not valid for the handler's declared types")
-        result: dict[Part, str] = values
+        result: dict[Part, str | None] = values
         return result
 
     async def _validate_body(self, scope: Scope, body: bytes) -> Any:
@@ -192,6 +192,9 @@ def _bind_param(part: Part, declared: _Declared, own: _Declared | None) -> Bound
             if name is None:
                 continue
             steps: tuple[str, ...] = (name,)
+            info = model.model_fields[name]
+            check_optional(name, info, part)
+            check_path(info.annotation, (), part)
         elif part.field in _param_names(field, part.source):
             steps = ()
             check_optional(field.name, field.field_info, part)

@@ -89,7 +89,7 @@ class RouteBinding:
         else:
             field = _field_named(self.body_fields, steps[0], part.source)
             if field is None:
-                names = ", ".join(sorted(_param_names(f, "json")[0] for f in self.body_fields))
+                names = ", ".join(sorted(param_names(f, "json")[0] for f in self.body_fields))
                 raise Unbindable(f"{part.text}: the route's body has no field {steps[0]!r} (its fields: {names})")
             steps.pop(0)
         check_optional(field.name, field.field_info, part)
@@ -195,7 +195,7 @@ def _bind_param(part: Part, declared: _Declared, own: _Declared | None) -> Bound
             info = model.model_fields[name]
             check_optional(name, info, part)
             check_path(info.annotation, (), part)
-        elif part.field in _param_names(field, part.source):
+        elif part.field in param_names(field, part.source):
             steps = ()
             check_optional(field.name, field.field_info, part)
             check_path(_annotation(field), steps, part)   # one value, not a list of them
@@ -206,7 +206,7 @@ def _bind_param(part: Part, declared: _Declared, own: _Declared | None) -> Bound
     return Bound(part)   # not declared: the raw request value (the handler may read it from `request`)
 
 
-def _param_names(field: Any, source: str) -> list[str]:
+def param_names(field: Any, source: str) -> list[str]:
     """Every name a client may send for a field, then its Python name (header names lower-cased)."""
     info = field.field_info
     names = [field.alias or field.name]
@@ -223,7 +223,7 @@ def _field_named(fields: list[Any], step: str, source: str) -> Any:
     by_name = [f for f in fields if f.name == step]
     if by_name:
         return by_name[0]
-    return next((f for f in fields if step in _param_names(f, source)), None)
+    return next((f for f in fields if step in param_names(f, source)), None)
 
 
 def _is_form(field: Any) -> bool:

@@ -84,10 +84,10 @@ class RawValues:
         if part.source == "query":
             found = [v for k, v in parse_qsl(self.scope.get("query_string", b"").decode("latin-1"),
                                               keep_blank_values=True) if k == part.field]
-            return render(_single(found, f"query parameter {part.field!r}", part), part)
+            return _text(_single(found, f"query parameter {part.field!r}", part), part)
         found = [v.decode("latin-1") for k, v in self.scope.get("headers", [])
                  if k.decode("latin-1").lower() == part.field]
-        return render(_single(found, f"header {part.field!r}", part), part)
+        return _text(_single(found, f"header {part.field!r}", part), part)
 
     def _document(self) -> Any:
         if self._json is MISSING:
@@ -110,6 +110,15 @@ class RawValues:
         steps = part.json_path
         values = [v for k, v in self._form if k == steps[0]]
         return render(walk(_single(values, f"form field {steps[0]!r}", part), steps[1:]), part)
+
+
+def _text(value: Any, part: Part) -> str | None:
+    """A raw query or header value: nothing declared it, so an empty one is no value (absent)."""
+    if value == "":
+        if part.optional:
+            return None
+        raise TemplateValueError(f"{part.text} is empty")
+    return render(value, part)
 
 
 def _single(values: list[Any], what: str, part: Part) -> Any:

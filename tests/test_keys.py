@@ -269,3 +269,24 @@ def test_a_normaliser_applies_to_the_value_before_it_is_escaped_or_hashed():
     assert both.optional and both.normalisers == ("casefold",)
     with pytest.raises(ValueError, match="unknown normaliser 'lower'.*casefold"):
         locked("u:{json.email|lower}")
+
+
+def test_which_declared_types_have_a_canonical_text():
+    import datetime as dt
+    import decimal
+    import ipaddress
+    import uuid
+    from typing import Annotated, Any, Literal
+
+    from pydantic import (AnyUrl, AwareDatetime, EmailStr, FutureDate, HttpUrl, IPvAnyAddress, IPvAnyNetwork,
+                          NameEmail, SecretStr, conint, constr)
+
+    from otel_lock.asgi._canonical import scalar_type
+
+    renders = [str, int, float, bool, decimal.Decimal, uuid.UUID, dt.date, dt.datetime, dt.time, dt.timedelta,
+               HttpUrl, AnyUrl, EmailStr, IPvAnyAddress, IPvAnyNetwork, ipaddress.IPv4Address, ipaddress.IPv6Network,
+               AwareDatetime, FutureDate, Literal["a", 1], conint(gt=0), constr(max_length=3),
+               Annotated[decimal.Decimal, "meta"]]
+    assert [t for t in renders if scalar_type(t) is not True] == []
+    assert [t for t in (SecretStr, NameEmail, bytes, object()) if scalar_type(t) is True] == []
+    assert scalar_type(Any) is None

@@ -19,9 +19,11 @@ import uuid
 from typing import Annotated, Callable, Literal
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from fastapi import APIRouter, Body, FastAPI, File, Form, Header, Query, Request, UploadFile
 from fastapi.routing import APIRoute
-from pydantic import (AliasChoices, AnyUrl, BaseModel, Field, HttpUrl, IPvAnyAddress, SecretStr, StringConstraints,
+from pydantic import (AliasChoices, AnyUrl, BaseModel, ConfigDict, Field, HttpUrl, IPvAnyAddress, SecretStr, StringConstraints,
                       conint, create_model)
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse
@@ -592,3 +594,59 @@ async def test_an_optional_header_and_query_value_fall_back_to_the_marker(redis_
             full = await client.get("/feed", params={"page": "2"}, headers={"x-tenant": "acme"})
     assert bare.json()["key"] == lock_key("feed:%n:%n"), bare.text
     assert full.json()["key"] == lock_key("feed:acme:2"), full.text
+
+
+class Spelled(BaseModel):
+    model_config = ConfigDict(extra="allow")     # {json.raw}: whatever JSON value the client sent
+    qty: int
+    price: float
+    amount: decimal.Decimal
+    at: datetime.datetime
+
+
+def _spelled_binding():
+    from fastapi.routing import APIRoute as Route_
+
+    from otel_lock.asgi._binding import RouteBinding
+    from otel_lock.asgi._keys import parse_template
+
+    app = FastAPI()
+
+    @app.post("/q")
+    async def spelled(order: Spelled):
+        return {}
+
+    route = next(r for r in app.routes if isinstance(r, Route_))
+    template = parse_template("q:{json.qty}:{json.price}:{json.amount}:{json.at}:{json.raw}")
+    return template, RouteBinding(template, route.dependant)
+
+
+SPELLED = _spelled_binding()
+
+
+@settings(max_examples=60, deadline=None)
+@given(qty=st.integers(-10**6, 10**6), mantissa=st.integers(-10**6, 10**6), exponent=st.integers(-4, 4),
+       moment=st.datetimes(min_value=datetime.datetime(2000, 1, 2), max_value=datetime.datetime(2100, 1, 1)),
+       offsets=st.lists(st.integers(-14 * 60, 14 * 60), min_size=2, max_size=2), pick=st.randoms())
+def test_equivalent_spellings_through_fastapis_own_validation_are_one_key(qty, mantissa, exponent, moment,
+                                                                          offsets, pick):
+    """Issue 25, item 1, as a property: what the handler cannot tell apart gives one key."""
+    template, binding = SPELLED
+    number = decimal.Decimal(mantissa).scaleb(exponent)
+    numbers = [format(number, "f"), format(number.quantize(decimal.Decimal(1).scaleb(exponent - 2)), "f"),
+               f"{mantissa}e{exponent}", f"{mantissa * 100}E{exponent - 2:+d}"]
+    integers = [str(qty), f"{qty}.0", f"{qty}e0", f'"{qty}"', f"{qty * 10}e-1"]
+    instant = moment.replace(tzinfo=datetime.timezone.utc)
+    instants = [instant.isoformat()] + [
+        instant.astimezone(datetime.timezone(datetime.timedelta(minutes=m))).isoformat() for m in offsets]
+    keys = set()
+    for _ in range(4):
+        body = ('{"qty": %s, "price": %s, "amount": %s, "at": "%s", "raw": %s}' % (
+            pick.choice(integers), pick.choice(numbers), pick.choice(numbers), pick.choice(instants),
+            pick.choice(numbers))).encode()
+        scope = {"type": "http", "method": "POST", "path": "/q", "query_string": b"",
+                 "headers": [(b"content-type", b"application/json")]}
+        values = asyncio.run(binding.request_values(scope, body))
+        assert isinstance(values, dict), body
+        keys.add(template.render(values.__getitem__))
+    assert len(keys) == 1, keys

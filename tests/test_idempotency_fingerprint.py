@@ -57,7 +57,7 @@ def bank_app(bank: Bank) -> FastAPI:
     @router.post("/withdrawals", status_code=201)
     @idempotent(principal=user)
     async def withdraw(body: Withdrawal, x_account: Annotated[str, Header()],
-                       branch: Annotated[str, Depends(tenant)]):
+                       branch: Annotated[str, Depends(tenant)], x_request_id: Annotated[str, Header()] = ""):
         return bank.withdraw(f"{branch}/{x_account}", body.amount)
 
     @router.post("/transfers", status_code=201)
@@ -89,12 +89,13 @@ async def test_the_same_key_with_another_declared_header_is_422_not_a_replay_to_
             tenant = await client.post("/v1/withdrawals", json={"amount": 5},
                                        headers={**KEY, "x-account": "A", "x-tenant": "other"})
             retry = await client.post("/v1/withdrawals", json={"amount": 5.0},
-                                      headers={**KEY, "x-account": "A", "authorization": "Bearer refreshed"})
+                                      headers={**KEY, "x-account": "A", "authorization": "Bearer refreshed",
+                                               "x-request-id": "attempt-2"})
     assert a.status_code == 201 and a.json()["account"] == "main/A"
     assert b.status_code == 422 and problem(b)["type"] == "idempotency-key-mismatch", b.text
     assert "main/A" not in b.text and "idempotent-replayed" not in b.headers
     assert tenant.status_code == 422, tenant.text
-    # The same request, its JSON number spelled another way and its token refreshed: replayed.
+    # The same request, its JSON number spelled another way, its token and request id new: replayed.
     assert retry.status_code == 201 and retry.headers["idempotent-replayed"] == "true", retry.text
     assert retry.json() == a.json() and bank.runs == [("main/A", 5)]
 

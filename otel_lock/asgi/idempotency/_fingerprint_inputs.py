@@ -6,7 +6,9 @@ lock key names them (`{header.x-account}`). Two requests that differ in one
 of them are two requests, so their values are part of the fingerprint.
 Credentials are not: `Authorization` and `Proxy-Authorization` name the
 principal, which already scopes the key, and a token refreshed between two
-tries must not turn a retry into a 422. Neither is the Idempotency-Key.
+tries must not turn a retry into a 422. Neither are the Idempotency-Key and
+the headers that name an attempt rather than a request (W3C trace context,
+`X-Request-ID`): a retry carries new ones by design.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from typing import Any
 from .._canonical import dumps
 from .._types import Scope
 
-_NOT_INPUTS = frozenset({"authorization", "proxy-authorization", "idempotency-key"})
+_NOT_INPUTS = frozenset({"authorization", "proxy-authorization", "idempotency-key",
+                         "traceparent", "tracestate", "baggage", "x-request-id"})
 
 
 @dataclass(frozen=True)

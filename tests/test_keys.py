@@ -140,7 +140,8 @@ def test_typed_values_render_canonically():
              ("07", "07"), ("", "")]
     for value, text in cases:
         assert render(value, part) == text
-    for bad in (None, [1], {"a": 1}, float("nan")):
+    assert [render(x, part) for x in (float("inf"), float("-inf"), float("nan"))] == ["Infinity", "-Infinity", "NaN"]
+    for bad in (None, [1], {"a": 1}, b"x", object()):
         with pytest.raises(TemplateValueError):
             render(bad, part)
     assert render(None, Part("json", "x", "{json.x?}", optional=True)) is None

@@ -26,21 +26,24 @@ _UTC = dt.timezone.utc
 
 
 class NotCanonical(ValueError):
-    """A value with no canonical text (NaN, an infinity)."""
+    """A value of a type with no canonical text."""
 
 
 def number_text(value: int | float | decimal.Decimal) -> str:
-    """The RFC 8785 text of a number, exact: `7.0` -> `7`, `1E2` -> `100`, `0.000001` -> `0.000001`."""
+    """The RFC 8785 text of a number, exact: `7.0` -> `7`, `1E2` -> `100`, `0.000001` -> `0.000001`.
+
+    A float that JSON cannot carry (inf, NaN: a float field accepts `1e400`)
+    gets ECMAScript's text for it, `Infinity`, `-Infinity`, `NaN`.
+    """
     if isinstance(value, float):
-        if value != value or value in (float("inf"), float("-inf")):
-            raise NotCanonical(f"{value!r} is not a JSON number")
         number = decimal.Decimal(repr(value))      # the shortest digits that round-trip, as ECMAScript uses
     elif isinstance(value, int):
         return str(value) if abs(value) < 10**21 else number_text(decimal.Decimal(value))
     else:
         number = value
     if not number.is_finite():
-        raise NotCanonical(f"{value} is not a JSON number")
+        # Not JSON, but a float field accepts `1e400` as inf: ECMAScript's text, not a 400 to the client.
+        return "NaN" if number.is_nan() else "-Infinity" if number.is_signed() else "Infinity"
     if number.is_zero():
         return "0"                                   # -0 too, as RFC 8785 says
     sign, digit_tuple, exponent = number.as_tuple()

@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ._canonical import NotCanonical, number_text
+from ._canonical import number_text
 
 SOURCES = ("path", "query", "header", "json", "form")
 MAX_NAME = 512            # the lock core's limit on a lock name
@@ -208,8 +208,5 @@ def json_value(body: Any, part: Part) -> str | None:
     if isinstance(node, str):
         return node
     if isinstance(node, (int, float, decimal.Decimal)):
-        try:
-            return number_text(node)
-        except NotCanonical as error:
-            raise TemplateValueError(f"JSON field {part.field!r}: {error} (needed by {part.text})") from None
+        return number_text(node)
     raise TemplateValueError(f"JSON field {part.field!r} must be a string or a number (needed by {part.text})")

@@ -426,31 +426,36 @@ async def test_a_placeholder_naming_a_list_parameter_fails_the_start_up(redis_ur
 # -- Issue 25, items 1 and 5: equal for the handler means the same key; keys that start up never blame the client
 
 
+def replica(manager, shelf: Shelf) -> FastAPI:
+    """One replica of a shop whose handlers read the number as JSON does: 7 and 7.0 are one product."""
+    app = FastAPI()
+    router = APIRouter(prefix="/shop")
+
+    @router.post("/buy")
+    @locked("stock:{json.product}", wait=5)
+    async def buy(request: Request):
+        await request.json()
+        return await shelf.buy(request)
+
+    @router.post("/buy-typed")
+    @locked("stock:{json.product}", wait=5)
+    async def buy_typed(product: Annotated[float, Body(embed=True)], request: Request):
+        return await shelf.buy(request)
+
+    app.include_router(router)
+    app.add_middleware(LockMiddleware, manager=manager)
+    return app
+
+
 async def test_7_and_7_0_of_a_raw_json_body_are_one_lock_no_oversell(redis_url):
     """Issue 25, item 1: raw JSON numbers rendered with str(): `7` and `7.0` were two locks and two sales."""
-    shelf = Shelf(stock=1)
-    async with make_manager(redis_url) as manager:
-        app = FastAPI()
-        router = APIRouter(prefix="/shop")
-
-        @router.post("/buy")
-        @locked("stock:{json.product}", wait=5)
-        async def buy(request: Request):
-            await request.json()          # the handler reads the raw document: 7 == 7.0 to it
-            return await shelf.buy(request)
-
-        @router.post("/buy-typed")
-        @locked("stock:{json.product}", wait=5)
-        async def buy_typed(product: Annotated[float, Body(embed=True)], request: Request):
-            return await shelf.buy(request)
-
-        app.include_router(router)
-        app.add_middleware(LockMiddleware, manager=manager)
-        async with client_for(app) as client:
+    shelf = Shelf(stock=1)          # one database behind two replicas
+    async with make_manager(redis_url) as one, make_manager(redis_url) as two:
+        async with client_for(replica(one, shelf)) as a, client_for(replica(two, shelf)) as b:
             spellings = [b"7", b"7.0", b"7.00", b"70e-1", b"0.7E1"]
-            answers = await asyncio.gather(*(client.post("/shop/buy", content=b'{"product": %s}' % s, headers=JSON)
-                                             for s in spellings),
-                                           client.post("/shop/buy-typed", json={"product": 7.0}))
+            answers = await asyncio.gather(*((a, b)[i % 2].post("/shop/buy", content=b'{"product": %s}' % s,
+                                                                 headers=JSON) for i, s in enumerate(spellings)),
+                                           b.post("/shop/buy-typed", json={"product": 7.0}))
     assert sorted(r.status_code for r in answers) == [200] + [409] * 5, [r.text for r in answers]
     assert shelf.sold == 1 and set(shelf.keys) == {lock_key("stock:7")}
 

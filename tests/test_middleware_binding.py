@@ -9,14 +9,22 @@ answered 500 `lock-middleware-missing`.
 from __future__ import annotations
 
 import asyncio
+import datetime
+import decimal
+import enum
 import gzip
+import ipaddress
 import json
-from typing import Annotated, Callable
+import uuid
+from typing import Annotated, Callable, Literal
 
 import pytest
-from fastapi import Body, FastAPI, File, Form, Header, Query, Request, UploadFile
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from fastapi import APIRouter, Body, FastAPI, File, Form, Header, Query, Request, UploadFile
 from fastapi.routing import APIRoute
-from pydantic import AliasChoices, BaseModel, Field
+from pydantic import (AliasChoices, AnyUrl, BaseModel, ConfigDict, Field, HttpUrl, IPvAnyAddress, SecretStr, StringConstraints,
+                      conint, create_model)
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse
 from starlette.routing import Route
@@ -364,7 +372,7 @@ def gzip_sync_handler(app):
     (unknown_field, "/buy", "Purchase has no field 'sku' (its fields: product_id (productId, pid), quantity)"),
     (whole_model, "/orders", "not one value"),
     (whole_upload, "/upload", "{form.doc.filename}"),
-    (optional_param, "/items", "optional with no default"),
+    (optional_param, "/items", "write {query.tenant?} to lock on it when there is one"),
     (list_without_index, "/orders", "is a list: index it"),
     (gzip_header_not_an_argument, "/buy", "{header.x-shop} is not among the handler's own parameters"),
     (gzip_sync_handler, "/buy", "make the handler `async def`"),
@@ -413,3 +421,237 @@ async def test_a_placeholder_naming_a_list_parameter_fails_the_start_up(redis_ur
         messages = await run_lifespan(app)
     assert messages[0]["type"] == "lifespan.startup.failed"
     assert "route /items" in messages[0]["message"] and "not one value" in messages[0]["message"]
+
+
+# -- Issue 25, items 1 and 5: equal for the handler means the same key; keys that start up never blame the client
+
+
+def replica(manager, shelf: Shelf) -> FastAPI:
+    """One replica of a shop whose handlers read the number as JSON does: 7 and 7.0 are one product."""
+    app = FastAPI()
+    router = APIRouter(prefix="/shop")
+
+    @router.post("/buy")
+    @locked("stock:{json.product}", wait=5)
+    async def buy(request: Request):
+        await request.json()
+        return await shelf.buy(request)
+
+    @router.post("/buy-typed")
+    @locked("stock:{json.product}", wait=5)
+    async def buy_typed(product: Annotated[float, Body(embed=True)], request: Request):
+        return await shelf.buy(request)
+
+    app.include_router(router)
+    app.add_middleware(LockMiddleware, manager=manager)
+    return app
+
+
+async def test_7_and_7_0_of_a_raw_json_body_are_one_lock_no_oversell(redis_url):
+    """Issue 25, item 1: raw JSON numbers rendered with str(): `7` and `7.0` were two locks and two sales."""
+    shelf = Shelf(stock=1)          # one database behind two replicas
+    async with make_manager(redis_url) as one, make_manager(redis_url) as two:
+        async with client_for(replica(one, shelf)) as a, client_for(replica(two, shelf)) as b:
+            spellings = [b"7", b"7.0", b"7.00", b"70e-1", b"0.7E1"]
+            answers = await asyncio.gather(*((a, b)[i % 2].post("/shop/buy", content=b'{"product": %s}' % s,
+                                                                 headers=JSON) for i, s in enumerate(spellings)),
+                                           b.post("/shop/buy-typed", json={"product": 7.0}))
+    assert sorted(r.status_code for r in answers) == [200] + [409] * 5, [r.text for r in answers]
+    assert shelf.sold == 1 and set(shelf.keys) == {lock_key("stock:7")}
+
+
+class Booking(BaseModel):
+    room: int
+    at: datetime.datetime
+
+
+async def test_one_slot_at_two_utc_offsets_is_one_booking(redis_url):
+    """Issue 25, item 1: `09:00Z` and `10:00+01:00` (one slot) were two keys, and both clients were told "booked"."""
+    shelf = Shelf(stock=1)
+    async with make_manager(redis_url) as manager:
+        app = FastAPI()
+
+        @app.post("/bookings")
+        @locked("slot:{json.room}:{json.at}", wait=5)
+        async def book(booking: Booking, request: Request):
+            return await shelf.buy(request)
+
+        app.add_middleware(LockMiddleware, manager=manager)
+        async with client_for(app) as client:
+            answers = await asyncio.gather(*(client.post("/bookings", json={"room": 1, "at": at})
+                                             for at in ("2026-03-01T09:00:00Z", "2026-03-01T10:00:00+01:00",
+                                                        "2026-03-01T04:00-05:00")))
+    assert sorted(r.status_code for r in answers) == [200, 409, 409], [r.text for r in answers]
+    assert set(shelf.keys) == {lock_key("slot:1:2026-03-01T09%3A00%3A00Z")}
+
+
+class Level(str, enum.Enum):
+    LOW = "low"
+
+
+SCALARS = [   # a type FastAPI can declare, two spellings of one value a client may send
+    (HttpUrl, "HTTP://Shop.Example:80/a", "http://shop.example/a"),
+    (AnyUrl, "https://Example.com", "https://example.com/"),
+    (ipaddress.IPv4Address, "10.0.0.1", "10.0.0.1"),
+    (ipaddress.IPv6Address, "2001:DB8::1", "2001:db8:0:0:0:0:0:1"),
+    (IPvAnyAddress, "::FFFF:1.2.3.4", "::ffff:102:304"),
+    (datetime.timedelta, "PT1H", 3600),
+    (datetime.time, "09:00Z", "10:00+01:00"),
+    (datetime.date, "2026-03-01", "2026-03-01"),
+    (decimal.Decimal, "7.50", 7.5),
+    (uuid.UUID, "0000000A-0000-0000-0000-000000000001", "0000000a000000000000000000000001"),
+    (Level, "low", "low"),
+    (Literal["a", "b"], "a", "a"),
+    (Annotated[str, StringConstraints(max_length=8)], "x", "x"),
+    (conint(gt=0), "7", 7.0),
+    (bool, "true", 1),
+]
+
+
+@pytest.mark.parametrize("kind, first, second", SCALARS, ids=lambda v: getattr(v, "__name__", None) or str(v)[:20])
+async def test_every_scalar_type_fastapi_declares_starts_up_and_gives_one_key(redis_url, kind, first, second):
+    """Issue 25, item 5: HttpUrl, IPv4Address and timedelta passed the start-up check, then answered 400."""
+    model = create_model("Body", value=(kind, ...))
+    async with make_manager(redis_url) as manager:
+        app = FastAPI()
+
+        async def things(body, request: Request):
+            return {"key": request.state.lock.key}
+
+        things.__annotations__["body"] = model    # a real class: this module's annotations are strings
+        app.post("/things")(locked("thing:{json.value}")(things))
+        app.add_middleware(LockMiddleware, manager=manager)
+        assert (await run_lifespan(app))[0]["type"] == "lifespan.startup.complete"
+        async with client_for(app) as client:
+            a = await client.post("/things", json={"value": first})
+            b = await client.post("/things", json={"value": second})
+    assert a.status_code == b.status_code == 200, (a.text, b.text)
+    assert a.json()["key"] == b.json()["key"]
+
+
+@pytest.mark.parametrize("kind, fix", [(SecretStr, "a secret"), (bytes, "bytes"), (dict[str, int], "an object"),
+                                       (frozenset[int], "an object or a list")])
+async def test_a_type_with_no_canonical_text_fails_the_start_up_naming_a_fix(redis_url, kind, fix):
+    model = create_model("Body", value=(kind, ...))
+
+    def handler(app):
+        async def things(body):
+            return {}
+
+        things.__annotations__["body"] = model
+        app.post("/things")(locked("thing:{json.value}")(things))
+
+    async with make_manager(redis_url) as manager:
+        app = _mistake(handler)
+        app.add_middleware(LockMiddleware, manager=manager)
+        messages = await run_lifespan(app)
+    assert messages[0]["type"] == "lifespan.startup.failed"
+    assert "route /things" in messages[0]["message"] and fix in messages[0]["message"], messages[0]["message"]
+
+
+class Subscribe(BaseModel):
+    list_id: int
+    email: str | None = None
+
+
+def optional_email(template: str):
+    def handler(app):
+        @app.post("/subscribe")
+        @locked(template)
+        async def subscribe(body: Subscribe, request: Request):
+            return {"key": request.state.lock.key}
+    return handler
+
+
+async def test_an_optional_field_is_named_as_such_at_start_up_and_locked_with_a_fallback(redis_url):
+    """Issue 25, item 5: a field `X | None = None` was reported as having "no default"."""
+    async with make_manager(redis_url) as manager:
+        refused = _mistake(optional_email("sub:{json.email|casefold}"))
+        refused.add_middleware(LockMiddleware, manager=manager)
+        failed = (await run_lifespan(refused))[0]
+        app = _mistake(optional_email("sub:{json.list_id}:{json.email?|casefold}"))
+        app.add_middleware(LockMiddleware, manager=manager)
+        assert (await run_lifespan(app))[0]["type"] == "lifespan.startup.complete"
+        async with client_for(app) as client:
+            sent = await client.post("/subscribe", json={"list_id": 1, "email": "Ann@Example.com"})
+            same = await client.post("/subscribe", json={"list_id": 1, "email": "ann@example.COM"})
+            absent = await client.post("/subscribe", json={"list_id": 1})
+            null = await client.post("/subscribe", json={"list_id": 1, "email": None})
+    assert failed["type"] == "lifespan.startup.failed"
+    assert "no default" not in failed["message"] and "its default is None" in failed["message"]
+    assert "{json.email?|casefold}" in failed["message"], failed["message"]
+    assert sent.json()["key"] == same.json()["key"] == lock_key("sub:1:ann%40example.com")
+    assert absent.json()["key"] == null.json()["key"] == lock_key("sub:1:%n")
+
+
+async def test_an_optional_header_and_query_value_fall_back_to_the_marker(redis_url):
+    async with make_manager(redis_url) as manager:
+        app = FastAPI()
+
+        @app.get("/feed")
+        @locked("feed:{header.x-tenant?}:{query.page?}")
+        async def feed(request: Request, x_tenant: Annotated[str | None, Header()] = None):
+            return {"key": request.state.lock.key}
+
+        app.add_middleware(LockMiddleware, manager=manager)
+        async with client_for(app) as client:
+            bare = await client.get("/feed")
+            full = await client.get("/feed", params={"page": "2"}, headers={"x-tenant": "acme"})
+    assert bare.json()["key"] == lock_key("feed:%n:%n"), bare.text
+    assert full.json()["key"] == lock_key("feed:acme:2"), full.text
+
+
+class Spelled(BaseModel):
+    model_config = ConfigDict(extra="allow")     # {json.raw}: whatever JSON value the client sent
+    qty: int
+    price: float
+    amount: decimal.Decimal
+    at: datetime.datetime
+
+
+def _spelled_binding():
+    from fastapi.routing import APIRoute as Route_
+
+    from otel_lock.asgi._binding import RouteBinding
+    from otel_lock.asgi._keys import parse_template
+
+    app = FastAPI()
+
+    @app.post("/q")
+    async def spelled(order: Spelled):
+        return {}
+
+    route = next(r for r in app.routes if isinstance(r, Route_))
+    template = parse_template("q:{json.qty}:{json.price}:{json.amount}:{json.at}:{json.raw}")
+    return template, RouteBinding(template, route.dependant)
+
+
+SPELLED = _spelled_binding()
+
+
+@settings(max_examples=60, deadline=None)
+@given(qty=st.integers(-10**6, 10**6), mantissa=st.integers(-10**6, 10**6), exponent=st.integers(-4, 4),
+       moment=st.datetimes(min_value=datetime.datetime(2000, 1, 2), max_value=datetime.datetime(2100, 1, 1)),
+       offsets=st.lists(st.integers(-14 * 60, 14 * 60), min_size=2, max_size=2), pick=st.randoms())
+def test_equivalent_spellings_through_fastapis_own_validation_are_one_key(qty, mantissa, exponent, moment,
+                                                                          offsets, pick):
+    """Issue 25, item 1, as a property: what the handler cannot tell apart gives one key."""
+    template, binding = SPELLED
+    number = decimal.Decimal(mantissa).scaleb(exponent)
+    numbers = [format(number, "f"), format(number.quantize(decimal.Decimal(1).scaleb(exponent - 2)), "f"),
+               f"{mantissa}e{exponent}", f"{mantissa * 100}E{exponent - 2:+d}"]
+    integers = [str(qty), f"{qty}.0", f"{qty}e0", f'"{qty}"', f"{qty * 10}e-1"]
+    instant = moment.replace(tzinfo=datetime.timezone.utc)
+    instants = [instant.isoformat()] + [
+        instant.astimezone(datetime.timezone(datetime.timedelta(minutes=m))).isoformat() for m in offsets]
+    keys = set()
+    for _ in range(4):
+        body = ('{"qty": %s, "price": %s, "amount": %s, "at": "%s", "raw": %s}' % (
+            pick.choice(integers), pick.choice(numbers), pick.choice(numbers), pick.choice(instants),
+            pick.choice(numbers))).encode()
+        scope = {"type": "http", "method": "POST", "path": "/q", "query_string": b"",
+                 "headers": [(b"content-type", b"application/json")]}
+        values = asyncio.run(binding.request_values(scope, body))
+        assert isinstance(values, dict), body
+        keys.add(template.render(values.__getitem__))
+    assert len(keys) == 1, keys

@@ -89,7 +89,7 @@ class RouteBinding:
         else:
             field = _field_named(self.body_fields, steps[0], part.source)
             if field is None:
-                names = ", ".join(sorted(_param_names(f, "json")[0] for f in self.body_fields))
+                names = ", ".join(sorted(param_names(f, "json")[0] for f in self.body_fields))
                 raise Unbindable(f"{part.text}: the route's body has no field {steps[0]!r} (its fields: {names})")
             steps.pop(0)
         check_optional(field.name, field.field_info, part)
@@ -110,9 +110,9 @@ class RouteBinding:
 
     # -- per request ------------------------------------------------------------
 
-    async def request_values(self, scope: Scope, body: bytes) -> dict[Part, str] | Any:
+    async def request_values(self, scope: Scope, body: bytes) -> dict[Part, str | None] | Any:
         """The rendered values, or INVALID; raises TemplateValueError (400) for absent raw values."""
-        found: dict[Part, str] = {}
+        found: dict[Part, str | None] = {}
         validated: Any = MISSING
         raw = RawValues(scope, body)
         for bound in self.bounds:
@@ -133,7 +133,7 @@ class RouteBinding:
             found[bound.part] = render(value, bound.part)
         return found
 
-    async def call_values(self, arguments: Mapping[str, Any]) -> dict[Part, str]:
+    async def call_values(self, arguments: Mapping[str, Any]) -> dict[Part, str | None]:
         """The rendered values from a handler's arguments; raises Unrenderable if they lack one."""
         if all(b.argument is not None and b.argument in arguments for b in self.bounds):
             return {b.part: render(walk(arguments[b.argument or ""], b.steps), b.part) for b in self.bounds}
@@ -144,7 +144,7 @@ class RouteBinding:
         values = await self.request_values(request.scope, body)
         if values is INVALID:
             raise TemplateValueError("a value of the lock key is not valid for the handler's declared types")
-        result: dict[Part, str] = values
+        result: dict[Part, str | None] = values
         return result
 
     async def _validate_body(self, scope: Scope, body: bytes) -> Any:
@@ -192,7 +192,10 @@ def _bind_param(part: Part, declared: _Declared, own: _Declared | None) -> Bound
             if name is None:
                 continue
             steps: tuple[str, ...] = (name,)
-        elif part.field in _param_names(field, part.source):
+            info = model.model_fields[name]
+            check_optional(name, info, part)
+            check_path(info.annotation, (), part)
+        elif part.field in param_names(field, part.source):
             steps = ()
             check_optional(field.name, field.field_info, part)
             check_path(_annotation(field), steps, part)   # one value, not a list of them
@@ -203,7 +206,7 @@ def _bind_param(part: Part, declared: _Declared, own: _Declared | None) -> Bound
     return Bound(part)   # not declared: the raw request value (the handler may read it from `request`)
 
 
-def _param_names(field: Any, source: str) -> list[str]:
+def param_names(field: Any, source: str) -> list[str]:
     """Every name a client may send for a field, then its Python name (header names lower-cased)."""
     info = field.field_info
     names = [field.alias or field.name]
@@ -220,7 +223,7 @@ def _field_named(fields: list[Any], step: str, source: str) -> Any:
     by_name = [f for f in fields if f.name == step]
     if by_name:
         return by_name[0]
-    return next((f for f in fields if step in _param_names(f, source)), None)
+    return next((f for f in fields if step in param_names(f, source)), None)
 
 
 def _is_form(field: Any) -> bool:

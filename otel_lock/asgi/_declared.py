@@ -3,8 +3,11 @@
 `check_path` follows a placeholder's steps through a FastAPI field's
 annotation (models by any name of their fields, lists by index, dicts by
 key, an upload's metadata) and raises `Unbindable` unless they end at one
-value; where only the request can tell (`Any`, a union of models, a model
-that allows extra fields) it stops checking.
+value of a type with a canonical text (`_canonical.scalar_type`); where
+only the request can tell (`Any`, a union of models, a model that allows
+extra fields) it stops checking. A value that may be absent (a default of
+None, a JSON field that may be null) needs an optional placeholder,
+`{json.email?}`.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import typing
 import uuid
 from typing import Any
 
+from ._canonical import scalar_type
 from ._keys import Part
 
 MISSING: Any = object()
@@ -43,10 +47,29 @@ def info_names(info: Any) -> list[str]:
 
 
 def check_optional(name: str, info: Any, part: Part) -> None:
+    """Unbindable if the value may be absent (default None, or null in JSON) and the placeholder is not `?`."""
+    if part.optional:
+        return
     required = info.is_required() if hasattr(info, "is_required") else True
+    why = None
     if not required and getattr(info, "default", None) is None and getattr(info, "default_factory", None) is None:
-        raise Unbindable(f"{part.text} names {name!r}, which is optional with no default: the key would have no "
-                         f"value when it is absent; make it required or give it a default")
+        why = "its default is None"
+    elif part.source == "json" and _nullable(getattr(info, "annotation", None)):
+        why = "it may be null"
+    if why is not None:
+        marked = part.text[:-1].split("|")[0] + "?" + "".join("|" + n for n in part.normalisers) + "}"
+        raise Unbindable(f"{part.text} names {name!r}, which may have no value ({why}): write {marked} to lock "
+                         f"on it when there is one (requests without it share one lock), or make it required")
+
+
+def _nullable(annotation: Any) -> bool:
+    while typing.get_origin(annotation) is typing.Annotated:
+        annotation = typing.get_args(annotation)[0]
+    if annotation is None or annotation is type(None):
+        return True
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return any(_nullable(a) for a in typing.get_args(annotation))
+    return False
 
 
 
@@ -158,6 +181,22 @@ def _check_leaf(node: Any, part: Part) -> None:
             isinstance(origin, type) and dataclasses.is_dataclass(origin)):
         raise Unbindable(f"{part.text} names an object or a list, not one value: name one of its fields "
                          f"(e.g. {{{part.source}.{part.field}.<field>}} or .0 for a list's first item)")
+    arms = [a for a in typing.get_args(node) if a is not type(None)] \
+        if typing.get_origin(node) in (typing.Union, types.UnionType) else [node]
+    for arm in arms:
+        if model_of(arm) is None and scalar_type(strip(arm)) is False:
+            raise Unbindable(_unrenderable(strip(arm), part))
+
+
+def _unrenderable(node: Any, part: Part) -> str:
+    name = getattr(node, "__name__", None) or repr(node)
+    if name in ("SecretStr", "SecretBytes"):
+        return (f"{part.text} names a secret ({name}): a lock key is written to Redis, logs and telemetry; key on "
+                f"another field, or declare it as str and set hash_parts=True")
+    if name == "NameEmail":
+        return f"{part.text} names a NameEmail: declare the field as EmailStr (or str) to key on the address"
+    return (f"{part.text} names a {name} value, which has no canonical text in a lock key: declare it as str, int, "
+            f"Decimal, UUID, a date or time, an Enum or a Literal, or key on one of its fields")
 
 
 def _is_sequence(origin: Any) -> bool:

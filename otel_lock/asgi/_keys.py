@@ -8,16 +8,25 @@ Escaped values never contain a separator (a safe-set outsider other than
 `%`), and templates must put one between two placeholders: that makes the
 mapping from value tuples to keys injective, so no request can forge
 another one's key.
+
+A placeholder may end in `?` (`{json.email?}`): the value when the request
+has one, else the marker `%n` (no value of a request escapes to it, so every
+request without one shares that lock and none can pose as one). It may name
+a normaliser after `|` (`{json.email|casefold}`) for apps whose database
+treats values as equal that differ in case.
 """
 
 from __future__ import annotations
 
+import decimal
 import hashlib
 import hmac
 import os
 import re
 from dataclasses import dataclass
 from typing import Any, Callable
+
+from ._canonical import number_text
 
 SOURCES = ("path", "query", "header", "json", "form")
 MAX_NAME = 512            # the lock core's limit on a lock name
@@ -27,9 +36,11 @@ SECRET_ENV = "OTEL_LOCK_HASH_SECRET"
 _SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~")
 _PLACEHOLDER = re.compile(r"\{([^{}]*)\}")
 _FIELD = re.compile(r"^[A-Za-z0-9_\-]+$")
-# "%h"/"%k" can never come out of escaping ("h", "k" are not hex digits),
-# so a hashed value cannot collide with an escaped one.
-_HASHED, _KEYED = "%h", "%k"
+# "%h"/"%k"/"%n" can never come out of escaping ("h", "k", "n" are not hex digits),
+# so a hashed value or an absent one cannot collide with an escaped one.
+_HASHED, _KEYED, ABSENT = "%h", "%k", "%n"
+# Normalisers a placeholder may name after `|`, applied to the value's canonical text.
+NORMALISERS: dict[str, Callable[[str], str]] = {"casefold": str.casefold}
 
 
 class TemplateValueError(ValueError):
@@ -72,6 +83,13 @@ class Part:
     source: str             # path, query, header, json, form
     field: str              # path param, query name, lower-case header name, or dotted json/form path
     text: str               # the placeholder as written, for error messages
+    optional: bool = False  # `{json.email?}`: an absent value renders ABSENT instead of failing
+    normalisers: tuple[str, ...] = ()   # `{json.email|casefold}`, applied in order
+
+    def normalise(self, value: str) -> str:
+        for name in self.normalisers:
+            value = NORMALISERS[name](value)
+        return value
 
     @property
     def json_path(self) -> tuple[str, ...]:
@@ -90,12 +108,17 @@ class KeyTemplate:
     def needs_body(self) -> bool:
         return any(p.source in ("json", "form") for p in self.parts)
 
-    def render(self, lookup: Callable[[Part], str], secret: bytes | None = None) -> str:
-        """Build the lock name; `lookup` raises TemplateValueError for absent values."""
+    def render(self, lookup: Callable[[Part], str | None], secret: bytes | None = None) -> str:
+        """Build the lock name; `lookup` gives None for an absent optional value, raises TemplateValueError
+        for an absent required one."""
         out = [self.literals[0]]
         for part, literal in zip(self.parts, self.literals[1:]):
             value = lookup(part)
-            out.append(keyed_hash(secret, value) if secret is not None else escape(value))
+            if value is None:
+                out.append(ABSENT)
+            else:
+                value = part.normalise(value)
+                out.append(keyed_hash(secret, value) if secret is not None else escape(value))
             out.append(literal)
         return "".join(out)
 
@@ -130,6 +153,13 @@ _SAFE_STR = frozenset(chr(b) for b in _SAFE)
 
 
 def _parse_part(template: str, inner: str, text: str) -> Part:
+    inner, *normalisers = inner.split("|")
+    unknown = [n for n in normalisers if n not in NORMALISERS]
+    if unknown:
+        raise ValueError(f"lock key template {template!r}: {text} names an unknown normaliser {unknown[0]!r} "
+                         f"(known: {', '.join(NORMALISERS)})")
+    optional = inner.endswith("?")
+    inner = inner.removesuffix("?")
     source, dot, field = inner.partition(".")
     if not dot or source not in SOURCES:
         raise ValueError(
@@ -141,7 +171,7 @@ def _parse_part(template: str, inner: str, text: str) -> Part:
         raise ValueError(f"lock key template {template!r}: {text} names an empty or ill-formed field")
     if source == "header":
         field = field.lower()
-    return Part(source, field, text)
+    return Part(source, field, text, optional, tuple(normalisers))
 
 
 def _check_literal(template: str, literal: str) -> None:
@@ -154,20 +184,29 @@ def _check_literal(template: str, literal: str) -> None:
         raise ValueError(f"lock key template {template!r} must not contain '*'")
 
 
-def json_value(body: Any, part: Part) -> str:
-    """Walk a dotted path through a decoded JSON body; scalars only."""
+def json_value(body: Any, part: Part) -> str | None:
+    """Walk a dotted path through a decoded JSON body; scalars only, numbers canonical (RFC 8785).
+
+    None: the field is absent or null and the placeholder is optional.
+    """
     node = body
     for step in part.json_path:
         if isinstance(node, dict) and step in node:
             node = node[step]
         elif isinstance(node, list) and step.isdigit() and int(step) < len(node):
             node = node[int(step)]
+        elif part.optional:
+            return None
         else:
             raise TemplateValueError(f"JSON body has no field {part.field!r} (needed by {part.text})")
     if node is None:
+        if part.optional:
+            return None
         raise TemplateValueError(f"JSON field {part.field!r} is null (needed by {part.text})")
     if isinstance(node, bool):
         return "true" if node else "false"
-    if isinstance(node, (str, int, float)):
-        return str(node)
+    if isinstance(node, str):
+        return node
+    if isinstance(node, (int, float, decimal.Decimal)):
+        return number_text(node)
     raise TemplateValueError(f"JSON field {part.field!r} must be a string or a number (needed by {part.text})")

@@ -1,7 +1,7 @@
 """Values: the text of a typed value in a key, the walk into a validated value, raw request values.
 
-`render` gives every typed value one text (`7`, `true`, ISO dates, enum
-values); `walk` follows a placeholder's steps into what FastAPI validated
+`render` gives every typed value its canonical text (`_canonical`: `7`
+for `7.0`, datetimes in UTC, enum values); `walk` follows a placeholder's steps into what FastAPI validated
 or a handler received; `RawValues` reads the placeholders a route does not
 declare (and every placeholder of a Starlette route) straight from the
 request.
@@ -10,43 +10,26 @@ request.
 from __future__ import annotations
 
 import dataclasses
-import datetime as dt
-import decimal
-import enum
-import json
-import uuid
 from typing import Any, Mapping
 from urllib.parse import parse_qsl
 
+from ._canonical import NotCanonical, loads, scalar_text
 from ._declared import FILE_ATTRS, MISSING, model_field
 
 from ._keys import Part, TemplateValueError, json_value
 from ._types import Message, Scope
 
 
-def render(value: Any, part: Part) -> str:
-    """The text of a typed value in a key; the same value always renders the same."""
-    if isinstance(value, enum.Enum):
-        value = value.value
+def render(value: Any, part: Part) -> str | None:
+    """The canonical text of a typed value in a key; None for an absent value of an optional placeholder."""
     if value is None or value is MISSING:
+        if part.optional:
+            return None
         raise TemplateValueError(f"{part.text} is missing")
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        text = value
-    elif isinstance(value, (int, uuid.UUID)):
-        text = str(value)
-    elif isinstance(value, float):
-        text = repr(value)
-    elif isinstance(value, decimal.Decimal):
-        text = str(value.normalize()) if value.is_finite() else str(value)
-    elif isinstance(value, (dt.date, dt.time)):
-        text = value.isoformat()
-    else:
-        raise TemplateValueError(f"{part.text} must be a string or a number, not {type(value).__name__}")
-    if text == "":
-        raise TemplateValueError(f"{part.text} is empty")
-    return text
+    try:
+        return scalar_text(value)
+    except NotCanonical:
+        raise TemplateValueError(f"{part.text} must be a string or a number, not {type(value).__name__}") from None
 
 
 def walk(node: Any, steps: tuple[str, ...]) -> Any:
@@ -86,7 +69,7 @@ class RawValues:
         self._json: Any = MISSING
         self._form: Any = MISSING
 
-    async def value(self, part: Part) -> str:
+    async def value(self, part: Part) -> str | None:
         if part.source == "json":
             return json_value(self._document(), part)
         if part.source == "form":
@@ -94,25 +77,27 @@ class RawValues:
         if part.source == "path":
             params = self.scope.get("path_params", {})
             if part.field not in params:
+                if part.optional:
+                    return None
                 raise TemplateValueError(f"the route has no path parameter {part.field!r} (needed by {part.text})")
             return render(params[part.field], part)
         if part.source == "query":
             found = [v for k, v in parse_qsl(self.scope.get("query_string", b"").decode("latin-1"),
                                               keep_blank_values=True) if k == part.field]
-            return render(_single(found, f"query parameter {part.field!r}", part), part)
+            return _text(_single(found, f"query parameter {part.field!r}", part), part)
         found = [v.decode("latin-1") for k, v in self.scope.get("headers", [])
                  if k.decode("latin-1").lower() == part.field]
-        return render(_single(found, f"header {part.field!r}", part), part)
+        return _text(_single(found, f"header {part.field!r}", part), part)
 
     def _document(self) -> Any:
         if self._json is MISSING:
             try:
-                self._json = json.loads(self.body)
+                self._json = loads(self.body)
             except (ValueError, RecursionError):
                 raise TemplateValueError("the request body is not valid JSON") from None
         return self._json
 
-    async def _form_value(self, part: Part) -> str:
+    async def _form_value(self, part: Part) -> str | None:
         if self._form is MISSING:
             try:
                 form = await parse_form(self.scope, self.body)
@@ -127,8 +112,19 @@ class RawValues:
         return render(walk(_single(values, f"form field {steps[0]!r}", part), steps[1:]), part)
 
 
+def _text(value: Any, part: Part) -> str | None:
+    """A raw query or header value: nothing declared it, so an empty one is no value (absent)."""
+    if value == "":
+        if part.optional:
+            return None
+        raise TemplateValueError(f"{part.text} is empty")
+    return render(value, part)
+
+
 def _single(values: list[Any], what: str, part: Part) -> Any:
     if not values:
+        if part.optional:
+            return MISSING
         raise TemplateValueError(f"{what} is missing (needed by {part.text})")
     if len(values) > 1:
         raise TemplateValueError(f"{what} was sent more than once (needed by {part.text})")

@@ -5,8 +5,10 @@ A request of an `@idempotent` route passes these steps, one module each:
     _options      `idempotent(...)`: the route's settings, checked when it is decorated
     _key          the Idempotency-Key header, validated (400 when ill-formed)
     _principal    whose key it is: the app names the caller (401 with a challenge when nobody)
-    _fingerprint  what makes a retry "the same request" (method, scheme and host, target, body)
-    _versions     which fingerprint a stored record carries (`fpv`); 0.1.0's in `_fingerprint_v1`
+    _fingerprint  what makes a retry "the same request" (method, scheme and host, target, body, inputs)
+    _fingerprint_inputs  the headers and cookies the handler declares or its lock key names
+    _versions     which fingerprint a stored record carries (`fpv` 3); version 2's in `_fingerprint_v2`,
+                  0.1.0's in `_fingerprint_v1`
     _gate         the walk itself: replay, 422, 409, claim, run, store (IdempotencyGate)
     _answer       which answers are stored, and how a stored one is replayed (RFC 9110)
     _store        where records live, bounded per principal and in total (IdempotencyStore)

@@ -1,12 +1,19 @@
-"""What makes two requests "the same request": the fingerprint of an idempotent request.
+"""What makes two requests "the same request": the fingerprint of an idempotent request (version 3).
 
 A retry must repeat the method, the target (scheme, host, route, concrete
-path and query) and the payload. Anything that can change what the handler
+path and query), the payload, and every other input the handler reads: its
+declared `Header()` and `Cookie()` parameters and the headers its lock key
+names (`_fingerprint_inputs`). Anything that can change what the handler
 does is in it, so a key reused for another tenant (`acme.example` and
-`globex.example`), another account, another query flag or another body is a
-422, never a replay of an answer that belongs to a different request. What
-a client cannot keep equal on a retry is left out: the order of JSON keys
-and whitespace, and the random boundary of a multipart body.
+`globex.example`), another account (`X-Account: A`, then `B`), another
+query flag or another body is a 422, never a replay of an answer that
+belongs to a different request. What a client cannot keep equal on a retry,
+or the handler cannot tell apart, is left out: the order of JSON keys and
+whitespace, the spelling of a JSON number (`7.0` is `7`, RFC 8785), and the
+random boundary of a multipart body.
+
+Version 2 (no inputs, JSON numbers as Python spells them) is in
+`_fingerprint_v2`, built from the same pieces; `_versions` picks by record.
 """
 
 from __future__ import annotations
@@ -15,20 +22,32 @@ import hashlib
 import hmac
 import json
 from email.message import Message as MimeHeader
+from typing import Any, Callable
 from urllib.parse import parse_qsl
 
+from .. import _canonical
 from .._types import Scope
 
-def fingerprint(secret: bytes, scope: Scope, route: str, body: bytes) -> str:
-    """HMAC-SHA256 over method, scheme and host, route template, concrete path, query and canonical body."""
+
+def fingerprint(secret: bytes, scope: Scope, route: str, body: bytes, inputs: bytes) -> str:
+    """HMAC-SHA256 over method, scheme and host, route template, concrete path, query, canonical body and
+    the handler's other inputs (`_fingerprint_inputs.Inputs.read`)."""
     path, query = canonical_target(scope)
-    pieces = (scope["method"].encode(), authority(scope), route.encode("utf-8", "surrogatepass"), path, query,
-              canonical_body(body, _header(scope, b"content-type")))
+    return digest(secret, (scope["method"].encode(), authority(scope), route.encode("utf-8", "surrogatepass"),
+                           path, query, canonical_body(body, _header(scope, b"content-type")), inputs))
+
+
+def digest(secret: bytes, pieces: tuple[bytes, ...]) -> str:
     mac = hmac.new(secret, digestmod=hashlib.sha256)
     for piece in pieces:
         mac.update(len(piece).to_bytes(8, "big"))  # length-prefixed: no piece can spill into the next
         mac.update(piece)
     return mac.hexdigest()
+
+
+def canonical_json(document: Any) -> bytes:
+    """RFC 8785 text: sorted keys, no whitespace, one spelling per number."""
+    return _canonical.dumps(document).encode("utf-8", "surrogatepass")
 
 
 def authority(scope: Scope) -> bytes:
@@ -76,8 +95,8 @@ def canonical_target(scope: Scope) -> tuple[bytes, bytes]:
     return path, query
 
 
-def canonical_body(body: bytes, content_type: str) -> bytes:
-    """Canonical JSON (sorted keys, no whitespace), multipart by its parts, else the raw bytes."""
+def canonical_body(body: bytes, content_type: str, json_form: Callable[[bytes], bytes] | None = None) -> bytes:
+    """Canonical JSON (RFC 8785, or `json_form`), multipart by its parts, else the raw bytes."""
     if not body:
         return b"b"
     media_type = content_type.lower()
@@ -87,11 +106,14 @@ def canonical_body(body: bytes, content_type: str) -> bytes:
             return b"m" + parts
     elif "json" in media_type or not media_type:
         try:
-            doc = json.loads(body)
-            return b"j" + json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+            return b"j" + (json_form or _rfc8785)(body)
         except (ValueError, RecursionError, UnicodeDecodeError):
             pass
     return b"b" + body
+
+
+def _rfc8785(body: bytes) -> bytes:
+    return canonical_json(_canonical.loads(body))
 
 
 def multipart_parts(body: bytes, content_type: str) -> bytes | None:

@@ -41,6 +41,7 @@ from ._options import Idempotent
 from ._principal import SHARED_PRINCIPAL, Principal, PrincipalProblem, check_callable, choose, missing_setting, resolve
 from ._store import Claim, IdempotencyStore, Record, RecordId, Written, answer_bound
 from ._store_errors import RecordStoreMisconfigured, RecordStoreUnavailable, translate
+from ._fingerprint_inputs import Inputs, inputs_of
 from ._versions import Fingerprints, UnknownRecordVersion
 
 if TYPE_CHECKING:
@@ -83,7 +84,9 @@ class IdempotencyGate:
 
     async def __call__(self, idem: Idempotent, route: str, scope: Scope, receive: Receive, send: Send,
                        body: bytes, inner: Inner) -> None:
-        await IdempotentRequest(self, idem, route, scope, receive, send).run(body, inner)
+        request = IdempotentRequest(self, idem, route, scope, receive, send)
+        request.inputs = inputs_of(scope, _lock_template(inner))
+        await request.run(body, inner)
 
     def check(self, idem: Idempotent, route: str) -> None:
         """Raise ValueError naming the route and the setting if it has no principal."""
@@ -133,6 +136,7 @@ class IdempotentRequest:
         self.seen: Record | None = None        # the record found before taking the in-flight lock
         self.legacy: LegacyRecords | None = None   # release 0.1.0's records, kept in step for one release
         self.written: Written | None = None    # what this request's last write costs, as counted
+        self.inputs = Inputs()                 # the headers and cookies the handler reads, for the fingerprint
 
     async def run(self, body: bytes, inner: Inner) -> None:
         source = choose(self.idem, self.gate.principal)
@@ -175,7 +179,7 @@ class IdempotentRequest:
                          hashlib.sha256).hexdigest()[:32]
         self.lock_key = f"idem:{scope_id}"
         self.rid = RecordId(owner, scope_id, capped=principal != SHARED_PRINCIPAL)
-        self.fps = Fingerprints.of(secret, self.scope, self.route, body)
+        self.fps = Fingerprints.of(secret, self.scope, self.route, body, self.inputs)
 
     async def _answer_redis_error(self, error: LockError) -> None:
         ours = isinstance(error, (RecordStoreUnavailable, RecordStoreMisconfigured))
@@ -484,3 +488,9 @@ async def _shielded(coro: Awaitable[None]) -> None:
     except asyncio.CancelledError:
         await task
         raise
+
+
+def _lock_template(inner: Inner) -> Any:
+    """The key template of the business lock `inner` takes, if any (its headers are the handler's inputs)."""
+    locked = getattr(getattr(inner, "protection", None), "locked", None)
+    return getattr(locked, "template", None)

@@ -153,3 +153,27 @@ async def test_a_restart_without_persistence_is_claimed_again(fresh_redis, next_
         async with LockManager.from_url(fresh_redis.url, namespace="shop", lease=LEASE) as new:
             with pytest.raises(RedisMisconfigured, match="data model 1"):
                 await new.acquire("stock:1")
+
+
+async def test_redlock_claims_every_master_again_after_a_flush(awake):
+    import redis.asyncio as aioredis
+
+    servers = [RedisServer().start() for _ in range(3)]
+    try:
+        # a lease of 2 s: its master timeout (0.2 s) holds on a loaded machine; a tick every second
+        async with RedLockManager.from_urls([s.url for s in servers], namespace="q", lease=2.0) as locks:
+            await (await locks.acquire("k")).release()
+            clients = [aioredis.Redis(port=s.port) for s in servers]
+            try:
+                for client in clients:
+                    await client.flushall()
+
+                async def claimed() -> bool:
+                    return all([await client.get("q:model") == str(_scripts.MODEL).encode() for client in clients])
+                await until(claimed, "the claim made again on every master")
+            finally:
+                for client in clients:
+                    await client.aclose()
+    finally:
+        for server in servers:
+            server.stop()

@@ -460,3 +460,31 @@ async def test_check_servers_runs_the_first_use_checks_now(server, admin):
     assert reports == locks.server_reports and locks.health().checked
     (report,) = reports
     assert report.check("channels").state == "ok" and "SUBSCRIBE" in report.check("channels").detail
+
+
+async def test_a_role_change_is_checked_again(monkeypatch):
+    """A master turned replica under the manager (a failover's other half): checked again, warned, then cleared."""
+    from _proc_helpers import until
+
+    from otel_lock import LockManager
+    from otel_lock.lock import _server_watch
+
+    monkeypatch.setattr(_server_watch, "FLOOR", 0.01)  # a tick every 0.1 s (half the lease)
+
+    async def warned() -> bool:
+        return any("this server is a replica" in p for p in locks.health().problems)
+
+    async def cleared() -> bool:
+        return locks.server_reports[0].role == "master"
+
+    with RedisServer() as s, RedisServer() as other:
+        async with LockManager.from_url(s.url, namespace=NS, lease=0.2) as locks, \
+                aioredis.Redis(port=s.port) as admin:
+            await (await locks.acquire("k")).release()
+            assert locks.health().problems == ()
+            await admin.execute_command("REPLICAOF", "127.0.0.1", str(other.port))
+            await until(warned, "the replication warning")
+            assert locks.server_reports[0].check("replication").verdict == "warning"
+            await admin.execute_command("REPLICAOF", "NO", "ONE")
+            await until(cleared, "the master again")
+            assert locks.health().ok and locks.health().problems == ()

@@ -38,7 +38,7 @@ from ._options import ManagerOptions, check_breaker, check_key, check_seconds, d
 from ._periodic import once_per_period, run_every
 from ._ending import HoldEnds
 from ._runtime import Runtime, Runtimes, watch_fork
-from ._scripts import MODEL, MODEL_TTL
+from ._scripts import MODEL, MODEL_TTL, script_refused
 from ._server_checks import ServerHealth, ServerReport
 from ._server_watch import period, stay_awake
 from ._watchdog import Watchdog
@@ -356,9 +356,10 @@ class Core:
         """
         try:
             held = await self._claim_model(transport, key, name)  # the first call: its errors are an acquire's
-        except RedisMisconfigured:
-            # a server that refuses the claim's script: the server checks say why, in doctor's words
-            await self._check_reports(transport, key)
+        except RedisMisconfigured as exc:
+            if script_refused(exc.__cause__ or exc):
+                # a server that refuses the claim's script commands: the server checks say why, in doctor's words
+                await self._check_reports(transport, key)
             raise
         await self._check_reports(transport, key)
         if held is not None:

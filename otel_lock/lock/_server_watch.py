@@ -9,18 +9,21 @@ other ACL rights. So each runtime (one per manager and event loop) runs one
 small task that, every `period(lease)` seconds (half the manager's default
 lease, between 2 and 15 s):
 
+- reads each server's identity (`run_id` and `role`, one `INFO server
+  replication`); when it changed (a restart, a failover, another master),
+  or while the last verdict was a refusal, the server checks run again,
+  and a refusal sends the next acquisition through the first-use check;
 - claims the namespace again (MODEL_CHECK: another week for this model),
   or finds another model there; then the next acquisition goes through the
   first-use check again and is refused with RedisMisconfigured naming the
   fix. Claims from every running manager therefore outlive any TTL, and a
-  claim lost to a FLUSH is made again within one lease;
-- reads each server's identity (`run_id` and `role`, one `INFO server
-  replication`); when it changed (a restart, a failover, another master),
-  or while the last verdict was a refusal, the server checks run again,
-  and a refusal sends the next acquisition through the first-use check.
+  claim lost to a FLUSH is made again within one lease.
 
-A tick costs one script call and one INFO per server. A failed tick (Redis
-unreachable) is skipped: the acquisitions report the outage themselves.
+A tick costs one INFO per server and one script call; the identity is read
+first, so a server that refuses the claim (a replica: READONLY) is still
+checked. A step that cannot reach Redis is skipped until the next tick: the
+acquisitions report the outage themselves. The calls feed the circuit
+breaker like any other call to Redis.
 """
 
 from __future__ import annotations
@@ -57,24 +60,37 @@ class Keeper(Protocol):
 
 
 async def stay_awake(runtime: Any, keeper: Keeper, every: float) -> None:
-    """Forever, every `every` seconds: the model claim, then the servers' identity (see the module's docstring)."""
+    """Forever, every `every` seconds: the servers' identity, then the model claim (see the module's docstring)."""
     transport = runtime.transport
-    seen = await identity(transport)
+    try:
+        seen = await identity(transport)
+    except (RedisError, OSError, LockError):
+        seen = ()  # unknown: the first identity read will run the checks again
     while True:
         await asyncio.sleep(every)
+        seen = await _check_servers(runtime, keeper, seen)
         try:
             if await keeper._claim_model(transport) is not None:
                 runtime.recheck()
-            now = await identity(transport)
-            if now != seen or keeper._refused():
-                if now != seen:
-                    log.info("otel-lock: the server changed (%s): checking it again", _changes(seen, now))
-                reports = await keeper._run_checks(transport)
-                seen = now
-                if any(report.refusals for report in reports):
-                    runtime.recheck()
-        except (RedisError, OSError, LockError) as exc:
-            log.debug("otel-lock: server watch skipped a tick: %s", exc)
+        except (RedisError, OSError, LockError) as exc:  # a replica answers READONLY: the checks said why
+            log.debug("otel-lock: server watch could not claim the namespace: %s", exc)
+
+
+async def _check_servers(runtime: Any, keeper: Keeper, seen: Identity) -> Identity:
+    """The server checks again if a server changed (or refused last time); the identity they saw."""
+    try:
+        now = await identity(runtime.transport)
+        if now == seen and not keeper._refused():
+            return seen
+        if now != seen:
+            log.info("otel-lock: the server changed (%s): checking it again", _changes(seen, now))
+        reports = await keeper._run_checks(runtime.transport)
+    except (RedisError, OSError, LockError) as exc:
+        log.debug("otel-lock: server watch skipped a check: %s", exc)
+        return seen
+    if any(report.refusals for report in reports):
+        runtime.recheck()
+    return now
 
 
 async def identity(transport: Any) -> Identity:

@@ -488,3 +488,26 @@ async def test_a_role_change_is_checked_again(monkeypatch):
             await admin.execute_command("REPLICAOF", "NO", "ONE")
             await until(cleared, "the master again")
             assert locks.health().ok and locks.health().problems == ()
+
+
+def test_the_verdict_is_served_on_the_prometheus_fast_path(monkeypatch):
+    from prometheus_client import generate_latest
+
+    from otel_lock import telemetry
+    from otel_lock.telemetry._counts import LockCounts
+
+    for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "OTEL_METRICS_EXPORTER"):
+        monkeypatch.delenv(name, raising=False)
+    telemetry._reset_for_tests()
+    try:
+        installed = telemetry.setup("shop", "r1")
+        counts = LockCounts()
+        counts.watch_connections(lambda: (0, 0), pool_name=NS)
+        counts.watch_servers(lambda: {"127.0.0.1:6379": 2, "127.0.0.1:6380": 0})
+        text = generate_latest(installed.registry).decode()
+    finally:
+        telemetry._reset_for_tests()
+    assert f'otel_lock_server_verdict{{db_client_connection_pool_name="{NS}",server_address="127.0.0.1:6379"}} 2.0' \
+        in text
+    assert f'otel_lock_server_verdict{{db_client_connection_pool_name="{NS}",server_address="127.0.0.1:6380"}} 0.0' \
+        in text

@@ -511,3 +511,40 @@ def test_the_verdict_is_served_on_the_prometheus_fast_path(monkeypatch):
         in text
     assert f'otel_lock_server_verdict{{db_client_connection_pool_name="{NS}",server_address="127.0.0.1:6380"}} 0.0' \
         in text
+
+
+@pytest.mark.failover
+async def test_a_failover_to_an_evicting_replica_is_refused_when_noeviction_is_required(monkeypatch):
+    """Regression: checked once per process, require_noeviction was never checked again after a failover."""
+    from benchmarks._sentinel_set import SentinelSet
+
+    from _proc_helpers import until
+
+    from otel_lock import LockError, LockManager
+    from otel_lock.lock import _server_watch
+
+    monkeypatch.setattr(_server_watch, "FLOOR", 0.01)  # a tick every 0.5 s (half the lease)
+
+    async def refused() -> bool:
+        try:
+            await (await locks.acquire("k", wait=0.5)).release()
+        except RedisMisconfigured:
+            return True
+        except LockError:  # failing over
+            return False
+        return False
+
+    async with SentinelSet() as sentinels:
+        assert sentinels.replica is not None
+        async with aioredis.Redis(port=sentinels.replica.port) as replica:
+            await replica.config_set("maxmemory", 64 << 20)
+            await replica.config_set("maxmemory-policy", "allkeys-lru")
+        async with LockManager.from_url(sentinels.url, namespace=NS, lease=1.0, require_noeviction=True) as locks:
+            await (await locks.acquire("k")).release()
+            assert locks.health().ok
+            sentinels.kill_master()
+            await sentinels.failed_over()
+            await until(refused, "the refusal of the evicting new master", timeout=30)
+            health = locks.health()
+            assert not health.ok and any("allkeys-lru" in p for p in health.problems)
+            assert locks.server_reports[0].role == "master"

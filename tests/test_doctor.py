@@ -187,3 +187,77 @@ def test_cluster_with_an_app_user_probes_each_master_in_its_own_slots():
         for name in ("scripts", "keys", "channels"):
             assert checks[name]["state"] == "ok", checks[name]
         assert "trying the commands" in checks["scripts"]["detail"]
+
+
+# -- doctor and the manager: one check, one answer -------------------------------------------
+
+
+def _acquire(url: str, namespace: str = "otel-lock") -> BaseException | None:
+    """Take and release one lock with a LockManager; the exception it raised, if any."""
+    import asyncio
+
+    from otel_lock import LockManager
+
+    async def take() -> None:
+        async with LockManager.from_url(url, namespace=namespace) as locks:
+            async with locks.lock("k"):
+                pass
+    try:
+        asyncio.run(take())
+    except Exception as exc:  # noqa: BLE001 - returned for the test to read
+        return exc
+    return None
+
+
+def test_a_server_without_script_is_usable_and_the_manager_agrees():
+    """Regression: doctor said usable here (0 refusals) and the manager refused every acquisition."""
+    with RedisServer(extra_args=("--rename-command", "SCRIPT", "")) as s:
+        result = doctor("--redis-url", s.url)
+        refused = _acquire(s.url)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "note     scripts      SCRIPT LOAD is not available (unknown command 'SCRIPT')" in result.stdout
+    assert "by EVAL" in result.stdout and "verdict: usable by otel-lock" in result.stdout
+    assert refused is None
+
+
+def test_a_server_without_script_and_eval_is_refused_by_both_for_one_reason():
+    from otel_lock import RedisMisconfigured
+
+    with RedisServer(extra_args=("--rename-command", "SCRIPT", "", "--rename-command", "EVAL", "")) as s:
+        result = doctor("--redis-url", s.url, "--json")
+        refused = _acquire(s.url)
+    assert result.returncode == 1
+    (report,) = json.loads(result.stdout)["servers"]
+    scripts = {c["name"]: c for c in report["checks"]}["scripts"]
+    assert scripts["verdict"] == "refusal" and scripts["fix"] == "ACL SETUSER default +eval"
+    assert isinstance(refused, RedisMisconfigured) and scripts["detail"] in str(refused)
+
+
+def test_doctor_names_the_data_model_and_the_record_layouts_of_the_namespace(server):
+    admin = redis.Redis(port=server.port)
+    assert _acquire(server.url, "shop") is None  # a manager claimed the namespace
+    admin.hset("shop:idem:{user-1}:r:abc", "d", "{}")  # a record of today's layout
+    admin.set("shop:{idem:xyz}:idempotency", "{}")  # ... and one of 0.1.0's
+    result = doctor("--redis-url", server.url, "--namespace", "shop")
+    assert result.returncode == 0, result.stdout
+    assert "namespace 'shop': data model 1, 7.0 days left (this otel-lock's)" in result.stdout
+    assert ("idempotency records: current (shop:idem:{<p>}:r:<h>), 0.1.0 (shop:{idem:<h>}:idempotency)"
+            in result.stdout)
+    data = json.loads(doctor("--redis-url", server.url, "--namespace", "shop", "--json").stdout)
+    assert data["namespace_state"] == {"namespace": "shop", "model": 1, "model_ttl": data["namespace_state"][
+        "model_ttl"], "record_layouts": ["current", "0.1.0"]}
+    assert admin.get("shop:model") == b"1"
+    empty = doctor("--redis-url", server.url, "--namespace", "other")
+    assert "namespace 'other': no data model claims it" in empty.stdout and "idempotency records: none" in empty.stdout
+    assert admin.exists("other:model") == 0  # doctor reads, never claims
+
+
+def test_a_namespace_of_another_data_model_is_refused_by_both_for_one_reason(server):
+    from otel_lock import RedisMisconfigured
+
+    redis.Redis(port=server.port).set("shop:model", 2)
+    result = doctor("--redis-url", server.url, "--namespace", "shop")
+    refused = _acquire(server.url, "shop")
+    assert result.returncode == 1 and "verdict: REFUSED" in result.stdout
+    assert isinstance(refused, RedisMisconfigured)
+    assert f"REFUSED  data model   {refused}" in result.stdout

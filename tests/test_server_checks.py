@@ -187,9 +187,9 @@ async def test_a_user_without_channels_warns_once_and_the_printed_rule_fixes_it(
     assert (await check_server(client.execute_command, namespace=NS)).check("channels").state == "ok"
 
 
-@pytest.mark.parametrize("removed, rule", [("-evalsha", "+evalsha"), ("-script|load", "+script|load")])
+@pytest.mark.parametrize("removed, rule", [(("-evalsha",), "+evalsha"), (("-script|load", "-eval"), "+script|load")])
 async def test_a_user_that_may_not_run_the_scripts_is_refused_with_the_rule(admin, user, removed, rule):
-    client = await user("~*", "&*", "+@all", removed)
+    client = await user("~*", "&*", "+@all", *removed)
     report = await check_server(client.execute_command, namespace=NS)
     scripts = report.check("scripts")
     assert (scripts.state, scripts.verdict) == ("missing", "refusal") and not report.ok
@@ -324,3 +324,227 @@ async def test_no_server_no_report():
     async with aioredis.Redis(port=free_port(), socket_connect_timeout=1) as client:
         with pytest.raises(RedisConnectionError):
             await check_server(client.execute_command, namespace=NS)
+
+
+# -- a server without SCRIPT (rename-command SCRIPT ""): the lock runs by EVALSHA and EVAL ----------------
+
+
+@pytest.fixture(scope="module")
+def no_script():
+    """SCRIPT renamed away, as some managed services and proxies do: EVAL and EVALSHA still allowed."""
+    with RedisServer(extra_args=("--rename-command", "SCRIPT", "")) as s:
+        yield s
+
+
+async def test_without_script_the_scripts_check_says_eval_and_the_server_is_usable(no_script):
+    async with aioredis.Redis(port=no_script.port) as client:
+        await client.flushall()
+        report = await check_server(client.execute_command, namespace=NS)
+        await client.execute_command("ACL", "SETUSER", "app", "reset", "on", ">pw", *MINIMAL, "+eval")
+    async with aioredis.Redis(port=no_script.port, username="app", password="pw") as client:
+        tried = await check_server(client.execute_command, namespace=NS)  # no ACL DRYRUN: the commands themselves
+    for one in (report, tried):
+        scripts = one.check("scripts")
+        assert (scripts.state, scripts.verdict) == ("eval", "note"), scripts
+        assert "unknown command 'SCRIPT'" in scripts.detail and "with args" not in scripts.detail
+        assert one.ok and one.check("keys").state == "ok", one.checks
+
+
+async def test_without_script_the_manager_takes_renews_and_hands_over_by_eval(no_script):
+    """Regression: doctor said usable here and the manager refused every acquisition (SCRIPT LOAD failed)."""
+    import asyncio
+
+    from otel_lock import LockManager
+
+    async with aioredis.Redis(port=no_script.port) as admin:
+        await admin.flushall()
+    async with LockManager.from_url(no_script.url, namespace=NS, lease=0.3) as locks, \
+            LockManager.from_url(no_script.url, namespace=NS) as other:
+        held = await locks.acquire("k")
+        assert [r.check("scripts").state for r in locks.server_reports] == ["eval"]
+        waiter = asyncio.ensure_future(other.acquire("k", wait=10))
+        # premise: several renewals are due (lease 0.3 s, renewed every 0.1 s), the first one by EVAL
+        await asyncio.sleep(0.9)
+        assert not held.lost.is_set() and not waiter.done()
+        await held.release()
+        handed = await waiter  # the release's hand-over (RELEASE came by EVAL too)
+        assert handed.token > held.token
+        await handed.release()
+
+
+async def test_without_script_and_eval_manager_and_check_refuse_with_one_reason():
+    from otel_lock import LockManager
+
+    with RedisServer(extra_args=("--rename-command", "SCRIPT", "", "--rename-command", "EVAL", "")) as s:
+        async with aioredis.Redis(port=s.port) as client:
+            report = await check_server(client.execute_command, namespace=NS)
+        scripts = report.check("scripts")
+        assert (scripts.state, scripts.verdict) == ("missing", "refusal") and scripts.fix.endswith("+eval")
+        async with LockManager.from_url(s.url, namespace=NS) as locks:
+            with pytest.raises(RedisMisconfigured) as refused:
+                await locks.acquire("k")
+    assert scripts.detail in str(refused.value)
+
+
+# -- checked again when the server changes under a running manager ---------------------------------
+
+
+def _verdicts(reader) -> dict[str, float]:
+    data = reader.get_metrics_data()
+    return {p.attributes["server.address"]: p.value
+            for resource in (data.resource_metrics if data else []) for scope in resource.scope_metrics
+            for metric in scope.metrics if metric.name == "otel_lock.server.verdict"
+            for p in metric.data.data_points if p.attributes["db.client.connection.pool.name"] == NS}
+
+
+async def test_a_restart_with_an_evicting_policy_is_checked_again(monkeypatch):
+    """Regression: the checks ran once per process, so require_noeviction was never checked after a restart."""
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from _proc_helpers import until
+
+    from otel_lock import LockError, LockManager
+    from otel_lock.lock import _server_watch
+
+    monkeypatch.setattr(_server_watch, "FLOOR", 0.01)  # a tick every 0.1 s (half the lease)
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+
+    async def refused() -> bool:
+        try:
+            await (await locks.acquire("k", wait=0.5)).release()
+        except RedisMisconfigured:
+            return True
+        except LockError:  # still restarting
+            return False
+        return False
+
+    with RedisServer() as s:
+        async with LockManager.from_url(s.url, namespace=NS, lease=0.2, require_noeviction=True,
+                                        meter_provider=provider) as locks:
+            await (await locks.acquire("k")).release()
+            where = locks.server_reports[0].address
+            assert locks.health().ok and _verdicts(reader) == {where: 0}
+            s.extra_args = ("--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru")
+            s.restart()
+            await until(refused, "the refusal of the restarted, evicting server")
+            with pytest.raises(RedisMisconfigured, match="maxmemory-policy allkeys-lru.*noeviction"):
+                await locks.acquire("k")
+            health = locks.health()
+            assert not health.ok and any("allkeys-lru" in p for p in health.problems)
+            assert _verdicts(reader) == {where: 2}
+            async with aioredis.Redis(port=s.port) as admin:
+                await admin.config_set("maxmemory-policy", "noeviction")  # the fix the message names
+            await until(lambda: _acquires(locks), "the lock back once the policy is fixed")
+            assert locks.health().ok and _verdicts(reader) == {where: 0}
+    provider.shutdown()
+
+
+async def _acquires(locks) -> bool:
+    from otel_lock import LockError
+
+    try:
+        await (await locks.acquire("k", wait=0.5)).release()
+    except LockError:
+        return False
+    return True
+
+
+async def test_check_servers_runs_the_first_use_checks_now(server, admin):
+    """What `otel-lock doctor` prints: the checks of the first use, run now and kept, SUBSCRIBE tried too."""
+    from otel_lock import LockManager
+
+    async with LockManager.from_url(server.url, namespace=NS) as locks:
+        reports = await locks.check_servers()
+    assert reports == locks.server_reports and locks.health().checked
+    (report,) = reports
+    assert report.check("channels").state == "ok" and "SUBSCRIBE" in report.check("channels").detail
+
+
+async def test_a_role_change_is_checked_again(monkeypatch):
+    """A master turned replica under the manager (a failover's other half): checked again, warned, then cleared."""
+    from _proc_helpers import until
+
+    from otel_lock import LockManager
+    from otel_lock.lock import _server_watch
+
+    monkeypatch.setattr(_server_watch, "FLOOR", 0.01)  # a tick every 0.1 s (half the lease)
+
+    async def warned() -> bool:
+        return any("this server is a replica" in p for p in locks.health().problems)
+
+    async def cleared() -> bool:
+        return locks.server_reports[0].role == "master"
+
+    with RedisServer() as s, RedisServer() as other:
+        async with LockManager.from_url(s.url, namespace=NS, lease=0.2) as locks, \
+                aioredis.Redis(port=s.port) as admin:
+            await (await locks.acquire("k")).release()
+            assert locks.health().problems == ()
+            await admin.execute_command("REPLICAOF", "127.0.0.1", str(other.port))
+            await until(warned, "the replication warning")
+            assert locks.server_reports[0].check("replication").verdict == "warning"
+            await admin.execute_command("REPLICAOF", "NO", "ONE")
+            await until(cleared, "the master again")
+            assert locks.health().ok and locks.health().problems == ()
+
+
+def test_the_verdict_is_served_on_the_prometheus_fast_path(monkeypatch):
+    from prometheus_client import generate_latest
+
+    from otel_lock import telemetry
+    from otel_lock.telemetry._counts import LockCounts
+
+    for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "OTEL_METRICS_EXPORTER"):
+        monkeypatch.delenv(name, raising=False)
+    telemetry._reset_for_tests()
+    try:
+        installed = telemetry.setup("shop", "r1")
+        counts = LockCounts()
+        counts.watch_connections(lambda: (0, 0), pool_name=NS)
+        counts.watch_servers(lambda: {"127.0.0.1:6379": 2, "127.0.0.1:6380": 0})
+        text = generate_latest(installed.registry).decode()
+    finally:
+        telemetry._reset_for_tests()
+    assert f'otel_lock_server_verdict{{db_client_connection_pool_name="{NS}",server_address="127.0.0.1:6379"}} 2.0' \
+        in text
+    assert f'otel_lock_server_verdict{{db_client_connection_pool_name="{NS}",server_address="127.0.0.1:6380"}} 0.0' \
+        in text
+
+
+@pytest.mark.failover
+async def test_a_failover_to_an_evicting_replica_is_refused_when_noeviction_is_required(monkeypatch):
+    """Regression: checked once per process, require_noeviction was never checked again after a failover."""
+    from benchmarks._sentinel_set import SentinelSet
+
+    from _proc_helpers import until
+
+    from otel_lock import LockError, LockManager
+    from otel_lock.lock import _server_watch
+
+    monkeypatch.setattr(_server_watch, "FLOOR", 0.01)  # a tick every 0.5 s (half the lease)
+
+    async def refused() -> bool:
+        try:
+            await (await locks.acquire("k", wait=0.5)).release()
+        except RedisMisconfigured:
+            return True
+        except LockError:  # failing over
+            return False
+        return False
+
+    async with SentinelSet() as sentinels:
+        assert sentinels.replica is not None
+        async with aioredis.Redis(port=sentinels.replica.port) as replica:
+            await replica.config_set("maxmemory", 64 << 20)
+            await replica.config_set("maxmemory-policy", "allkeys-lru")
+        async with LockManager.from_url(sentinels.url, namespace=NS, lease=1.0, require_noeviction=True) as locks:
+            await (await locks.acquire("k")).release()
+            assert locks.health().ok
+            sentinels.kill_master()
+            await sentinels.failed_over()
+            await until(refused, "the refusal of the evicting new master", timeout=30)
+            health = locks.health()
+            assert not health.ok and any("allkeys-lru" in p for p in health.problems)
+            assert locks.server_reports[0].role == "master"

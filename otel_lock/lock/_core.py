@@ -39,8 +39,9 @@ from ._options import ManagerOptions, check_breaker, check_key, check_seconds, d
 from ._periodic import once_per_period, run_every
 from ._ending import HoldEnds
 from ._runtime import Runtime, Runtimes, watch_fork
-from ._scripts import MODEL, MODEL_TTL
-from ._server_checks import ServerReport
+from ._scripts import MODEL, MODEL_TTL, script_refused
+from ._server_checks import ServerHealth, ServerReport
+from ._server_watch import period, stay_awake
 from ._watchdog import Watchdog
 from opentelemetry.metrics import MeterProvider
 
@@ -94,7 +95,9 @@ class Core:
         # What the first use found of the server(s): `otel-lock doctor`'s checks (docs/lock.md, "Servers").
         self.server_reports: tuple[ServerReport, ...] = ()
         self._reports_pid = 0
+        self._namespace_model: int | None = None  # the data model the namespace was last found in
         counts.watch_connections(self._connection_figures, pool_name=options.namespace)
+        counts.watch_servers(self._server_verdicts)
         watch_fork(self._forked)
 
     # -- options, as attributes (read by the middleware and the docs' examples) --
@@ -356,37 +359,94 @@ class Core:
             error = to_lock_error(exc, what, key=key, client=runtime.transport.records)
             self._breaker.record(not isinstance(error, RedisUnavailable))
             raise error from exc
+        runtime.keep_awake(lambda: stay_awake(runtime, self, period(self.options.lease)))
         return await runtime.transport.take(request)
 
     async def _check_server(self, transport: Any, key: str, name: str) -> None:
-        """At the first use on a loop: the namespace's data model; in a process: the server checks.
+        """At the first use on a loop (and again when the guard saw a change): the data model, the server checks.
 
-        The data model check is the first call (an error there is classified
-        like any acquire's). A refused server (too old, no script or key
-        rights, evicting with `require_noeviction=True`) and another data
-        model are RedisMisconfigured naming the fix; warnings (an evicting
-        policy, no channel rights) are logged once, and without channel rights
-        waiters poll.
+        The server checks run once per process, and again after a refusal
+        or when the guard (`_server_watch.py`) saw the server change. A
+        refused server (too old, no script or key rights, evicting with
+        `require_noeviction=True`) and another data model are
+        RedisMisconfigured naming the fix; warnings (an evicting policy, no
+        channel rights) are logged, and without channel rights waiters poll.
         """
-        held = await transport.check_model(f"{self.namespace}:model", MODEL, MODEL_TTL, key, name)
+        try:
+            held = await self._claim_model(transport, key, name)  # the first call: its errors are an acquire's
+        except RedisMisconfigured as exc:
+            if script_refused(exc.__cause__ or exc):
+                # a server that refuses the claim's script commands: the server checks say why, in doctor's words
+                await self._check_reports(transport, key)
+            raise
+        await self._check_reports(transport, key)
         if held is not None:
-            raise RedisMisconfigured(
-                f"namespace {self.namespace!r} on {self._topology.where()} is in use by otel-lock data model {held}; "
-                f"this otel-lock writes model {MODEL}, and two layouts in one namespace would not see each other's "
-                f"locks. Finish the rollout in a new namespace (namespace='{self.namespace}-v{MODEL}'), or stop "
-                f"every manager of model {held} and delete the key {self.namespace}:model")
+            raise RedisMisconfigured(self._model_refusal())
+        if not all(report.can_subscribe for report in self.server_reports):
+            transport.poll_instead(None)  # the report's warning said why, with the rule to add
+
+    async def _check_reports(self, transport: Any, key: str) -> None:
         if self._reports_pid != os.getpid():
-            reports = await transport.server_reports(self.namespace, self.options.require_noeviction)
-            for report in reports:
-                report.log()
-            self.server_reports = tuple(reports)
-            if not any(report.refusals for report in reports):
-                self._reports_pid = os.getpid()  # a refusal is checked again at the next first use
+            await self._run_checks(transport)
         for report in self.server_reports:
             if report.refusals:
                 raise RedisMisconfigured(f"{report.refusal_message()} (at the first use: acquire of {key})", key=key)
-        if not all(report.can_subscribe for report in self.server_reports):
-            transport.poll_instead(None)  # the report's warning said why, with the rule to add
+
+    async def _claim_model(self, transport: Any, key: str = "", name: str = "otel-lock.model") -> int | None:
+        """Claim the namespace for this data model for another MODEL_TTL; the other model holding it, or None."""
+        model_key = f"{self.namespace}:model"
+        held: int | None = await transport.check_model(model_key, MODEL, MODEL_TTL, key or model_key, name)
+        self._namespace_model = MODEL if held is None else held
+        return held
+
+    def _model_refusal(self) -> str:
+        return model_refusal(self.namespace, self._topology.where(), self._namespace_model)
+
+    async def _run_checks(self, transport: Any) -> tuple[ServerReport, ...]:
+        """Run the server checks now, keep them (`server_reports`, `health()`, the verdict metric), log news."""
+        reports = tuple(await transport.server_reports(self.namespace, self.options.require_noeviction))
+        if _verdicts(reports) != _verdicts(self.server_reports):
+            for report in reports:
+                report.log()
+        self.server_reports = reports
+        # a refusal is checked again at the next first use (and at every tick of the guard)
+        self._reports_pid = 0 if self._refused() else os.getpid()
+        return reports
+
+    def _refused(self) -> bool:
+        return any(report.refusals for report in self.server_reports)
+
+    async def check_servers(self) -> tuple[ServerReport, ...]:
+        """Run the server checks now, on this loop's connections (what `otel-lock doctor` prints).
+
+        The same checks as at the first use, through the same path; the
+        result is kept as `server_reports` and in `health()`. Redis errors
+        propagate as LockError / RedisUnavailable.
+        """
+        return await self._ask(self._run_checks, "server checks", None)
+
+    def health(self) -> ServerHealth:
+        """The current verdict on the server(s) and the namespace's data model, without a round trip.
+
+        For an app's health endpoint: `ok` is False while the manager refuses
+        acquisitions (a refused server check, another data model in the
+        namespace); `problems` names each refusal and warning with its fix.
+        Kept up to date while the manager runs (`_server_watch.py`).
+        """
+        problems = [f"{r.address or 'Redis'}: {c.name}: {c.detail}" + (f" (fix: {c.fix})" if c.fix else "")
+                    for r in self.server_reports for c in r.checks if c.verdict in ("refusal", "warning")]
+        foreign = self._namespace_model is not None and self._namespace_model != MODEL
+        if foreign:
+            problems.insert(0, self._model_refusal())
+        return ServerHealth(ok=not foreign and not self._refused(), checked=bool(self.server_reports),
+                            problems=tuple(problems), model=MODEL, namespace_model=self._namespace_model,
+                            servers=self.server_reports)
+
+    def _server_verdicts(self) -> dict[str, int]:
+        """Per server: 0 usable, 1 usable with warnings, 2 refused (read by a metrics reader, on its thread)."""
+        foreign = self._namespace_model is not None and self._namespace_model != MODEL
+        return {r.address or "redis": 2 if foreign or r.refusals else 1 if r.warnings else 0
+                for r in self.server_reports}
 
     def _next_owner(self) -> str:
         return f"{self.id}:{next(self._ids)}"
@@ -452,6 +512,20 @@ def _error_type(error: BaseException | None) -> str:
     if isinstance(error, LockTimeout):
         return "timeout"
     return error_type(error)  # redis_unavailable, redis_misconfigured or redis_error
+
+
+def model_refusal(namespace: str, where: str, held: int | None) -> str:
+    """Why a manager refuses a namespace that another data model holds (also `otel-lock doctor`'s words)."""
+    return (f"namespace {namespace!r} on {where} is in use by otel-lock data model {held}; "
+            f"this otel-lock writes model {MODEL}, and two layouts in one namespace would not see each other's "
+            f"locks. Finish the rollout in a new namespace (namespace='{namespace}-v{MODEL}'), or stop "
+            f"every manager of model {held} and delete the key {namespace}:model")
+
+
+def _verdicts(reports: tuple[ServerReport, ...]) -> list[tuple[str | None, tuple[tuple[str, str, str], ...]]]:
+    """What a report says, for telling news from a repeat (a re-run that finds the same is not logged again)."""
+    return [(r.address, tuple((c.name, c.verdict, c.state) for c in r.checks if c.verdict != "ok" and
+                              c.name != "round trip")) for r in reports]
 
 
 def _glob_escape(text: str) -> str:

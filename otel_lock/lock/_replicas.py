@@ -61,7 +61,8 @@ class Replicated(_scripts.Script):
         call = ("EVALSHA", self.sha, len(keys), *keys, *args)
         answer, acked = await with_wait(client, [call], self.replicas, self.timeout_ms)
         if isinstance(answer, NoScriptError):
-            await client.script_load(self.source)
+            if not await _scripts.load(client, self):
+                call = _scripts.eval_instead(call, self)
             answer, acked = await with_wait(client, [call], self.replicas, self.timeout_ms)
         if isinstance(answer, Exception):
             raise answer

@@ -19,13 +19,16 @@ and its background tasks, made at the first call on that loop.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import weakref
-from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
+from typing import Any, AsyncIterator, Awaitable, Callable, Coroutine, Protocol
 
 from ._background import Background
 from ._held import Lease
 from ._watchdog import Watchdog
+
+log = logging.getLogger("otel_lock")
 
 # Runtimes a forked child inherited: kept referenced, never used, never closed
 # (closing them would tear down state the parent still uses).
@@ -59,6 +62,7 @@ class Runtime:
         self.closed = False
         self.checked = False  # the first-use checks (data model, server) passed on this loop
         self._checking: asyncio.Future[None] | None = None
+        self.guard: asyncio.Future[Any] | None = None  # the guard that stays awake (`_server_watch.py`)
         self.pid = os.getpid()
         self._closer = _on_shutdown(weakref.ref(self))
         _start(self._closer)
@@ -70,11 +74,26 @@ class Runtime:
         await asyncio.shield(self._checking)
         self.checked = True
 
+    def keep_awake(self, guard: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        """Run the guard (`_server_watch.py`) until the runtime closes; started once, again if it ended."""
+        if self.guard is None or self.guard.done():
+            self.guard = asyncio.ensure_future(guard())
+            self.guard.add_done_callback(_guard_ended)
+
+    def recheck(self) -> None:
+        """The next acquisition runs the first-use checks again (the guard saw the server or the model change)."""
+        self.checked = False
+        if self._checking is not None and self._checking.done():
+            self._checking = None
+
     async def aclose(self) -> None:
         """Stop the watchdog and the subscriber, finish clean-ups, close connections (never a child's copy)."""
         if self.closed or self.pid != os.getpid():
             return
         self.closed = True
+        if self.guard is not None:
+            self.guard.cancel()
+            await asyncio.gather(self.guard, return_exceptions=True)
         await self.watchdog.aclose()
         # Before the connections close: a task cancelled mid-connect would otherwise
         # hand a fresh socket back to an already closed pool.
@@ -82,6 +101,11 @@ class Runtime:
         await self.transport.aclose()
         if self.owns_client:
             await _close_client(self.client)
+
+
+def _guard_ended(guard: asyncio.Future[Any]) -> None:
+    if not guard.cancelled() and guard.exception() is not None:
+        log.warning("otel-lock: the server watch stopped: %r", guard.exception())
 
 
 async def _close_client(client: Any) -> None:

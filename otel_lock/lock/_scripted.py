@@ -13,7 +13,8 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from typing import Any, AsyncIterator, Callable, Coroutine
+from functools import partial
+from typing import Any, AsyncIterator, Awaitable, Callable, Coroutine
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError
@@ -160,7 +161,8 @@ class ScriptTransport:
         try:
             results = await self.link.batch(calls)
             if any(isinstance(r, NoScriptError) for r in results):
-                await self.link.client.script_load(_scripts.renew.source)
+                if not await _scripts.load(self.link.client, _scripts.renew):
+                    calls = [_scripts.eval_instead(call, _scripts.renew) for call in calls]
                 results = await self.link.batch(calls)
         except (RedisError, OSError) as exc:
             results = [exc] * len(calls)
@@ -179,25 +181,53 @@ class ScriptTransport:
         held = await self.calls(self.link.call(_scripts.model_check, (key,), [model, ttl]), "acquire", name, lock_key)
         return None if int(held) == model else int(held)
 
-    async def server_reports(self, namespace: str, require_noeviction: bool) -> list[ServerReport]:
-        """The server checks (`_server_checks.py`) of the server, or of every Cluster master."""
+    async def servers(self) -> list[tuple[str, Callable[..., Awaitable[Any]]]]:
+        """(address, send one command) for the server, or every Cluster master: the server checks' targets."""
         link = self.link
         if isinstance(link, ClusterLink):
-            reports = []
-            for address, send in await link.masters():
-                try:
-                    reports.append(await check_server(send, namespace=namespace, cluster=True,
-                                                      require_noeviction=require_noeviction, address=address))
-                except (OSError, RedisConnectionError, RedisTimeoutError) as exc:
-                    # A master that is down (or failing over) must not fail the locks of every other slot:
-                    # its keys fail on their own, and the next process start checks it.
-                    log.warning("otel-lock: server checks skipped for Cluster master %s, unreachable: %s", address,
-                                exc)
-            return reports
+            return await link.masters()
         await link.prepare()
         run = link.connection.execute if isinstance(link, LeanLink) else link.redis.execute_command
-        return [await check_server(run, namespace=namespace, cluster=False, require_noeviction=require_noeviction,
-                                   address=self.calls.where)]
+        return [(self.calls.where, run)]
+
+    async def server_reports(self, namespace: str, require_noeviction: bool) -> list[ServerReport]:
+        """The server checks (`_server_checks.py`) of the server, or of every Cluster master."""
+        cluster = isinstance(self.link, ClusterLink)
+        reports = []
+        for address, send in await self.servers():
+            try:
+                reports.append(await check_server(send, namespace=namespace, cluster=cluster,
+                                                  require_noeviction=require_noeviction, address=address,
+                                                  subscribe=self._subscriber(address)))
+            except (OSError, RedisConnectionError, RedisTimeoutError) as exc:
+                if not cluster:
+                    raise
+                # A master that is down (or failing over) must not fail the locks of every other slot:
+                # its keys fail on their own, and the next check (a restart, a failover) covers it.
+                log.warning("otel-lock: server checks skipped for Cluster master %s, unreachable: %s", address,
+                            exc)
+        return reports
+
+    def _subscriber(self, address: str) -> Callable[[str], Awaitable[None]] | None:
+        """Subscribe once on a connection of its own, as the waiters will (SSUBSCRIBE on a Cluster master)."""
+        if not isinstance(self.link, ClusterLink):
+            return partial(subscribe_once, self.link.redis, False)
+        if not self.link.settings.lean:
+            return None  # TLS or another connection class: the right stays as ACL DRYRUN or the probe found it
+        host, _, port = address.rpartition(":")
+        settings = self.link.settings
+
+        async def on_node(channel: str) -> None:
+            import redis.asyncio as aioredis
+
+            node = aioredis.Redis(host=host, port=int(port), username=settings.username, password=settings.password,
+                                  socket_timeout=settings.timeout or 2.0,
+                                  socket_connect_timeout=settings.connect_timeout or 2.0)
+            try:
+                await subscribe_once(node, True, channel)
+            finally:
+                await node.aclose()
+        return on_node
 
     # -- operators -------------------------------------------------------------
 
@@ -217,6 +247,20 @@ class ScriptTransport:
     async def aclose(self) -> None:
         await self.waiting.aclose()
         await self.link.aclose()
+
+
+async def subscribe_once(client: Any, sharded: bool, channel: str, timeout: float = 2.0) -> None:
+    """SUBSCRIBE (SSUBSCRIBE) `channel` on a connection of `client`'s own, then leave: raises if refused."""
+    pubsub = client.pubsub()
+    try:
+        if sharded:
+            await pubsub.execute_command("SSUBSCRIBE", channel)
+            await pubsub.parse_response(block=True, timeout=timeout)
+        else:
+            await pubsub.subscribe(channel)
+            await pubsub.get_message(timeout=timeout)
+    finally:
+        await pubsub.aclose()
 
 
 def _text(value: bytes | str | None) -> str:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any, Awaitable, Protocol, Sequence
 
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoPermissionError, NoScriptError, ResponseError
 
 _COMMON = r"""
 local function now_us()
@@ -234,7 +234,9 @@ class Script:
     SCRIPT LOAD keeps it for good (Redis 7.4 evicts scripts that came by
     EVAL). A flush that lands between the load and the call is answered by
     EVAL, which loads and runs in one command: no caller ever sees NOSCRIPT,
-    however often the scripts are flushed.
+    however often the scripts are flushed. A server without SCRIPT (renamed
+    away, or refused by the ACL: some managed services and proxies) gets the
+    script by EVAL too, so EVALSHA and EVAL are all the lock needs.
     """
 
     def __init__(self, source: str) -> None:
@@ -245,11 +247,39 @@ class Script:
         try:
             return await client.evalsha(self.sha, len(keys), *keys, *args)
         except NoScriptError:
-            await client.script_load(self.source)
-        try:
-            return await client.evalsha(self.sha, len(keys), *keys, *args)
-        except NoScriptError:  # flushed again since the load
-            return await client.eval(self.source, len(keys), *keys, *args)
+            pass
+        if await load(client, self):
+            try:
+                return await client.evalsha(self.sha, len(keys), *keys, *args)
+            except NoScriptError:  # flushed again since the load
+                pass
+        return await client.eval(self.source, len(keys), *keys, *args)
+
+
+async def load(client: ScriptClient, script: Script) -> bool:
+    """SCRIPT LOAD; False when the server refuses SCRIPT (renamed, not allowed): send the script by EVAL then.
+
+    Connection errors propagate; so does any error EVAL will meet as well
+    (OOM, a busy script): the caller's EVAL says it.
+    """
+    try:
+        await client.script_load(script.source)
+    except ResponseError as exc:
+        if not script_refused(exc):
+            raise
+        return False
+    return True
+
+
+def script_refused(error: BaseException) -> bool:
+    """Is this the answer of a server that does not let this user run SCRIPT (renamed away, or the ACL)?"""
+    text = str(error)
+    return isinstance(error, NoPermissionError) or "NOPERM" in text or "unknown command" in text.lower()
+
+
+def eval_instead(command: tuple[Any, ...], script: Script) -> tuple[Any, ...]:
+    """An `("EVALSHA", sha, numkeys, ...)` command of a batch as EVAL of `script` (SCRIPT LOAD refused)."""
+    return ("EVAL", script.source, *command[2:])
 
 
 acquire = Script(ACQUIRE)

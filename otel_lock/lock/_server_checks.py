@@ -41,7 +41,8 @@ from redis.exceptions import NoScriptError
 
 from ._errors import RedisMisconfigured
 
-__all__ = ["MIN_REDIS", "MIN_VALKEY", "SCRIPT_COMMANDS", "Check", "ServerReport", "check_server"]
+__all__ = ["MIN_REDIS", "MIN_VALKEY", "SCRIPT_COMMANDS", "Check", "ServerHealth", "ServerReport", "check_server",
+           "server_identity"]
 
 MIN_REDIS = (7, 0)
 MIN_VALKEY = (8, 0)
@@ -187,6 +188,39 @@ class ServerReport:
                            f" (fix: {c.fix})" if c.fix else "")
 
 
+@dataclass(frozen=True)
+class ServerHealth:
+    """A manager's current verdict on its server(s), for an app's health endpoint (`manager.health()`).
+
+    `ok`: the manager may take locks: no server check refuses, and the
+    namespace is not another data model's (True until the first use has
+    checked). `problems`: each refusal and warning on one line, with its fix.
+    `namespace_model`: the data model the namespace was last found in
+    (None: not read yet), `model`: this manager's.
+    """
+
+    ok: bool
+    checked: bool
+    problems: tuple[str, ...]
+    model: int
+    namespace_model: int | None
+    servers: tuple[ServerReport, ...]
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready data."""
+        return {"ok": self.ok, "checked": self.checked, "problems": list(self.problems), "model": self.model,
+                "namespace_model": self.namespace_model, "servers": [r.as_dict() for r in self.servers]}
+
+
+async def server_identity(run: Run) -> tuple[str | None, str | None]:
+    """(run_id, role) of the server `run` reaches: another run_id is a restart, another role a failover.
+
+    One `INFO server replication` (Redis 7.0+); (None, None) when INFO is refused.
+    """
+    info = await _info(run, "server", "replication")
+    return _text(info.get("run_id")) or None, _role(info.get("role"))
+
+
 async def check_server(run: Run, *, namespace: str = "otel-lock", cluster: bool | None = None,
                        require_noeviction: bool = False, subscribe: Callable[[str], Awaitable[Any]] | None = None,
                        address: str | None = None, pings: int = 3) -> ServerReport:
@@ -258,8 +292,8 @@ async def _try(run: Run, *args: Any) -> Any:
         raise
 
 
-async def _info(run: Run) -> dict[str, Any]:
-    reply = await _try(run, "INFO")
+async def _info(run: Run, *sections: str) -> dict[str, Any]:
+    reply = await _try(run, "INFO", *sections)
     if isinstance(reply, dict):  # redis-py parsed it
         return {str(k): v for k, v in reply.items()}
     fields: dict[str, Any] = {}
@@ -414,6 +448,10 @@ class _Rights:
         if self.user is not None and _is_ok(await _try(self.run, "ACL", "DRYRUN", self.user, "PING")):
             self.how = "ACL DRYRUN"
             await self._dryrun()
+            # The ACL may allow what rename-command took away (DRYRUN then errs): SCRIPT LOAD is tried for
+            # real, and EVAL, the lock's way without it, too when DRYRUN could not tell.
+            if not await self._load() and "eval" not in self.commands:
+                await self._probe("EVAL")
         else:
             self.how = "trying the commands"
             await self._try_commands()
@@ -440,40 +478,49 @@ class _Rights:
 
     async def _dryrun(self) -> None:
         keys = dict(zip("hsz", self.keys))
-        calls = [("EVALSHA", _PROBE_SHA, "3", *self.keys, self.channel, self.publish),
-                 ("SCRIPT", "LOAD", "return 1"), (self.publish, self.channel, "m"), (self.sub, self.channel)]
+        probe = ("3", *self.keys, self.channel, self.publish)
+        calls = [("EVALSHA", _PROBE_SHA, *probe), ("EVAL", _PROBE, *probe), (self.publish, self.channel, "m"),
+                 (self.sub, self.channel)]
         calls += [(c, *(keys.get(a, a) for a in args)) for c, args in _DRYRUN_ARGS.items()]
         for call in calls:
             reply = await _try(self.run, "ACL", "DRYRUN", self.user, *call)
             if reply is None:  # a command this server does not have (SPUBLISH before 7.0): unknown
                 continue
             answer = _text(reply)
-            self._note(" ".join(call[:2]) if call[0] == "SCRIPT" else call[0], None if _is_ok(answer) else answer)
+            self._note(call[0], None if _is_ok(answer) else answer)
         if self.keys_refused is False and self._unknown(tuple(c.lower() for c in SCRIPT_COMMANDS)) == []:
             self.keys_refused = None  # every command was asked with the namespace's keys, none refused them
 
     async def _try_commands(self) -> None:
+        """SCRIPT LOAD, then the probe by EVALSHA; by EVAL when the load was refused (the lock's own fallback)."""
         await self._load()  # cached already or not: SCRIPT LOAD is tried in any case
+        if not await self._probe("EVALSHA"):
+            await self._probe("EVAL")
+
+    async def _probe(self, command: str) -> bool:
+        """Run the probe by EVALSHA or EVAL and note what it found; False when the other way may tell more."""
+        body = _PROBE_SHA if command == "EVALSHA" else _PROBE
         try:
-            denied = await self.run("EVALSHA", _PROBE_SHA, "3", *self.keys, self.channel, self.publish)
+            denied = await self.run(command, body, "3", *self.keys, self.channel, self.publish)
         except Exception as exc:  # noqa: BLE001
             if not _answered(exc):
                 raise
             if str(exc).startswith(("MOVED", "ASK")):
-                return  # a Cluster node that would not say which slots it serves (CLUSTER NODES): unknown
+                return True  # a Cluster node that would not say which slots it serves (CLUSTER NODES): unknown
             if isinstance(exc, NoScriptError) or str(exc).startswith("NOSCRIPT"):
                 # not loaded (SCRIPT LOAD was refused), but the ACL let EVALSHA and its keys through
                 self._note("EVALSHA", None)
                 self.keys_refused = None
             else:
-                self._note("EVALSHA", _first_line(exc))
-            return
-        self._note("EVALSHA", None)
+                self._note(command, _first_line(exc))
+            return False
+        self._note(command, None)
         self.keys_refused = None
         self.channel_refused = None
         refused = dict(zip(map(_text, denied[::2]), map(_text, denied[1::2])))
-        for command in (*SCRIPT_COMMANDS, self.publish):
-            self._note(command, refused.get(command))
+        for name in (*SCRIPT_COMMANDS, self.publish):
+            self._note(name, refused.get(name))
+        return True
 
     async def _load(self) -> bool:
         try:
@@ -481,7 +528,7 @@ class _Rights:
         except Exception as exc:  # noqa: BLE001
             if not _answered(exc):
                 raise
-            self._note("SCRIPT LOAD", _first_line(exc))
+            self.commands["script load"] = _first_line(exc)  # never about keys or channels: SCRIPT has none
             return False
         self._note("SCRIPT LOAD", None)
         return True
@@ -512,15 +559,27 @@ class _Rights:
         return [c for c in commands if c not in self.commands]
 
     def _scripts(self) -> Check:
-        needed = ("evalsha", "script load")
-        missing = self._missing(needed)
-        if missing:
-            return Check("scripts", "missing", "refusal", f"the user may not run {' and '.join(m.upper() for m in missing)}: "
-                         "the lock runs its Lua scripts by SHA and loads them again after a restart",
-                         self._rule(*("+" + m.replace(" ", "|") for m in missing)))
-        if self._unknown(needed):
+        """EVALSHA runs every script; SCRIPT LOAD, or else EVAL, gives Redis a script it does not have."""
+        evalsha, load, eval_ = (self.commands.get(c, "") for c in ("evalsha", "script load", "eval"))
+        if evalsha:
+            return Check("scripts", "missing", "refusal", "the user may not run EVALSHA: the lock runs its Lua "
+                         "scripts by SHA", self._rule("+evalsha"))
+        if load and eval_:
+            renamed = "unknown command" in load.lower()
+            return Check("scripts", "missing", "refusal", f"neither SCRIPT LOAD ({_first_line(load)}) nor EVAL "
+                         f"({_first_line(eval_)}) may run: the lock cannot give Redis its scripts after a restart",
+                         self._rule("+eval" if renamed else "+script|load"))
+        if "evalsha" not in self.commands or "script load" not in self.commands:
             return Check("scripts", "unknown", "note", "could not tell whether EVALSHA and SCRIPT LOAD are allowed")
-        return Check("scripts", "ok", "ok", f"EVALSHA and SCRIPT LOAD allowed ({self.how})")
+        if load is None:
+            return Check("scripts", "ok", "ok", f"EVALSHA and SCRIPT LOAD allowed ({self.how})")
+        if eval_ is None:
+            return Check("scripts", "eval", "note", f"SCRIPT LOAD is not available ({_first_line(load)}): the "
+                         "lock sends a script Redis lacks (after a restart or failover) by EVAL, then runs it by "
+                         f"EVALSHA; EVALSHA and EVAL allowed ({self.how})")
+        return Check("scripts", "unknown", "note", f"SCRIPT LOAD is not available ({_first_line(load)}) and "
+                     "whether EVAL is allowed is unknown: the lock needs one of them after a restart",
+                     self._rule("+eval"))
 
     def _keys(self) -> Check:
         where = f"{self.pattern}:*"
@@ -621,7 +680,9 @@ def _size(n: int | None) -> str:
 
 
 def _first_line(value: BaseException | str) -> str:
-    return (str(value).strip().splitlines() or [type(value).__name__])[0]
+    """The first line, without the arguments an unknown-command error echoes (a whole script, for SCRIPT LOAD)."""
+    line = (str(value).strip().splitlines() or [type(value).__name__])[0]
+    return line.split(", with args beginning with", 1)[0]
 
 
 def _glob_escape(text: str) -> str:

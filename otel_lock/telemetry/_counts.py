@@ -101,6 +101,19 @@ class LockCounts:
                 return None
         return self._connections
 
+    # -- server checks -------------------------------------------------------
+
+    def watch_servers(self, source: Callable[[], dict[str, int]]) -> None:
+        """`source()` returns {server address: 0 usable, 1 warnings, 2 refused} when a reader collects."""
+        self._server_source = source
+
+    def server_verdicts(self) -> dict[str, int]:
+        source = getattr(self, "_server_source", None)
+        try:
+            return dict(source()) if source is not None else {}
+        except Exception:  # a collection must never fail because of one manager
+            return {}
+
     # -- circuit breaker -----------------------------------------------------
 
     def watch_circuit(self, source: Callable[[], int], pool_name: str | None = None) -> None:
@@ -196,6 +209,8 @@ def observe(which: str, counts: Iterable[LockCounts], limits: Limits) -> list[Ob
         index = 0 if which == "hold_age" else 1
         oldest_by_name = _fold(oldest(counts), limits, "lock.name", max)
         return [({"lock.name": name}, ages[index]) for name, ages in oldest_by_name.items()]
+    if which == "server_verdict":
+        return _server_points(counts, limits)
     if which == "circuit_state":
         worst = _fold(circuits(counts), limits, "db.client.connection.pool.name",
                       lambda a, b: a if _SEVERITY.get(a, 0) >= _SEVERITY.get(b, 0) else b)
@@ -206,6 +221,18 @@ def observe(which: str, counts: Iterable[LockCounts], limits: Limits) -> list[Ob
         return [({"db.client.connection.state": "used", "db.client.connection.pool.name": pool}, used)
                 for pool, (used, _) in figures.items()]
     return [({"db.client.connection.pool.name": pool}, pending) for pool, (_, pending) in figures.items()]
+
+
+def _server_points(counts: Iterable[LockCounts], limits: Limits) -> list[Observation]:
+    """Per (pool name, server): the worst verdict of the managers that use it."""
+    worst: dict[tuple[str, str], int] = {}
+    for one in counts:
+        pool = limits.admit("db.client.connection.pool.name", one.pool_name) or OVERFLOW
+        for address, verdict in one.server_verdicts().items():
+            key = (pool, limits.admit("server.address", address) or OVERFLOW)
+            worst[key] = max(worst.get(key, 0), verdict)
+    return [({"db.client.connection.pool.name": pool, "server.address": address}, verdict)
+            for (pool, address), verdict in worst.items()]
 
 
 def _fold(values: dict[str, _V], limits: Limits, attribute: str, merge: Callable[[_V, _V], _V]) -> dict[str, _V]:

@@ -98,6 +98,10 @@ OBSERVED = {
     "circuit_state": GaugeSpec("otel_lock.circuit.state", "gauge", "{state}", "otel_lock_circuit_state",
                                "Circuit breaker of the lock managers: 0 closed, 1 open (acquisitions "
                                "fail at once), 2 half-open (a probe may pass).", ("db.client.connection.pool.name",)),
+    "server_verdict": GaugeSpec("otel_lock.server.verdict", "gauge", "{verdict}", "otel_lock_server_verdict",
+                                "The server checks' current verdict per server: 0 usable, 1 usable with "
+                                "warnings, 2 refused (acquisitions fail: a refused check or another data model).",
+                                ("db.client.connection.pool.name", "server.address")),
 }
 
 

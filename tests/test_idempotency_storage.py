@@ -434,3 +434,23 @@ def test_on_a_cluster_both_layouts_are_written_in_their_own_slots_and_a_retry_is
         answers, old, runs = asyncio.run(run(url))
     assert [a.status_code for a in answers] == [201, 201] and answers[1].headers["idempotent-replayed"] == "true"
     assert old is not None and old["state"] == "done" and runs == 1
+
+
+def test_records_are_stored_and_replayed_on_a_server_without_script():
+    """Regression: the store registered its scripts with redis-py (SCRIPT LOAD), so on a server that
+    renames SCRIPT away every idempotent request failed while the lock itself worked by EVAL."""
+    import asyncio
+
+    from otel_lock.cli._redis_server import RedisServer
+
+    async def run(url: str) -> list:
+        charges = Charges()
+        async with make_manager(url) as manager, client_for(charges.app(manager)) as client:
+            answers = [await client.post("/charge", json={"amount": 5}, headers=KEY) for _ in range(2)]
+        return [charges.runs, *answers]
+
+    with RedisServer(extra_args=("--rename-command", "SCRIPT", "")) as server:
+        runs, first, retry = asyncio.run(run(server.url))
+    assert first.status_code == 201, first.text
+    assert retry.status_code == 201 and retry.headers["idempotent-replayed"] == "true"
+    assert runs == 1

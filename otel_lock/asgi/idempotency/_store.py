@@ -32,9 +32,9 @@ from functools import partial
 from typing import Any, Awaitable, Callable, TypeVar
 
 import redis.asyncio as aioredis
-from redis.commands.core import AsyncScript
 
 from ...lock._runtime import at_loop_shutdown
+from ...lock._scripts import Script
 from ._store_errors import RecordStoreUnavailable, translate
 
 log = logging.getLogger("otel_lock.idempotency")
@@ -158,6 +158,10 @@ change(KEYS[2], KEYS[3], b, 1, bytes)
 return {0, b, old_bytes, old_bucket}
 """
 
+# Called by SHA with an EVAL fallback (`lock._scripts.Script`): a server without SCRIPT serves records too.
+TOTAL = Script(TOTAL_LUA)
+RECORD = Script(RECORD_LUA)
+
 
 @dataclass(frozen=True)
 class RecordId:
@@ -233,9 +237,6 @@ class IdempotencyStore:
         self._owns_client = False
         self._probed = False
         self._bucket_ms = BUCKET_MS    # how finely expiries are counted (tests shorten it)
-        self._total: AsyncScript | None = None
-        self._record: AsyncScript | None = None
-        self._scripts_client: Any = None
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> "IdempotencyStore":
@@ -384,27 +385,20 @@ class IdempotencyStore:
                          released: tuple[int, int, int] = (0, 0, 0), check: bool, headroom: int = 0) -> float | None:
         """Apply (bucket, records, bytes) changes to the total; seconds to wait if a cap refused them."""
         caps = self.caps
-        if not (caps.records or caps.bytes) or self._total is None:
+        if not (caps.records or caps.bytes):
             return None
-        script = self._total
         args = [*added, *released, caps.records, caps.bytes, int(check), headroom, self._bucket_ms]
-        answer = await self._call(lambda: script(keys=self._total_keys(), args=args))
+        answer = await self._call(lambda: TOTAL(self.redis, self._total_keys(), args))
         return int(answer[1]) / 1000 if answer[0] == 1 else None
 
     async def _run_record(self, rid: RecordId, mode: str, data: str, size: int, ttl: float, *,
                           check: bool, headroom: int = 0) -> list[Any]:
-        assert self._record is not None
-        script = self._record
         caps = self.caps if rid.capped else _NO_CAPS
         args: list[str | int] = [mode, data, size, int(ttl * 1000), caps.records_per_principal,
                                  caps.bytes_per_principal, int(check), headroom, self._bucket_ms]
-        return list(await self._call(lambda: script(keys=self._keys(rid), args=args)))
+        return list(await self._call(lambda: RECORD(self.redis, self._keys(rid), args)))
 
     async def _prepare(self) -> None:
-        if self._scripts_client is not self.redis:   # scripts are registered with one client
-            self._record = self.redis.register_script(RECORD_LUA)
-            self._total = self.redis.register_script(TOTAL_LUA)
-            self._scripts_client = self.redis
         if not self._probed:
             await self._probe()
 

@@ -29,12 +29,11 @@ from .. import __version__
 from . import _counts
 from ._counts import ALL_COUNTS, LockCounts
 from ._bounds import Limits, ValueLimit
-from ._names import HOLD_BUCKETS, OBSERVED, RECORDED, WAIT_BUCKETS, Spec, prom_value
+from ._names import (ERROR_SEEDS, HOLD_BUCKETS, NAME_SEEDS, OBSERVED, POOL_SEED, RECORDED, WAIT_BUCKETS, Spec,
+                     prom_value)
 from ._redact import redact
 
 if TYPE_CHECKING:
-    import weakref as _weakref
-
     from opentelemetry.context import Context
     from opentelemetry.util.types import Attributes, AttributeValue
 
@@ -129,7 +128,7 @@ class Telemetry:
 
     tracer: trace.Tracer
     # Every manager's counts (`_counts.ALL_COUNTS`), read when a reader collects.
-    gauges: _weakref.WeakSet[LockCounts]
+    gauges: _Managers
     # Recorded instruments, one per `_names.RECORDED` entry; set (and re-set by
     # `route_default_metrics`) in `_bind`.
     wait_duration: HistogramSink
@@ -150,7 +149,7 @@ class Telemetry:
         self._span_names = ValueLimit("span names of otel_lock")
         # Held and waiting counts are read from the managers when a reader
         # collects, so taking a lock pays nothing for them.
-        self.gauges = ALL_COUNTS
+        self.gauges = _Managers(self)
         self._own = _sdk_instruments(meter_provider, self)
         self._bind()
 
@@ -158,6 +157,26 @@ class Telemetry:
         route = _route if routed(self._meter_provider) else None
         for spec in RECORDED:
             setattr(self, spec.attr, route.instrument(spec.attr) if route else self._own[spec.attr])
+        # Routed elsewhere (`setup()` after the managers were made): their series start at 0 there too.
+        for counts in list(ALL_COUNTS):
+            if counts.seeds is self:
+                counts.seed_again()
+
+    # -- series at 0 before their first event (`_names.NAME_SEEDS`) ----------
+
+    def seed_manager(self) -> None:
+        """A manager started: its Redis error series exist at 0."""
+        for attributes in ERROR_SEEDS:
+            _zero(self.errors, "errors", attributes)
+
+    def seed_name(self, name: str) -> None:
+        """A manager saw lock `name` for the first time: its outcome series exist at 0."""
+        for attr, attributes in NAME_SEEDS:
+            _zero(getattr(self, attr), attr, {"lock.name": name, **attributes})
+
+    def seed_pool(self, pool: str) -> None:
+        """A manager's circuit breaker exists: its openings count from 0."""
+        _zero(self.circuit_opened, POOL_SEED, {"db.client.connection.pool.name": pool})
 
     # -- spans -------------------------------------------------------------
 
@@ -233,6 +252,39 @@ class Telemetry:
         elif first:
             attributes["server.address"] = first
         span.set_attributes(attributes)
+
+
+_KINDS = {spec.attr: spec.kind for spec in RECORDED}
+
+
+def _zero(sink: Any, attr: str, attributes: dict[str, Any]) -> None:
+    """Create the series of `attributes` at 0: a counter adds 0; a fast-path histogram binds an empty child.
+
+    An SDK histogram has no way to hold a point without a measurement: left out.
+    """
+    if _KINDS[attr] != "histogram":
+        sink.add(0, attributes)
+        return
+    bind = getattr(sink, "_bind", None)
+    if bind is not None:
+        bind(tuple(attributes.items()), attributes)
+
+
+class _Managers:
+    """`Telemetry.gauges`: every manager's counts (`ALL_COUNTS`); adding one seeds its series from this telemetry."""
+
+    def __init__(self, telemetry: Telemetry) -> None:
+        self._telemetry = telemetry
+
+    def add(self, counts: LockCounts) -> None:
+        ALL_COUNTS.add(counts)
+        counts.seed_with(self._telemetry)
+
+    def __iter__(self) -> Iterator[LockCounts]:
+        return iter(list(ALL_COUNTS))
+
+    def __len__(self) -> int:
+        return len(ALL_COUNTS)
 
 
 def _sdk_instruments(meter_provider: metrics.MeterProvider | None, owner: Telemetry) -> dict[str, Any]:

@@ -73,6 +73,7 @@ class OtlpPush:
         self._interval = _millis("OTEL_METRIC_EXPORT_INTERVAL", 60_000) / 1000
         self._timeout = _millis("OTEL_METRIC_EXPORT_TIMEOUT", 30_000)
         self._export_lock = threading.Lock()  # the exporter is never called concurrently
+        self.undelivered = 0  # data points of the last export, if it failed (named by a shutdown)
         self._stop = threading.Event()
         self._closed = False
         self._start_thread()
@@ -100,25 +101,31 @@ class OtlpPush:
             data = self._with_lock_metrics(self.reader.get_metrics_data())
             if not data.resource_metrics:
                 return True
+            points = _points(data)
             # The exporter's own HTTP client must not be traced or measured by an instrumentation.
             token = otel_context.attach(otel_context.set_value(otel_context._SUPPRESS_INSTRUMENTATION_KEY, True))
+            ok = False
             try:
-                result = self.exporter.export(data, timeout_millis=timeout_millis or self._timeout)
+                ok = self.exporter.export(data, timeout_millis=timeout_millis or self._timeout).name == "SUCCESS"
             except Exception:  # an export must never break the thread or the shutdown
                 log.exception("otel-lock: exporting metrics failed")
-                return False
             finally:
                 otel_context.detach(token)
-            return result.name == "SUCCESS"
+                self.undelivered = 0 if ok else points
+            return ok
 
     def shutdown(self, timeout_millis: float = 10_000) -> bool:
-        """Stop the thread, export a last time, close the exporter (once)."""
+        """Stop the thread, export a last time within `timeout_millis`, close the exporter (once)."""
         if self._closed:
             return True
+        from ._shutdown import clamp_timeout
+
         deadline = time.monotonic() + timeout_millis / 1000
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(max(0.0, deadline - time.monotonic()))
+        # The exporter's own timeout (retries included) would outlast the deadline: clamp it.
+        clamp_timeout(self.exporter, deadline - time.monotonic())
         ok = self.export(max(1.0, (deadline - time.monotonic()) * 1000))
         with self._export_lock:
             self._closed = True
@@ -184,6 +191,11 @@ class _PullReader(InMemoryMetricReader):
         push = self._push()
         if push is not None:
             push.shutdown(timeout_millis)
+
+
+def _points(data: MetricsData) -> int:
+    return sum(len(metric.data.data_points) for resource in data.resource_metrics
+               for scope in resource.scope_metrics for metric in scope.metrics)
 
 
 def _recorded(instrument: FastInstrument, now: int) -> Metric | None:

@@ -38,10 +38,9 @@ import logging
 import os
 import socket
 import threading
-import time
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping, cast
+from typing import TYPE_CHECKING, Any, Mapping
 
 from opentelemetry import metrics, trace
 from prometheus_client import REGISTRY, CollectorRegistry
@@ -54,7 +53,6 @@ from ._prom import FastMetrics, TargetInfo
 from ._redact import MODES, configure_redaction
 
 if TYPE_CHECKING:
-    from opentelemetry.sdk.metrics import MeterProvider as SdkMeterProvider
     from opentelemetry.sdk.metrics.export import MetricReader
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider as SdkTracerProvider
@@ -263,11 +261,12 @@ def _install(service_name: str, service_instance_id: str | None, prometheus: boo
     tracer_provider: SdkTracerProvider | None = None
     if otlp:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+        from ._shutdown import add_span_exporter
 
         # shutdown_on_exit=False: TelemetrySetup.shutdown() is the exit hook (`_signals`), once.
         tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=False)
-        tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        add_span_exporter(tracer_provider, OTLPSpanExporter())
         trace.set_tracer_provider(tracer_provider)
     meter_provider = MeterProvider(resource=resource, metric_readers=readers, shutdown_on_exit=False)
     metrics.set_meter_provider(meter_provider)
@@ -294,30 +293,19 @@ _shut_down: set[int] = set()
 
 
 def _shutdown(installed: TelemetrySetup, timeout: float) -> bool:
-    """Flush spans, then shut the meter provider down (its readers export a last time), then the tracer's."""
+    """The last spans and metrics within `timeout`, then the providers (see `_shutdown`); False names a loss."""
+    from . import _shutdown as bounded
+
     # Not setup()'s _lock: a signal may arrive while the main thread holds it.
     with _shutdown_lock:
         if id(installed) in _shut_down:
             return True
         _shut_down.add(id(installed))
-    deadline = time.monotonic() + timeout
-    ok = True
     try:
-        if installed.otlp:
-            tracer_provider = cast("SdkTracerProvider", installed.tracer_provider)
-            ok = tracer_provider.force_flush(_millis_left(deadline)) and ok
-        # Its OTLP reader's shutdown is the push's: a last export of the lock's metrics and the SDK's.
-        cast("SdkMeterProvider", installed.meter_provider).shutdown(_millis_left(deadline))
-        if installed.otlp:
-            cast("SdkTracerProvider", installed.tracer_provider).shutdown()
+        return bounded.shutdown(installed, timeout)
     except Exception:  # a shutdown must never stop the process from exiting
         log.exception("otel-lock: shutting telemetry down failed")
         return False
-    return ok
-
-
-def _millis_left(deadline: float) -> int:
-    return max(1, int((deadline - time.monotonic()) * 1000))
 
 
 def _resource(service_name: str, service_instance_id: str | None,

@@ -74,6 +74,10 @@ class OtlpPush:
         self._timeout = _millis("OTEL_METRIC_EXPORT_TIMEOUT", 30_000)
         self._export_lock = threading.Lock()  # the exporter is never called concurrently
         self.undelivered = 0  # data points of the last export, if it failed (named by a shutdown)
+        # Hold gauges (age, lease) per lock name in the last export that reached the collector: a
+        # name whose hold ended gets a last point at 0, or the collector keeps its old value.
+        self._shown: dict[str, set[tuple[tuple[str, Any], ...]]] = {which: set() for which in _ENDING}
+        self._showing: dict[str, set[tuple[tuple[str, Any], ...]]] = {}
         self._stop = threading.Event()
         self._closed = False
         self._start_thread()
@@ -112,6 +116,8 @@ class OtlpPush:
             finally:
                 otel_context.detach(token)
                 self.undelivered = 0 if ok else points
+                if ok:  # a failed export's ended holds are sent at 0 again next time
+                    self._shown.update(self._showing)
             return ok
 
     def shutdown(self, timeout_millis: float = 10_000) -> bool:
@@ -160,8 +166,10 @@ class OtlpPush:
         counts = [c for c in list(_counts.ALL_COUNTS) if routed(c.meter_provider)]
         found: list[Metric | None] = []
         for which, spec in OBSERVED.items():
-            points = [NumberDataPoint(attributes, self._started, now, value)
-                      for attributes, value in _counts.observe(which, counts, self._limits[which])]
+            observed = _counts.observe(which, counts, self._limits[which])
+            points = [NumberDataPoint(attributes, self._started, now, value) for attributes, value in observed]
+            if which in _ENDING:
+                points += self._ended(which, observed, now)
             if not points:
                 found.append(None)
                 continue
@@ -169,6 +177,25 @@ class OtlpPush:
                                  else Sum(points, CUMULATIVE, is_monotonic=False))
             found.append(Metric(spec.name, spec.description, spec.unit, data))
         return found
+
+
+    def _ended(self, which: str, observed: list[tuple[dict[str, str], float]], now: int) -> list[NumberDataPoint]:
+        """A last point at 0 for each lock name whose hold ended since the last delivered export.
+
+        Left out instead, the collector keeps the last age and lease for its
+        `metric_expiration`, and OtelLockHoldNearLease goes pending for a lock
+        nobody holds. (OTLP's FLAG_NO_RECORDED_VALUE would say "ended" more
+        precisely, but the Python SDK's data points cannot carry it.) Age 0
+        over lease 0 is no ratio at all: the alert reads nothing.
+        """
+        current = {tuple(sorted(attributes.items())) for attributes, _ in observed}
+        self._showing[which] = current
+        return [NumberDataPoint(dict(key), self._started, now, 0.0)
+                for key in sorted(self._shown[which] - current)]
+
+
+# The gauges of a current hold, per lock name: a name leaves them when its last hold ends.
+_ENDING = ("hold_age", "lease")
 
 
 class _PullReader(InMemoryMetricReader):

@@ -63,7 +63,7 @@ class LockCounts:
         self._connections: tuple[int, int] | None = None
         self._connection_source: Callable[[], tuple[int, int]] | None = None
         self._circuit_source: Callable[[], int] | None = None
-        self.pool_name = "otel-lock"
+        self.pool_name: str = "otel-lock"
         self.seeds: Seeds | None = None
         ALL_COUNTS.add(self)
 

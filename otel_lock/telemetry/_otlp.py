@@ -10,9 +10,10 @@ overhead target), and with /metrics on too each measurement is recorded once
 for both. Its thread restarts in a forked child, and `shutdown()` exports a
 last time before the exporter closes.
 
-Sums and histograms are cumulative, whatever temporality the exporter
-prefers (OTLP carries it per metric; a collector's `cumulativetodelta`
-processor converts). Histogram exemplars are the last sampled measurement
+Sums and histograms follow the exporter's temporality preference
+(``OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE``, see `_temporality`);
+held and waiting counts stay cumulative, as the SDK keeps up-down counters
+under every preference. Histogram exemplars are the last sampled measurement
 of each bucket since the previous export, as the SDK's aligned-bucket
 reservoir keeps them.
 """
@@ -38,6 +39,7 @@ from ..lock._runtime import watch_fork
 from . import _counts
 from ._bounds import Limits
 from ._names import OBSERVED
+from ._temporality import RecordedPoints
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.resources import Resource
@@ -73,6 +75,7 @@ class OtlpPush:
         self._interval = _millis("OTEL_METRIC_EXPORT_INTERVAL", 60_000) / 1000
         self._timeout = _millis("OTEL_METRIC_EXPORT_TIMEOUT", 30_000)
         self._export_lock = threading.Lock()  # the exporter is never called concurrently
+        self._recorded = RecordedPoints(exporter)  # cumulative or delta, as the exporter prefers
         self.undelivered = 0  # data points of the last export, if it failed (named by a shutdown)
         # Hold gauges (age, lease) per lock name in the last export that reached the collector: a
         # name whose hold ended gets a last point at 0, or the collector keeps its old value.
@@ -116,8 +119,9 @@ class OtlpPush:
             finally:
                 otel_context.detach(token)
                 self.undelivered = 0 if ok else points
-                if ok:  # a failed export's ended holds are sent at 0 again next time
+                if ok:  # a failed export's ended holds are sent at 0 again, its deltas carried over
                     self._shown.update(self._showing)
+                    self._recorded.delivered()
             return ok
 
     def shutdown(self, timeout_millis: float = 10_000) -> bool:
@@ -156,7 +160,7 @@ class OtlpPush:
     def lock_metrics(self) -> list[Metric]:
         """Every recorded instrument with data, and the observed gauges of the routed managers."""
         now = time.time_ns()
-        found = [_recorded(instrument, now) for instrument in self._fast.instruments.values()]
+        found = [self._recorded.metric(instrument, now) for instrument in self._fast.instruments.values()]
         found += self._observed(now)
         return [metric for metric in found if metric is not None]
 
@@ -223,30 +227,3 @@ class _PullReader(InMemoryMetricReader):
 def _points(data: MetricsData) -> int:
     return sum(len(metric.data.data_points) for resource in data.resource_metrics
                for scope in resource.scope_metrics for metric in scope.metrics)
-
-
-def _recorded(instrument: FastInstrument, now: int) -> Metric | None:
-    spec = instrument.spec
-    children = instrument.children()
-    if not children:
-        return None
-    if spec.kind != "histogram":
-        sums = [NumberDataPoint(child.attributes, child.started, now, _total(child)) for child in children]
-        return Metric(spec.name, spec.description, spec.unit, Sum(sums, CUMULATIVE, is_monotonic=True))
-    points = [_histogram_point(child, spec.buckets, now) for child in children]
-    return Metric(spec.name, spec.description, spec.unit, Histogram(points, CUMULATIVE))
-
-
-def _total(child: _Child) -> float:
-    with child.lock:
-        return child.total
-
-
-def _histogram_point(child: _Child, bounds: Iterable[float], now: int) -> HistogramDataPoint:
-    with child.lock:
-        counts, total, low, high = list(child.counts), child.total, child.low, child.high
-        sampled, child.exemplars = child.exemplars, {}
-    exemplars = [Exemplar({}, value, at, span_id, trace_id)
-                 for _, (value, at, trace_id, span_id) in sorted(sampled.items())]
-    return HistogramDataPoint(child.attributes, child.started, now, sum(counts), total, counts, list(bounds),
-                              low, high, exemplars)

@@ -112,8 +112,8 @@ def shutdown(installed: TelemetrySetup, timeout: float) -> bool:
     """Flush spans and export the last metrics side by side, then shut the providers down, all by `timeout`."""
     deadline = time.monotonic() + max(0.0, timeout)
     lost: list[str] = []
-    tracer = cast("SdkTracerProvider", installed.tracer_provider) if installed.otlp else None
-    spans = _spans.get(tracer) if tracer is not None else None
+    spans = _spans.get(installed.tracer_provider)  # None: no tracer SDK of setup()'s (no OTLP, or traces off)
+    tracer = cast("SdkTracerProvider", installed.tracer_provider) if spans is not None else None
     failed_before = spans[1].failed if spans is not None else 0
     steps: list[tuple[str, _Step]] = []
     if spans is not None:

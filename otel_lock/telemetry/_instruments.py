@@ -26,7 +26,7 @@ from opentelemetry.trace import INVALID_SPAN, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from .. import __version__
-from . import _counts
+from . import _counts, _logs
 from ._counts import ALL_COUNTS, LockCounts
 from ._bounds import Limits, ValueLimit
 from ._names import (ERROR_SEEDS, HOLD_BUCKETS, NAME_SEEDS, OBSERVED, POOL_SEED, RECORDED, WAIT_BUCKETS, Spec,
@@ -44,6 +44,7 @@ __all__ = ["HOLD_BUCKETS", "LockCounts", "Telemetry", "WAIT_BUCKETS", "current_t
 
 SCOPE = "otel_lock"
 _propagator = TraceContextTextMapPropagator()
+_logs.install()  # trace and span ids on the library's warnings
 
 
 class HistogramSink(Protocol):

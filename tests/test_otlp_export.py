@@ -127,3 +127,24 @@ async def test_an_ended_hold_is_pushed_at_zero_once_not_left_at_its_last_age(rec
     assert _hold_points(ended, "otel_lock.lease") == {"report": 0.0}
     # and once delivered, the name is left out
     assert "report" not in _hold_points(later, "otel_lock.hold.age")
+
+
+async def test_a_new_lock_names_series_at_zero_are_pushed_at_once_not_an_interval_later(receiver, monkeypatch,
+                                                                                       redis_client):
+    """The collector must have the 0 before the first event: born at the first push (60 s later by default),
+    a series that already holds a lost lease is one increase() never sees."""
+    monkeypatch.setenv("OTEL_METRIC_EXPORT_INTERVAL", "3600000")
+    from otel_lock import LockManager
+
+    installed = telemetry.setup("shop", "replica-a", prometheus=False, flush_on_signal=False)
+    locks = LockManager(redis_client, namespace="soon", meter_provider=installed.meter_provider)
+
+    def lost_at_zero() -> bool:
+        return any(p.as_double == 0 and {a.key: a.value.string_value for a in p.attributes}
+                   == {"lock.name": "fresh", "lock.renewal.outcome": "lost"}
+                   for m in receiver.metrics if m.name == "otel_lock.renewals" for p in m.sum.data_points)
+    try:
+        async with locks.lock("fresh:1", name="fresh"):
+            assert receiver.wait_for(lost_at_zero), "no push of the new name's series within 10 s (interval: 1 h)"
+    finally:
+        await locks.aclose()

@@ -28,7 +28,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from .. import __version__
 from . import _counts, _logs
 from ._counts import ALL_COUNTS, LockCounts
-from ._bounds import Limits, ValueLimit
+from ._bounds import Limits, ValueLimit, configured_limit
 from ._names import (ERROR_SEEDS, HOLD_BUCKETS, NAME_SEEDS, OBSERVED, POOL_SEED, RECORDED, WAIT_BUCKETS, Spec,
                      prom_value)
 from ._redact import redact
@@ -151,6 +151,7 @@ class Telemetry:
         # Held and waiting counts are read from the managers when a reader
         # collects, so taking a lock pays nothing for them.
         self.gauges = _Managers(self)
+        self._named: set[str] = set()  # lock names seeded, up to the name limit (past it, they fold)
         self._own = _sdk_instruments(meter_provider, self)
         self._bind()
 
@@ -169,15 +170,20 @@ class Telemetry:
         """A manager started: its Redis error series exist at 0."""
         for attributes in ERROR_SEEDS:
             _zero(self.errors, "errors", attributes)
+        _new_series()
 
     def seed_name(self, name: str) -> None:
         """A manager saw lock `name` for the first time: its outcome series exist at 0."""
         for attr, attributes in NAME_SEEDS:
             _zero(getattr(self, attr), attr, {"lock.name": name, **attributes})
+        if name not in self._named and len(self._named) < _NAME_LIMIT:
+            self._named.add(name)
+            _new_series()
 
     def seed_pool(self, pool: str) -> None:
         """A manager's circuit breaker exists: its openings count from 0."""
         _zero(self.circuit_opened, POOL_SEED, {"db.client.connection.pool.name": pool})
+        _new_series()
 
     # -- spans -------------------------------------------------------------
 
@@ -256,6 +262,15 @@ class Telemetry:
 
 
 _KINDS = {spec.attr: spec.kind for spec in RECORDED}
+_NAME_LIMIT = configured_limit()
+# Told when new series were seeded: the OTLP push sends them soon, not an interval later (`_otlp`),
+# so the collector has the 0 before the first event.
+NEW_SERIES: list[Callable[[], None]] = []
+
+
+def _new_series() -> None:
+    for hook in list(NEW_SERIES):
+        hook()
 
 
 def _zero(sink: Any, attr: str, attributes: dict[str, Any]) -> None:

@@ -20,6 +20,7 @@ reservoir keeps them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -38,6 +39,7 @@ from .. import __version__
 from ..lock._runtime import watch_fork
 from . import _counts
 from ._bounds import Limits
+from ._instruments import NEW_SERIES
 from ._names import OBSERVED
 from ._temporality import RecordedPoints
 
@@ -82,9 +84,11 @@ class OtlpPush:
         self._shown: dict[str, set[tuple[tuple[str, Any], ...]]] = {which: set() for which in _ENDING}
         self._showing: dict[str, set[tuple[tuple[str, Any], ...]]] = {}
         self._stop = threading.Event()
+        self._soon = threading.Event()  # new series were seeded: export them now (`_instruments.NEW_SERIES`)
         self._closed = False
         self._start_thread()
         watch_fork(self._restart_in_child)
+        NEW_SERIES.append(self.soon)
 
     def _restart_in_child(self) -> None:
         """A forked child (gunicorn --preload) has no thread of its parent's: start its own."""
@@ -97,8 +101,22 @@ class OtlpPush:
         self._thread.start()
 
     def _run(self) -> None:
-        while not self._stop.wait(self._interval):
+        next_at = time.monotonic() + self._interval
+        while not self._stop.is_set():
+            early = self._soon.wait(max(0.0, next_at - time.monotonic()))
+            if self._stop.is_set():
+                return
+            if early:
+                self._soon.clear()
+            else:
+                next_at = time.monotonic() + self._interval
             self.export()
+            if early and self._stop.wait(_EARLY_GAP):  # a burst of new names: at most one early export a second
+                return
+
+    def soon(self) -> None:
+        """Export before the interval is up: a manager started or saw a new lock name (series at 0)."""
+        self._soon.set()
 
     def export(self, timeout_millis: float | None = None) -> bool:
         """One batch now: the SDK's metrics and the lock's. False if nothing could be sent."""
@@ -132,11 +150,14 @@ class OtlpPush:
 
         deadline = time.monotonic() + timeout_millis / 1000
         self._stop.set()
+        self._soon.set()  # wakes the thread
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(max(0.0, deadline - time.monotonic()))
         # The exporter's own timeout (retries included) would outlast the deadline: clamp it.
         clamp_timeout(self.exporter, deadline - time.monotonic())
         ok = self.export(max(1.0, (deadline - time.monotonic()) * 1000))
+        with contextlib.suppress(ValueError):
+            NEW_SERIES.remove(self.soon)
         with self._export_lock:
             self._closed = True
             self.exporter.shutdown(timeout_millis=max(1.0, (deadline - time.monotonic()) * 1000))
@@ -197,6 +218,8 @@ class OtlpPush:
         return [NumberDataPoint(dict(key), self._started, now, 0.0)
                 for key in sorted(self._shown[which] - current)]
 
+
+_EARLY_GAP = 1.0
 
 # The gauges of a current hold, per lock name: a name leaves them when its last hold ends.
 _ENDING = ("hold_age", "lease")

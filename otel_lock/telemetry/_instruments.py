@@ -168,22 +168,19 @@ class Telemetry:
 
     def seed_manager(self) -> None:
         """A manager started: its Redis error series exist at 0."""
-        for attributes in ERROR_SEEDS:
-            _zero(self.errors, "errors", attributes)
-        _new_series()
+        _new_series([_zero(self.errors, "errors", attributes) for attributes in ERROR_SEEDS])
 
     def seed_name(self, name: str) -> None:
         """A manager saw lock `name` for the first time: its outcome series exist at 0."""
-        for attr, attributes in NAME_SEEDS:
-            _zero(getattr(self, attr), attr, {"lock.name": name, **attributes})
+        seeded = [_zero(getattr(self, attr), attr, {"lock.name": name, **attributes})
+                  for attr, attributes in NAME_SEEDS]
         if name not in self._named and len(self._named) < _NAME_LIMIT:
             self._named.add(name)
-            _new_series()
+            _new_series(seeded)
 
     def seed_pool(self, pool: str) -> None:
         """A manager's circuit breaker exists: its openings count from 0."""
-        _zero(self.circuit_opened, POOL_SEED, {"db.client.connection.pool.name": pool})
-        _new_series()
+        _new_series([_zero(self.circuit_opened, POOL_SEED, {"db.client.connection.pool.name": pool})])
 
     # -- spans -------------------------------------------------------------
 
@@ -263,27 +260,32 @@ class Telemetry:
 
 _KINDS = {spec.attr: spec.kind for spec in RECORDED}
 _NAME_LIMIT = configured_limit()
-# Told when new series were seeded: the OTLP push sends them soon, not an interval later (`_otlp`),
-# so the collector has the 0 before the first event.
-NEW_SERIES: list[Callable[[], None]] = []
+# A seeded fast-path series: (instrument attr, its attributes as bound, when its child was bound).
+Seeded = tuple[str, dict[str, Any], int]
+# Told of the series just seeded on the fast path: the OTLP push announces them at 0 at once, not an
+# interval later (`_otlp`), so the collector has the 0 before the first event.
+NEW_SERIES: list[Callable[[list[Seeded]], None]] = []
 
 
-def _new_series() -> None:
-    for hook in list(NEW_SERIES):
-        hook()
+def _new_series(seeded: list[Seeded | None]) -> None:
+    found = [one for one in seeded if one is not None]
+    if found:
+        for hook in list(NEW_SERIES):
+            hook(found)
 
 
-def _zero(sink: Any, attr: str, attributes: dict[str, Any]) -> None:
-    """Create the series of `attributes` at 0: a counter adds 0; a fast-path histogram binds an empty child.
+def _zero(sink: Any, attr: str, attributes: dict[str, Any]) -> Seeded | None:
+    """Create the series of `attributes` at 0: an empty child on the fast path, a counter's add(0) on the SDK.
 
     An SDK histogram has no way to hold a point without a measurement: left out.
     """
-    if _KINDS[attr] != "histogram":
-        sink.add(0, attributes)
-        return
     bind = getattr(sink, "_bind", None)
     if bind is not None:
-        bind(tuple(attributes.items()), attributes)
+        child = bind(tuple(attributes.items()), attributes)
+        return attr, child.attributes, child.started
+    if _KINDS[attr] != "histogram":
+        sink.add(0, attributes)
+    return None
 
 
 class _Managers:

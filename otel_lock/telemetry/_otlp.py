@@ -26,10 +26,9 @@ import os
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry import context as otel_context
-from opentelemetry.sdk.metrics import Exemplar
 from opentelemetry.sdk.metrics.export import (AggregationTemporality, Gauge, Histogram, HistogramDataPoint,
                                               InMemoryMetricReader, Metric, MetricExporter, MetricsData,
                                               NumberDataPoint, ResourceMetrics, ScopeMetrics, Sum)
@@ -39,14 +38,14 @@ from .. import __version__
 from ..lock._runtime import watch_fork
 from . import _counts
 from ._bounds import Limits
-from ._instruments import NEW_SERIES
-from ._names import OBSERVED
+from ._instruments import NEW_SERIES, Seeded
+from ._names import OBSERVED, RECORDED
 from ._temporality import RecordedPoints
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.resources import Resource
 
-    from ._prom import FastInstrument, FastMetrics, _Child
+    from ._prom import FastMetrics
 
 log = logging.getLogger("otel_lock.telemetry")
 CUMULATIVE = AggregationTemporality.CUMULATIVE
@@ -77,6 +76,7 @@ class OtlpPush:
         self._interval = _millis("OTEL_METRIC_EXPORT_INTERVAL", 60_000) / 1000
         self._timeout = _millis("OTEL_METRIC_EXPORT_TIMEOUT", 30_000)
         self._export_lock = threading.Lock()  # the exporter is never called concurrently
+        self._seeding = threading.Lock()
         self._recorded = RecordedPoints(exporter)  # cumulative or delta, as the exporter prefers
         self.undelivered = 0  # data points of the last export, if it failed (named by a shutdown)
         # Hold gauges (age, lease) per lock name in the last export that reached the collector: a
@@ -84,7 +84,8 @@ class OtlpPush:
         self._shown: dict[str, set[tuple[tuple[str, Any], ...]]] = {which: set() for which in _ENDING}
         self._showing: dict[str, set[tuple[tuple[str, Any], ...]]] = {}
         self._stop = threading.Event()
-        self._soon = threading.Event()  # new series were seeded: export them now (`_instruments.NEW_SERIES`)
+        self._soon = threading.Event()  # new series were seeded: announce them now (`_instruments.NEW_SERIES`)
+        self._seeded: list[Seeded] = []
         self._closed = False
         self._start_thread()
         watch_fork(self._restart_in_child)
@@ -94,6 +95,7 @@ class OtlpPush:
         """A forked child (gunicorn --preload) has no thread of its parent's: start its own."""
         if not self._closed:
             self._export_lock = threading.Lock()  # the parent's thread may have held it at the fork
+            self._seeding = threading.Lock()
             self._start_thread()
 
     def _start_thread(self) -> None:
@@ -108,15 +110,59 @@ class OtlpPush:
                 return
             if early:
                 self._soon.clear()
-            else:
-                next_at = time.monotonic() + self._interval
+                self.announce()
+                if self._stop.wait(_EARLY_GAP):  # a burst of new names: at most one announcement a second
+                    return
+                continue
+            next_at = time.monotonic() + self._interval
             self.export()
-            if early and self._stop.wait(_EARLY_GAP):  # a burst of new names: at most one early export a second
-                return
 
-    def soon(self) -> None:
-        """Export before the interval is up: a manager started or saw a new lock name (series at 0)."""
+    def soon(self, seeded: list[Seeded]) -> None:
+        """A manager started or saw a new lock name: its series at 0 go out before the interval is up."""
+        with self._seeding:
+            self._seeded += seeded
         self._soon.set()
+
+    def announce(self) -> bool:
+        """Export only the series seeded since the last announcement, at 0 (cumulative: with delta, a 0 is no news).
+
+        Only the new series, never the current values: what a replica counted
+        still leaves at its interval (or at shutdown), as before.
+        """
+        with self._seeding:
+            seeded, self._seeded = self._seeded, []
+        if not seeded or self._recorded.sums is not CUMULATIVE:
+            return True
+        now = time.time_ns()
+        grouped: dict[str, list[tuple[dict[str, Any], int]]] = {}
+        for attr, attributes, started in seeded:
+            grouped.setdefault(attr, []).append((attributes, started))
+        metrics = []
+        for attr, points in grouped.items():
+            spec = _SPECS[attr]
+            if spec.kind == "histogram":
+                data: Sum | Histogram = Histogram(
+                    [HistogramDataPoint(a, start, now, 0, 0.0, [0] * (len(spec.buckets) + 1), list(spec.buckets),
+                                        0.0, 0.0, []) for a, start in points], CUMULATIVE)
+            else:
+                data = Sum([NumberDataPoint(a, start, now, 0.0) for a, start in points], CUMULATIVE, is_monotonic=True)
+            metrics.append(Metric(spec.name, spec.description, spec.unit, data))
+        scope = ScopeMetrics(self._scope, metrics, "")
+        with self._export_lock:
+            if self._closed:
+                return False
+            return self._send(MetricsData([ResourceMetrics(self._resource, [scope], "")]), self._timeout)
+
+    def _send(self, data: MetricsData, timeout_millis: float) -> bool:
+        # The exporter's own HTTP client must not be traced or measured by an instrumentation.
+        token = otel_context.attach(otel_context.set_value(otel_context._SUPPRESS_INSTRUMENTATION_KEY, True))
+        try:
+            return bool(self.exporter.export(data, timeout_millis=timeout_millis).name == "SUCCESS")
+        except Exception:  # an export must never break the thread or the shutdown
+            log.exception("otel-lock: exporting metrics failed")
+            return False
+        finally:
+            otel_context.detach(token)
 
     def export(self, timeout_millis: float | None = None) -> bool:
         """One batch now: the SDK's metrics and the lock's. False if nothing could be sent."""
@@ -126,20 +172,11 @@ class OtlpPush:
             data = self._with_lock_metrics(self.reader.get_metrics_data())
             if not data.resource_metrics:
                 return True
-            points = _points(data)
-            # The exporter's own HTTP client must not be traced or measured by an instrumentation.
-            token = otel_context.attach(otel_context.set_value(otel_context._SUPPRESS_INSTRUMENTATION_KEY, True))
-            ok = False
-            try:
-                ok = self.exporter.export(data, timeout_millis=timeout_millis or self._timeout).name == "SUCCESS"
-            except Exception:  # an export must never break the thread or the shutdown
-                log.exception("otel-lock: exporting metrics failed")
-            finally:
-                otel_context.detach(token)
-                self.undelivered = 0 if ok else points
-                if ok:  # a failed export's ended holds are sent at 0 again, its deltas carried over
-                    self._shown.update(self._showing)
-                    self._recorded.delivered()
+            ok = self._send(data, timeout_millis or self._timeout)
+            self.undelivered = 0 if ok else _points(data)
+            if ok:  # a failed export's ended holds are sent at 0 again, its deltas carried over
+                self._shown.update(self._showing)
+                self._recorded.delivered()
             return ok
 
     def shutdown(self, timeout_millis: float = 10_000) -> bool:
@@ -220,6 +257,7 @@ class OtlpPush:
 
 
 _EARLY_GAP = 1.0
+_SPECS = {spec.attr: spec for spec in RECORDED}
 
 # The gauges of a current hold, per lock name: a name leaves them when its last hold ends.
 _ENDING = ("hold_age", "lease")

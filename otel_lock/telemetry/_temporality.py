@@ -77,7 +77,7 @@ class RecordedPoints:
                      for _, (value, at, trace_id, span_id) in sorted(sampled.items())]
         if not delta:
             return HistogramDataPoint(child.attributes, child.started, now, sum(counts), total, counts,
-                                      list(bounds), low, high, exemplars)
+                                      list(bounds), *_range(low, high), exemplars)
         start, before, before_counts = self._base.get(id(child), (child.started, 0.0, [0] * len(counts)))
         self._next[id(child)] = (now, total, counts)
         low0, high0 = self._range.get(id(child), (_INF, -_INF))
@@ -85,4 +85,9 @@ class RecordedPoints:
         self._range[id(child)] = (low, high)
         changed = [now_count - then for now_count, then in zip(counts, before_counts)]
         return HistogramDataPoint(child.attributes, start, now, sum(changed), total - before, changed,
-                                  list(bounds), low, high, exemplars)
+                                  list(bounds), *_range(low, high), exemplars)
+
+
+def _range(low: float, high: float) -> tuple[float, float]:
+    """Min and max; 0 and 0 when nothing was recorded (a series seeded at 0), not infinities."""
+    return (low, high) if low <= high else (0.0, 0.0)

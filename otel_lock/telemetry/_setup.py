@@ -147,6 +147,10 @@ def setup(
     ``OTEL_SERVICE_NAME`` wins over the default service name, never over an
     explicit one. ``flush_on_signal`` (main thread only) makes SIGTERM and
     SIGINT flush and shut the providers down before the process exits.
+    The other standard variables it reads (``OTEL_SDK_DISABLED``,
+    ``OTEL_TRACES_EXPORTER``, the OTLP protocol, the temporality preference)
+    are honoured or refused with a ValueError before anything is installed
+    (`_env`).
     """
     global _current
     _check_arguments(service_name, service_instance_id, resource_attributes, redact)

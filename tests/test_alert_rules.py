@@ -185,12 +185,15 @@ def test_leases_lost_stat_counts_what_the_alert_counts(tmp_path):
         "tests": [{
             "interval": "1m",
             "input_series": [
-                # the first loss on replica r1, seen by the watchdog and at release: one loss
+                # the first loss on replica r1 (its series at 0 from the lock's first hold), seen by
+                # the watchdog, and its hold ending lost: one loss
                 {"series": 'otel_lock_renewals_total{job="shop",instance="r1",lock_name="stock",'
-                           'lock_renewal_outcome="lost"}', "values": "_x5 1x20"},
+                           'lock_renewal_outcome="lost"}', "values": "_x4 0 1x20"},
                 {"series": 'otel_lock_hold_duration_seconds_count{job="shop",instance="r1",lock_name="stock",'
                            'lock_release_outcome="lost"}', "values": "_x6 1x20"},
                 # a fixed lease that expired under its holder on r2: another
+                {"series": 'otel_lock_renewals_total{job="shop",instance="r2",lock_name="report",'
+                           'lock_renewal_outcome="lost"}', "values": "_x4 0 0 1x20"},
                 {"series": 'otel_lock_hold_duration_seconds_count{job="shop",instance="r2",lock_name="report",'
                            'lock_release_outcome="expired"}', "values": "_x7 1x20"},
             ],
@@ -282,4 +285,125 @@ def test_the_old_rate_panels_missed_the_first_event(tmp_path):
     path = tmp_path / "old.test.yml"
     path.write_text(yaml.safe_dump({"rule_files": [], "evaluation_interval": "1m", "tests": [case]}))
     result = _promtool("test", "rules", str(path))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+# -- issue 23: the rules against the library's own expositions -------------------------
+
+
+def _exposed(registry, job: str = "shop", instance: str = "r1") -> dict[str, float]:
+    """Every otel-lock sample of a real /metrics exposition, as a promtool series selector."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    found = {}
+    for family in text_string_to_metric_families(generate_latest(registry).decode()):
+        for sample in family.samples:
+            if sample.name.startswith("otel_lock_"):
+                labels = {"job": job, "instance": instance, **{k: v for k, v in sample.labels.items() if v}}
+                found[sample.name + "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}"] = sample.value
+    return found
+
+
+def _timeline(phases: list[tuple[dict | None, int]]) -> list[dict]:
+    """promtool input series, one sample a minute: each phase is a scrape result (None: the process is gone)."""
+    names = sorted({name for snapshot, _ in phases if snapshot for name in snapshot})
+    series = []
+    for name in names:
+        values: list[str] = []
+        for snapshot, minutes in phases:
+            for _ in range(minutes):
+                if snapshot is not None and name in snapshot:
+                    values.append(repr(snapshot[name]))
+                else:  # gone from the scrape: Prometheus marks it stale once
+                    values.append("stale" if values and values[-1] not in ("stale", "_") else "_")
+        series.append({"series": name, "values": " ".join(values)})
+    return series
+
+
+def _run_case(tmp_path, series: list[dict], checks: list[dict]) -> subprocess.CompletedProcess:
+    rules = tmp_path / "rules.yml"
+    rules.write_text(RULES[0].read_text())
+    path = tmp_path / "exposed.test.yml"
+    path.write_text(yaml.safe_dump({"rule_files": [str(rules)], "evaluation_interval": "1m", "tests": [
+        {"interval": "1m", "input_series": series, "promql_expr_test": checks}]}))
+    return _promtool("test", "rules", str(path))
+
+
+def _firing(alert: str, eval_time: str, **labels: str) -> dict:
+    matchers = ",".join([f'alertname="{alert}"', 'alertstate="firing"'] + [f'{k}="{v}"' for k, v in labels.items()])
+    return {"expr": f"count(ALERTS{{{matchers}}})", "eval_time": eval_time,
+            "exp_samples": [{"labels": "{}", "value": 1}]}
+
+
+def _silent(alert: str, eval_time: str) -> dict:
+    return {"expr": f'ALERTS{{alertname="{alert}"}}', "eval_time": eval_time, "exp_samples": []}
+
+
+@pytest.fixture
+def installed():
+    from otel_lock import telemetry
+
+    telemetry._reset_for_tests()
+    yield telemetry.setup("shop", "r1", otlp=False, flush_on_signal=False)
+    telemetry._reset_for_tests()
+
+
+@needs_promtool
+async def test_a_restarted_replicas_first_lost_lease_pages_at_once_from_real_expositions(
+        tmp_path, installed, redis_client):
+    """Issue 23: after a restart a replica's first lost lease paged 420 s late (its series born at 1, the old
+    one's value). Scrapes of a real manager: started, holding `stock`, after losing it (its key taken)."""
+    from otel_lock import LockManager
+
+    locks = LockManager(redis_client, namespace="rules", meter_provider=installed.meter_provider)
+    try:
+        started = _exposed(installed.registry)
+        held = await locks.acquire("stock:1", name="stock", lease=30)
+        holding = _exposed(installed.registry)
+        for key in await redis_client.keys("rules*"):
+            await redis_client.delete(key)  # another owner's doing, as far as the holder can tell
+        assert await held.release() is False
+        lost = _exposed(installed.registry)
+    finally:
+        await locks.aclose()
+    # The old process had lost a lease long ago; restart at 15m; the loss at 19m.
+    phases = [(lost, 15), (None, 1), (started, 1), (holding, 2), (lost, 12)]
+    checks = [_silent("OtelLockLeaseLost", "18m"), _firing("OtelLockLeaseLost", "19m", lock_name="stock", instance="r1")]
+    result = _run_case(tmp_path, _timeline(phases), checks)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+    # The same scrapes without the series at 0 (the library before): the loss does not page.
+    born_at_1 = [({k: v for k, v in snapshot.items() if v} if snapshot else None, minutes)
+                 for snapshot, minutes in phases]
+    result = _run_case(tmp_path, _timeline(born_at_1), [_silent("OtelLockLeaseLost", "19m")])
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@needs_promtool
+async def test_a_replicas_first_redis_error_burst_and_circuit_opening_page_from_real_expositions(
+        tmp_path, installed):
+    """Issue 23: with Redis down from the start, a replica's first burst of errors never paged, and a circuit
+    that opened had no alert. Scrapes of a real manager pointed at a port nobody listens on."""
+    from otel_lock import LockManager
+    from otel_lock.cli._redis_server import free_port
+    from otel_lock.lock import LockError
+
+    locks = LockManager.from_url(f"redis://127.0.0.1:{free_port()}/0", namespace="down", socket_timeout=0.5,
+                                 meter_provider=installed.meter_provider)
+    try:
+        started = _exposed(installed.registry)
+        for _ in range(8):
+            with pytest.raises(LockError):
+                await locks.acquire("stock:1", name="stock", wait=0.1)
+        burst = _exposed(installed.registry)
+    finally:
+        await locks.aclose()
+    assert burst['otel_lock_circuit_opened_total{job="shop",instance="r1",db_client_connection_pool_name="down"}'] == 1
+    phases = [(started, 3), (burst, 15)]
+    checks = [_silent("OtelLockRedisErrors", "2m"),
+              _firing("OtelLockRedisErrors", "5m", lock_operation="acquire", error_type="redis_unavailable"),
+              _firing("OtelLockCircuitOpened", "3m", db_client_connection_pool_name="down"),
+              _silent("OtelLockLeaseLost", "10m")]
+    result = _run_case(tmp_path, _timeline(phases), checks)
     assert result.returncode == 0, result.stdout + result.stderr

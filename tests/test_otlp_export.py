@@ -92,3 +92,59 @@ def test_a_forked_child_keeps_exporting(receiver):
         return {a.value.string_value for m in receiver.metrics if m.name == "otel_lock.errors"
                 for p in m.sum.data_points for a in p.attributes if a.key == "lock.name"}
     assert receiver.wait_for(lambda: "from-child" in names())
+
+
+def _hold_points(metrics: list, name: str) -> dict[str, float]:
+    return {a.value.string_value: p.as_double for m in metrics if m.name == name
+            for p in m.gauge.data_points for a in p.attributes if a.key == "lock.name"}
+
+
+async def test_an_ended_hold_is_pushed_at_zero_once_not_left_at_its_last_age(receiver, redis_client):
+    """Issue 23: the hold-age and lease points of a hold that ended were left out of later pushes, so the
+    collector kept the last values and OtelLockHoldNearLease went pending for a lock nobody held."""
+    from otel_lock import LockManager
+
+    installed = telemetry.setup("shop", "replica-a", prometheus=False, flush_on_signal=False)
+    locks = LockManager(redis_client, namespace="ghost", meter_provider=installed.meter_provider)
+
+    def push() -> list:
+        before = len(receiver.metrics)
+        assert installed.meter_provider.force_flush()
+        assert receiver.wait_for(lambda: len(receiver.metrics) > before)
+        return receiver.metrics[before:]
+    try:
+        held = await locks.acquire("report:1", name="report", lease=20)
+        holding = push()
+        await held.release()
+        ended = push()
+        later = push()
+    finally:
+        await locks.aclose()
+    assert _hold_points(holding, "otel_lock.hold.age")["report"] >= 0
+    assert _hold_points(holding, "otel_lock.lease") == {"report": 20.0}
+    # the push after the release says the hold is over: age 0 and lease 0 (no ratio to alert on)
+    assert _hold_points(ended, "otel_lock.hold.age") == {"report": 0.0}
+    assert _hold_points(ended, "otel_lock.lease") == {"report": 0.0}
+    # and once delivered, the name is left out
+    assert "report" not in _hold_points(later, "otel_lock.hold.age")
+
+
+async def test_a_new_lock_names_series_at_zero_are_pushed_at_once_not_an_interval_later(receiver, monkeypatch,
+                                                                                       redis_client):
+    """The collector must have the 0 before the first event: born at the first push (60 s later by default),
+    a series that already holds a lost lease is one increase() never sees."""
+    monkeypatch.setenv("OTEL_METRIC_EXPORT_INTERVAL", "3600000")
+    from otel_lock import LockManager
+
+    installed = telemetry.setup("shop", "replica-a", prometheus=False, flush_on_signal=False)
+    locks = LockManager(redis_client, namespace="soon", meter_provider=installed.meter_provider)
+
+    def lost_at_zero() -> bool:
+        return any(p.as_double == 0 and {a.key: a.value.string_value for a in p.attributes}
+                   == {"lock.name": "fresh", "lock.renewal.outcome": "lost"}
+                   for m in receiver.metrics if m.name == "otel_lock.renewals" for p in m.sum.data_points)
+    try:
+        async with locks.lock("fresh:1", name="fresh"):
+            assert receiver.wait_for(lost_at_zero), "no push of the new name's series within 10 s (interval: 1 h)"
+    finally:
+        await locks.aclose()

@@ -185,3 +185,61 @@ def test_whole_path_in_a_fresh_process():
     assert "http_server_duration_milliseconds_bucket{" in out
     assert "/api/stock/7/deduct" not in out
     assert 'http_target="/metrics"' not in out
+
+
+async def _exposition() -> str:
+    app = Starlette(routes=[Route("/metrics", telemetry.metrics_endpoint)])
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+        return (await client.get("/metrics")).text
+
+
+def _samples(text: str, family: str) -> dict[str, float]:
+    return {line.rpartition(" ")[0]: float(line.rpartition(" ")[2]) for line in text.splitlines()
+            if line.startswith(family + "{")}
+
+
+async def test_series_exist_at_zero_before_their_first_event(redis_client):
+    """Issue 23: counters were born at their first event, so increase() missed a replica's first lost lease,
+    its first Redis errors and its first circuit opening (a series born at 1 has no earlier sample)."""
+    from otel_lock import LockManager
+
+    installed = telemetry.setup("shop", "r1")
+    locks = LockManager(redis_client, namespace="seeded", meter_provider=installed.meter_provider)
+    try:
+        started = await _exposition()
+        # The manager's: Redis errors by operation and type, circuit openings of its pool.
+        errors = _samples(started, "otel_lock_errors_total")
+        assert errors['otel_lock_errors_total{error_type="redis_unavailable",lock_operation="acquire"}'] == 0
+        assert len(errors) == 12 and set(errors.values()) == {0}
+        assert _samples(started, "otel_lock_circuit_opened_total") == {
+            'otel_lock_circuit_opened_total{db_client_connection_pool_name="seeded"}': 0}
+        assert 'lock_name="stock"' not in started
+        async with locks.lock("stock:1", name="stock"):
+            held = await _exposition()
+    finally:
+        await locks.aclose()
+    # A lock name's, from its first sight: lost and failed renewals, timeouts (and acquisitions).
+    renewals = _samples(held, "otel_lock_renewals_total")
+    assert renewals == {f'otel_lock_renewals_total{{lock_name="stock",lock_renewal_outcome="{outcome}"}}': 0
+                        for outcome in ("ok", "lost", "error")}
+    waits = _samples(held, "otel_lock_wait_duration_seconds_count")
+    assert waits['otel_lock_wait_duration_seconds_count{lock_contended="true",lock_name="stock",'
+                 'lock_outcome="timeout"}'] == 0
+    assert waits['otel_lock_wait_duration_seconds_count{lock_contended="false",lock_name="stock",'
+                 'lock_outcome="acquired"}'] == 1
+
+
+async def test_a_manager_made_before_setup_has_its_series_seeded_on_the_new_route(redis_client):
+    """The app module makes its manager at import, `setup()` runs later (a lifespan): the seeds follow."""
+    from otel_lock import LockManager
+
+    locks = LockManager(redis_client, namespace="early")
+    try:
+        async with locks.lock("a", name="early-name"):
+            pass
+        telemetry.setup("shop", "r1")
+        text = await _exposition()
+    finally:
+        await locks.aclose()
+    assert 'otel_lock_circuit_opened_total{db_client_connection_pool_name="early"} 0.0' in text
+    assert 'otel_lock_renewals_total{lock_name="early-name",lock_renewal_outcome="lost"} 0.0' in text

@@ -27,7 +27,7 @@ REQUESTS = 40
 HOUR_MS = "3600000"
 
 
-def quiet_env(receiver: OtlpReceiver) -> dict[str, str]:
+def quiet_env(receiver: OtlpReceiver | SilentCollector) -> dict[str, str]:
     """OTLP to the receiver, nothing exported on a timer during the test."""
     return {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_METRICS_EXPORTER": "otlp",
             "OTEL_METRIC_EXPORT_INTERVAL": HOUR_MS, "OTEL_BSP_SCHEDULE_DELAY": HOUR_MS,
@@ -78,7 +78,8 @@ def test_serve_flushes_spans_and_metrics_on_a_signal(redis_url, signum, status):
                 assert client.put("/api/stock/p1", json={"stock": 1000}).status_code == 200
                 for _ in range(REQUESTS - 1):
                     assert client.post("/api/stock/p1/deduct").status_code == 200
-            assert not receiver.metrics and not receiver.spans, "exported before the signal: nothing to prove"
+            # (new series are announced at 0 at once: no acquisition, no span left before the signal)
+            assert acquisitions(receiver, STOCK) == 0 and not receiver.spans, "exported before the signal"
             process.send_signal(signum)
             output = process.communicate(timeout=30)[0]
         finally:
@@ -122,7 +123,7 @@ def run_script(redis_url: str, receiver: OtlpReceiver, mode: str) -> tuple[int, 
                                stderr=subprocess.STDOUT, text=True, env=env)
     try:
         assert process.stdout.readline() == "ready\n"
-        assert not receiver.metrics and not receiver.spans
+        assert acquisitions(receiver, "report") == 0 and not receiver.spans  # (series at 0 only, if any)
         process.send_signal(signal.SIGTERM)
         output = process.communicate(timeout=30)[0]
     finally:
@@ -152,3 +153,96 @@ def test_without_flush_on_signal_sigterm_keeps_its_default_action(redis_url):
         status, output = run_script(redis_url, receiver, "no-signals")
         assert status == -signal.SIGTERM, output
         assert acquisitions(receiver, "report") == 0  # what every deploy lost before issue 18
+
+
+class SilentCollector:
+    """A TCP listener that accepts every connection and never answers (a collector hung or black-holed)."""
+
+    def __init__(self) -> None:
+        import socket
+        import threading
+
+        self._socket = socket.socket()
+        self._socket.bind(("127.0.0.1", 0))
+        self._socket.listen(64)
+        self.endpoint = f"http://127.0.0.1:{self._socket.getsockname()[1]}"
+        self.accepted: list = []
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                connection, _ = self._socket.accept()
+            except OSError:
+                return
+            self.accepted.append(connection)  # kept open, never read from, never answered
+
+    def close(self) -> None:
+        import socket
+
+        try:
+            self._socket.shutdown(socket.SHUT_RDWR)  # wakes the accept() of its thread
+        except OSError:
+            pass
+        self._socket.close()
+        self._thread.join(10)
+        for connection in self.accepted:
+            connection.close()
+
+
+def test_shutdown_honours_its_timeout_and_names_what_it_could_not_deliver(monkeypatch, caplog):
+    """Issue 23: with a collector that does not answer, `shutdown(timeout=3)` took 29 s and returned True
+    with nothing delivered."""
+    import logging
+
+    from otel_lock import telemetry
+    from otel_lock.telemetry._instruments import get_telemetry
+
+    collector = SilentCollector()
+    for name, value in quiet_env(collector).items():
+        monkeypatch.setenv(name, value)
+    telemetry._reset_for_tests()
+    try:
+        installed = telemetry.setup("silent", prometheus=False, flush_on_signal=False)
+        with installed.tracer_provider.get_tracer("test").start_as_current_span("job"):
+            get_telemetry().errors.add(1, {"lock.name": "k", "lock.operation": "acquire",
+                                           "error.type": "redis_unavailable"})
+        began = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="otel_lock.telemetry"):
+            delivered = installed.shutdown(timeout=3)
+        took = time.monotonic() - began
+    finally:
+        telemetry._reset_for_tests()
+        collector.close()
+    assert delivered is False
+    assert collector.accepted, "the exports did reach the listener"
+    assert took < 20, f"shutdown(timeout=3) took {took:.1f} s"  # generous: the bound is 3 s; it was 29 s
+    [warning] = [r.getMessage() for r in caplog.records if "could not deliver" in r.getMessage()]
+    assert "spans" in warning and "metrics" in warning, warning
+
+
+def test_a_failed_last_export_is_reported(monkeypatch, caplog):
+    """A collector that refuses (nothing listens): the last spans and metrics fail at once, and say so."""
+    import logging
+
+    from otel_lock import telemetry
+    from otel_lock.telemetry._instruments import get_telemetry
+
+    nobody = SilentCollector()
+    nobody.close()  # its port, with nothing listening any more
+    for name, value in quiet_env(nobody).items():
+        monkeypatch.setenv(name, value)
+    telemetry._reset_for_tests()
+    try:
+        installed = telemetry.setup("refused", prometheus=False, flush_on_signal=False)
+        with installed.tracer_provider.get_tracer("test").start_as_current_span("job"):
+            get_telemetry().errors.add(1, {"lock.name": "k", "lock.operation": "acquire",
+                                           "error.type": "redis_unavailable"})
+        with caplog.at_level(logging.WARNING, logger="otel_lock.telemetry"):
+            delivered = installed.shutdown(timeout=5)
+    finally:
+        telemetry._reset_for_tests()
+    assert delivered is False
+    [warning] = [r.getMessage() for r in caplog.records if "could not deliver" in r.getMessage()]
+    assert "1 spans" in warning and "points" in warning, warning

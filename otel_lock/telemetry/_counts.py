@@ -34,6 +34,14 @@ class Hold(Protocol):
     def lease_seconds(self) -> float: ...
 
 
+class Seeds(Protocol):
+    """Where first sights go (`Telemetry`): series created at 0 before their first event (`_names`)."""
+
+    def seed_manager(self) -> None: ...
+    def seed_name(self, name: str) -> None: ...
+    def seed_pool(self, pool: str) -> None: ...
+
+
 class LockCounts:
     """One manager's held and waiting callers, current holds and Redis connections.
 
@@ -43,18 +51,42 @@ class LockCounts:
     `.lease_seconds`; they feed `otel_lock.hold.age` and `otel_lock.lease`.
     `connections(used, pending)` or `watch_connections(fn)`: the Redis gauges.
     `watch_circuit(fn)`: the circuit breaker's state (0 closed, 1 open, 2 half-open).
+    `seed_with(telemetry)`: its series start at 0 (the manager's when tied,
+    a lock name's when first held or waited for, the pool's with its circuit).
     """
 
     def __init__(self, meter_provider: MeterProvider | None = None) -> None:
         self.meter_provider = meter_provider
-        self.active: Counter[str] = _Tally()
-        self.pending: Counter[str] = _Tally()
+        self.active: _Tally = _Tally()
+        self.pending: _Tally = _Tally()
         self._holds: dict[str, dict[int, Hold]] = {}
         self._connections: tuple[int, int] | None = None
         self._connection_source: Callable[[], tuple[int, int]] | None = None
         self._circuit_source: Callable[[], int] | None = None
-        self.pool_name = "otel-lock"
+        self.pool_name: str = "otel-lock"
+        self.seeds: Seeds | None = None
         ALL_COUNTS.add(self)
+
+    def seed_with(self, seeds: Seeds) -> None:
+        """Tie this manager's first sights to `seeds` (its telemetry), and seed the manager's series now."""
+        self.seeds = seeds
+        self.active.on_new = self.pending.on_new = seeds.seed_name
+        self.seed_again()
+
+    def seed_again(self) -> None:
+        """Seed every series this manager has seen (again: its telemetry was routed to a new destination)."""
+        seeds = self.seeds
+        if seeds is None:
+            return
+        seeds.seed_manager()
+        try:
+            names = set(self.active) | set(self.pending)
+        except RuntimeError:  # changed by the loop thread meanwhile; its next first sight seeds it
+            names = set()
+        for name in names:
+            seeds.seed_name(name)
+        if self._circuit_source is not None:
+            seeds.seed_pool(self.pool_name)
 
     # -- holds ---------------------------------------------------------------
 
@@ -121,6 +153,8 @@ class LockCounts:
         self._circuit_source = source
         if pool_name:
             self.pool_name = pool_name
+        if self.seeds is not None:
+            self.seeds.seed_pool(self.pool_name)
 
     def circuit_state(self) -> int | None:
         if self._circuit_source is None:
@@ -136,16 +170,23 @@ class _Tally(Counter[str]):
 
     Zeros are kept below the limit (a series going to 0 is news); past it, a
     manager fed ids as names would otherwise keep one entry per id forever.
-    Updated on the manager's event loop only.
+    Updated on the manager's event loop only. `on_new(name)` is told of a
+    name it does not hold yet (its series are seeded at 0).
     """
 
     _limit = configured_limit()
+    on_new: Callable[[str], None] | None = None
 
     def __setitem__(self, name: str, value: int) -> None:
         if value == 0 and len(self) > self._limit:
             self.pop(name, None)
-        else:
-            super().__setitem__(name, value)
+            return
+        if self.on_new is not None and name not in self:
+            try:
+                self.on_new(name)
+            except Exception:  # seeding must never fail a lock call
+                pass
+        super().__setitem__(name, value)
 
 
 def _acquired_at(hold: Hold) -> float:

@@ -26,15 +26,14 @@ from opentelemetry.trace import INVALID_SPAN, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from .. import __version__
-from . import _counts
+from . import _counts, _logs
 from ._counts import ALL_COUNTS, LockCounts
-from ._bounds import Limits, ValueLimit
-from ._names import HOLD_BUCKETS, OBSERVED, RECORDED, WAIT_BUCKETS, Spec, prom_value
+from ._bounds import Limits, ValueLimit, configured_limit
+from ._names import (ERROR_SEEDS, HOLD_BUCKETS, NAME_SEEDS, OBSERVED, POOL_SEED, RECORDED, WAIT_BUCKETS, Spec,
+                     prom_value)
 from ._redact import redact
 
 if TYPE_CHECKING:
-    import weakref as _weakref
-
     from opentelemetry.context import Context
     from opentelemetry.util.types import Attributes, AttributeValue
 
@@ -45,6 +44,7 @@ __all__ = ["HOLD_BUCKETS", "LockCounts", "Telemetry", "WAIT_BUCKETS", "current_t
 
 SCOPE = "otel_lock"
 _propagator = TraceContextTextMapPropagator()
+_logs.install()  # trace and span ids on the library's warnings
 
 
 class HistogramSink(Protocol):
@@ -129,7 +129,7 @@ class Telemetry:
 
     tracer: trace.Tracer
     # Every manager's counts (`_counts.ALL_COUNTS`), read when a reader collects.
-    gauges: _weakref.WeakSet[LockCounts]
+    gauges: _Managers
     # Recorded instruments, one per `_names.RECORDED` entry; set (and re-set by
     # `route_default_metrics`) in `_bind`.
     wait_duration: HistogramSink
@@ -150,7 +150,8 @@ class Telemetry:
         self._span_names = ValueLimit("span names of otel_lock")
         # Held and waiting counts are read from the managers when a reader
         # collects, so taking a lock pays nothing for them.
-        self.gauges = ALL_COUNTS
+        self.gauges = _Managers(self)
+        self._named: set[str] = set()  # lock names seeded, up to the name limit (past it, they fold)
         self._own = _sdk_instruments(meter_provider, self)
         self._bind()
 
@@ -158,6 +159,28 @@ class Telemetry:
         route = _route if routed(self._meter_provider) else None
         for spec in RECORDED:
             setattr(self, spec.attr, route.instrument(spec.attr) if route else self._own[spec.attr])
+        # Routed elsewhere (`setup()` after the managers were made): their series start at 0 there too.
+        for counts in list(ALL_COUNTS):
+            if counts.seeds is self:
+                counts.seed_again()
+
+    # -- series at 0 before their first event (`_names.NAME_SEEDS`) ----------
+
+    def seed_manager(self) -> None:
+        """A manager started: its Redis error series exist at 0."""
+        _new_series([_zero(self.errors, "errors", attributes) for attributes in ERROR_SEEDS])
+
+    def seed_name(self, name: str) -> None:
+        """A manager saw lock `name` for the first time: its outcome series exist at 0."""
+        seeded = [_zero(getattr(self, attr), attr, {"lock.name": name, **attributes})
+                  for attr, attributes in NAME_SEEDS]
+        if name not in self._named and len(self._named) < _NAME_LIMIT:
+            self._named.add(name)
+            _new_series(seeded)
+
+    def seed_pool(self, pool: str) -> None:
+        """A manager's circuit breaker exists: its openings count from 0."""
+        _new_series([_zero(self.circuit_opened, POOL_SEED, {"db.client.connection.pool.name": pool})])
 
     # -- spans -------------------------------------------------------------
 
@@ -233,6 +256,53 @@ class Telemetry:
         elif first:
             attributes["server.address"] = first
         span.set_attributes(attributes)
+
+
+_KINDS = {spec.attr: spec.kind for spec in RECORDED}
+_NAME_LIMIT = configured_limit()
+# A seeded fast-path series: (instrument attr, its attributes as bound, when its child was bound).
+Seeded = tuple[str, dict[str, Any], int]
+# Told of the series just seeded on the fast path: the OTLP push announces them at 0 at once, not an
+# interval later (`_otlp`), so the collector has the 0 before the first event.
+NEW_SERIES: list[Callable[[list[Seeded]], None]] = []
+
+
+def _new_series(seeded: list[Seeded | None]) -> None:
+    found = [one for one in seeded if one is not None]
+    if found:
+        for hook in list(NEW_SERIES):
+            hook(found)
+
+
+def _zero(sink: Any, attr: str, attributes: dict[str, Any]) -> Seeded | None:
+    """Create the series of `attributes` at 0: an empty child on the fast path, a counter's add(0) on the SDK.
+
+    An SDK histogram has no way to hold a point without a measurement: left out.
+    """
+    bind = getattr(sink, "_bind", None)
+    if bind is not None:
+        child = bind(tuple(attributes.items()), attributes)
+        return attr, child.attributes, child.started
+    if _KINDS[attr] != "histogram":
+        sink.add(0, attributes)
+    return None
+
+
+class _Managers:
+    """`Telemetry.gauges`: every manager's counts (`ALL_COUNTS`); adding one seeds its series from this telemetry."""
+
+    def __init__(self, telemetry: Telemetry) -> None:
+        self._telemetry = telemetry
+
+    def add(self, counts: LockCounts) -> None:
+        ALL_COUNTS.add(counts)
+        counts.seed_with(self._telemetry)
+
+    def __iter__(self) -> Iterator[LockCounts]:
+        return iter(list(ALL_COUNTS))
+
+    def __len__(self) -> int:
+        return len(ALL_COUNTS)
 
 
 def _sdk_instruments(meter_provider: metrics.MeterProvider | None, owner: Telemetry) -> dict[str, Any]:

@@ -105,6 +105,29 @@ OBSERVED = {
 }
 
 
+# Series created at 0 before their first event: increase() and rate() need
+# an earlier sample, so a counter born at its first event (a replica's first
+# lost lease, first Redis errors after a restart) would page late or never.
+# Per lock name, when a manager first sees it (its first hold or wait); the
+# attribute order is the core's, so the fast path's cache keys match.
+NAME_SEEDS: tuple[tuple[str, dict[str, object]], ...] = (
+    ("renewals", {"lock.renewal.outcome": "ok"}),
+    ("renewals", {"lock.renewal.outcome": "lost"}),
+    ("renewals", {"lock.renewal.outcome": "error"}),
+    ("wait_duration", {"lock.outcome": "acquired", "lock.contended": False}),
+    ("wait_duration", {"lock.outcome": "acquired", "lock.contended": True}),
+    ("wait_duration", {"lock.outcome": "timeout", "lock.contended": True}),
+)
+# Per manager, when it starts: Redis errors by operation and type (no lock
+# name: the first errors may come before any name is seen, with Redis down
+# from the start), and circuit openings of its pool.
+ERROR_SEEDS: tuple[dict[str, object], ...] = tuple(
+    {"lock.operation": operation, "error.type": kind}
+    for operation in ("acquire", "release", "renew", "leave")
+    for kind in ("redis_unavailable", "redis_misconfigured", "redis_error"))
+POOL_SEED = "circuit_opened"
+
+
 def prom_label(attribute: str) -> str:
     return attribute.replace(".", "_")
 

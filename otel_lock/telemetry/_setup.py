@@ -2,8 +2,8 @@
 
 otel-lock records through the OpenTelemetry API only; this module is the
 optional wiring that turns those calls into data: a Resource that tells the
-replicas apart, OTLP push (traces and metrics, HTTP/protobuf, configured by
-the standard ``OTEL_*`` variables) and Prometheus pull at ``/metrics``, with
+replicas apart, OTLP push (traces and metrics, HTTP/protobuf or gRPC, configured by
+the standard ``OTEL_*`` variables, each honoured or refused: `_env`) and Prometheus pull at ``/metrics``, with
 the same metric names by either path.
 
 One recording, one reader per destination: the lock's own metrics are
@@ -42,23 +42,21 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping, cast
+from typing import TYPE_CHECKING, Any, Mapping
 
 from opentelemetry import metrics, trace
 from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
 from .. import __version__
-from . import _multiproc, _signals
+from . import _env, _multiproc, _signals
 from ._instance import default_instance_id, follow_forks
 from ._instruments import route_default_metrics
 from ._prom import FastMetrics, TargetInfo
 from ._redact import MODES, configure_redaction
 
 if TYPE_CHECKING:
-    from opentelemetry.sdk.metrics import MeterProvider as SdkMeterProvider
     from opentelemetry.sdk.metrics.export import MetricReader
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider as SdkTracerProvider
@@ -148,6 +146,10 @@ def setup(
     ``OTEL_SERVICE_NAME`` wins over the default service name, never over an
     explicit one. ``flush_on_signal`` (main thread only) makes SIGTERM and
     SIGINT flush and shut the providers down before the process exits.
+    The other standard variables it reads (``OTEL_SDK_DISABLED``,
+    ``OTEL_TRACES_EXPORTER``, the OTLP protocol, the temporality preference)
+    are honoured or refused with a ValueError before anything is installed
+    (`_env`).
     """
     global _current
     _check_arguments(service_name, service_instance_id, resource_attributes, redact)
@@ -156,6 +158,12 @@ def setup(
         if _current is not None:
             return _current
         configure_redaction(redact)
+        if _env.sdk_disabled():
+            log.warning("otel_lock.telemetry.setup(): OTEL_SDK_DISABLED=true, nothing installed "
+                        "(no spans, no metrics pushed or served by otel-lock)")
+            _current = TelemetrySetup(trace.get_tracer_provider(), metrics.get_meter_provider(), None,
+                                      installed=False)
+            return _current
         existing = _existing_sdk()
         if existing is not None:
             log.warning(
@@ -169,8 +177,14 @@ def setup(
         if prometheus is None:
             prometheus = exporters is None or "prometheus" in exporters
         otlp_metrics = bool(otlp) and (exporters is None or "otlp" in exporters)
+        otlp_traces = bool(otlp) and _env.traces_exported()
+        # Refused here, before anything is installed: a protocol or preference that would be ignored.
+        protocols = {signal: _env.protocol(signal) for signal, on in (("TRACES", otlp_traces),
+                                                                       ("METRICS", otlp_metrics)) if on}
+        if otlp_metrics:
+            _env.check_temporality()
         _current = _install(service_name, service_instance_id, prometheus, bool(otlp), otlp_metrics,
-                            resource_attributes)
+                            resource_attributes, protocols, traces=otlp_traces)
         if _current.installed:
             _signals.install(_current.shutdown, signals=flush_on_signal)
         return _current
@@ -237,7 +251,8 @@ def _is_api_default(provider: object) -> bool:
 
 
 def _install(service_name: str, service_instance_id: str | None, prometheus: bool, otlp: bool,
-             otlp_metrics: bool, resource_attributes: Mapping[str, Any] | None) -> TelemetrySetup:
+             otlp_metrics: bool, resource_attributes: Mapping[str, Any] | None,
+             protocols: Mapping[str, str] | None = None, traces: bool = True) -> TelemetrySetup:
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.trace import TracerProvider
 
@@ -248,7 +263,7 @@ def _install(service_name: str, service_instance_id: str | None, prometheus: boo
     registry = CollectorRegistry(auto_describe=True)
     shared = _multiproc.directory()  # PROMETHEUS_MULTIPROC_DIR: one /metrics for every worker process
     # Exemplars where traces are recorded: OTLP, and /metrics' OpenMetrics.
-    fast = FastMetrics(registry if prometheus else None, exemplars=otlp and _exemplars_on(), shared=shared)
+    fast = FastMetrics(registry if prometheus else None, exemplars=otlp and traces and _exemplars_on(), shared=shared)
     # With workers, the SDK's families are this process's share, copied to the shared files.
     sdk_registry = CollectorRegistry() if shared and prometheus else registry
     if shared is None:
@@ -263,19 +278,19 @@ def _install(service_name: str, service_instance_id: str | None, prometheus: boo
         # The SDK reader only carries the HTTP instrumentation's metrics; the
         # lock's are on the fast path, target_info comes from TargetInfo.
         readers.append(PrometheusMetricReader(disable_target_info=True, registry=sdk_registry))
-    push = _otlp_push(fast, resource) if otlp_metrics else None
+    protocols = protocols or {}
+    push = _otlp_push(fast, resource, protocols.get("METRICS", "http/protobuf")) if otlp_metrics else None
     if push is not None:
         readers.append(push.reader)
     # Without an exporter spans would be built and dropped: keep the API's no-op
     # tracer (incoming traceparent headers still propagate) and pay nothing.
     tracer_provider: SdkTracerProvider | None = None
-    if otlp:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    if otlp and traces:
+        from ._shutdown import add_span_exporter
 
         # shutdown_on_exit=False: TelemetrySetup.shutdown() is the exit hook (`_signals`), once.
         tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=False)
-        tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        add_span_exporter(tracer_provider, _env.span_exporter(protocols.get("TRACES", "http/protobuf")))
         trace.set_tracer_provider(tracer_provider)
     meter_provider = MeterProvider(resource=resource, metric_readers=readers, shutdown_on_exit=False)
     metrics.set_meter_provider(meter_provider)
@@ -288,13 +303,11 @@ def _exemplars_on() -> bool:
     return os.environ.get("OTEL_METRICS_EXEMPLAR_FILTER", "trace_based").strip().lower() != "always_off"
 
 
-def _otlp_push(fast: FastMetrics, resource: Resource) -> OtlpPush:
-    from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
-
+def _otlp_push(fast: FastMetrics, resource: Resource, protocol: str = "http/protobuf") -> OtlpPush:
     from ._otlp import OtlpPush
 
     # The exporter reads OTEL_EXPORTER_OTLP_*, the push loop OTEL_METRIC_EXPORT_INTERVAL and _TIMEOUT.
-    return OtlpPush(OTLPMetricExporter(), fast, resource)
+    return OtlpPush(_env.metric_exporter(protocol), fast, resource)
 
 
 _shutdown_lock = threading.Lock()
@@ -302,30 +315,19 @@ _shut_down: set[int] = set()
 
 
 def _shutdown(installed: TelemetrySetup, timeout: float) -> bool:
-    """Flush spans, then shut the meter provider down (its readers export a last time), then the tracer's."""
+    """The last spans and metrics within `timeout`, then the providers (see `_shutdown`); False names a loss."""
+    from . import _shutdown as bounded
+
     # Not setup()'s _lock: a signal may arrive while the main thread holds it.
     with _shutdown_lock:
         if id(installed) in _shut_down:
             return True
         _shut_down.add(id(installed))
-    deadline = time.monotonic() + timeout
-    ok = True
     try:
-        if installed.otlp:
-            tracer_provider = cast("SdkTracerProvider", installed.tracer_provider)
-            ok = tracer_provider.force_flush(_millis_left(deadline)) and ok
-        # Its OTLP reader's shutdown is the push's: a last export of the lock's metrics and the SDK's.
-        cast("SdkMeterProvider", installed.meter_provider).shutdown(_millis_left(deadline))
-        if installed.otlp:
-            cast("SdkTracerProvider", installed.tracer_provider).shutdown()
+        return bounded.shutdown(installed, timeout)
     except Exception:  # a shutdown must never stop the process from exiting
         log.exception("otel-lock: shutting telemetry down failed")
         return False
-    return ok
-
-
-def _millis_left(deadline: float) -> int:
-    return max(1, int((deadline - time.monotonic()) * 1000))
 
 
 def _resource(service_name: str, service_instance_id: str | None,

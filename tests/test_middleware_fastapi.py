@@ -6,11 +6,16 @@ Regression tests for issue 8, items 1, 2, 8 and 10 (one route match).
 from __future__ import annotations
 
 import asyncio
-from typing import Annotated
+import gzip
+import json
+import threading
+import time
+from typing import Annotated, Callable
 
 import pytest
 from fastapi import APIRouter, Body, Depends, FastAPI, Header, Query, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from pydantic import BaseModel
 from starlette.routing import Mount
 
@@ -18,9 +23,9 @@ from otel_lock import LockMiddleware, idempotent, locked
 from otel_lock.asgi.idempotency import KEY_PATTERN
 
 try:
-    from ._middleware_helpers import client_for, lock_key, make_manager, metered, run_lifespan
+    from ._middleware_helpers import client_for, lock_key, make_manager, metered, problem, run_lifespan
 except ImportError:
-    from _middleware_helpers import client_for, lock_key, make_manager, metered, run_lifespan
+    from _middleware_helpers import client_for, lock_key, make_manager, metered, problem, run_lifespan
 
 
 class Shelf:
@@ -368,3 +373,141 @@ async def test_starlette_path_convertors_type_the_key(redis_url):
             answers = await asyncio.gather(*(client.post(f"/stock/{p}/deduct") for p in ("7", "07", "007", "0007")))
     assert sorted(r.status_code for r in answers) == [200, 409, 409, 409]
     assert len(shelf.sold) == 1
+
+
+# -- custom route classes (issue 25, item 6) ------------------------------------------
+
+
+class HeadersRoute(APIRoute):
+    """mealie's kind: adds response headers, never touches the request."""
+
+    def get_route_handler(self) -> Callable:
+        original = super().get_route_handler()
+
+        async def handler(request: Request) -> Response:
+            response = await original(request)
+            response.headers["x-app"] = "recipes"
+            return response
+
+        return handler
+
+
+class TimedRoute(APIRoute):
+    """FastAPI's docs ("Custom Request and APIRoute class"): times the call."""
+
+    def get_route_handler(self) -> Callable:
+        original = super().get_route_handler()
+
+        async def handler(request: Request) -> Response:
+            before = time.perf_counter()
+            response = await original(request)
+            response.headers["x-response-time"] = str(time.perf_counter() - before)
+            return response
+
+        return handler
+
+
+class GzipRequest(Request):
+    async def body(self) -> bytes:
+        if not hasattr(self, "_body"):
+            body = await super().body()
+            self._body = gzip.decompress(body) if "gzip" in self.headers.getlist("content-encoding") else body
+        return self._body
+
+
+class GzipRoute(APIRoute):
+    """FastAPI's docs: the handler gets another body than the bytes on the wire."""
+
+    def get_route_handler(self) -> Callable:
+        original = super().get_route_handler()
+
+        async def handler(request: Request) -> Response:
+            return await original(GzipRequest(request.scope, request.receive))
+
+        return handler
+
+
+class Recipe(BaseModel):
+    name: str
+
+
+def recipe_app(manager, route_class: type[APIRoute], sync: bool, entered: threading.Event,
+               go: threading.Event, keys: list[str]) -> FastAPI:
+    app = FastAPI()
+    router = APIRouter(route_class=route_class)
+    if sync:
+        @router.post("/recipes", status_code=201)
+        @locked("recipe-create:{json.name}", wait=0)
+        def create(recipe: Recipe, request: Request):
+            keys.append(request.state.lock.key)
+            entered.set()
+            assert go.wait(10)
+            return {"name": recipe.name}
+    else:
+        @router.post("/recipes", status_code=201)
+        @locked("recipe-create:{json.name}", wait=0)
+        async def create(recipe: Recipe, request: Request):   # type: ignore[misc]
+            keys.append(request.state.lock.key)
+            entered.set()
+            assert await asyncio.to_thread(go.wait, 10)
+            return {"name": recipe.name}
+    app.include_router(router)
+    app.add_middleware(LockMiddleware, manager=manager)
+    return app
+
+
+def recipe_body(route_class: type[APIRoute], name: str) -> dict:
+    raw = json.dumps({"name": name}).encode()
+    if route_class is GzipRoute:
+        return {"content": gzip.compress(raw), "headers": {"content-type": "application/json",
+                                                           "content-encoding": "gzip"}}
+    return {"content": raw, "headers": {"content-type": "application/json"}}
+
+
+@pytest.mark.parametrize("sync", [False, True], ids=["async_def", "def"])
+@pytest.mark.parametrize("route_class", [HeadersRoute, TimedRoute, GzipRoute])
+async def test_custom_route_classes_are_locked_with_async_and_sync_handlers(redis_url, route_class, sync):
+    entered, go, keys = threading.Event(), threading.Event(), []
+    async with make_manager(redis_url) as manager:
+        app = recipe_app(manager, route_class, sync, entered, go, keys)
+        assert (await run_lifespan(app))[0]["type"] == "lifespan.startup.complete"
+        async with client_for(app) as client:
+            first = asyncio.create_task(client.post("/recipes", **recipe_body(route_class, "soup")))
+            assert await asyncio.to_thread(entered.wait, 10)
+            second = await client.post("/recipes", **recipe_body(route_class, "soup"))
+            go.set()
+            first_answer = await first
+            after = await client.post("/recipes", **recipe_body(route_class, "soup"))
+    assert first_answer.status_code == 201, first_answer.text
+    assert second.status_code == 409 and problem(second)["type"] == "lock-timeout", second.text
+    assert after.status_code == 201, after.text
+    assert keys == [lock_key("recipe-create:soup")] * 2
+    if route_class is HeadersRoute:
+        assert first_answer.headers["x-app"] == "recipes"
+    if route_class is TimedRoute:
+        assert float(first_answer.headers["x-response-time"]) >= 0
+
+
+async def test_a_headers_only_route_class_takes_the_lock_before_the_app_so_yield_exits_run_under_it(redis_url):
+    held_at_exit: list[bool] = []
+
+    async with make_manager(redis_url) as manager:
+        async def unit_of_work(request: Request):
+            yield
+            # another task: the request's own would re-enter its hold
+            held_at_exit.append(await asyncio.create_task(manager.try_lock("recipe-create:soup")) is None)
+
+        app = FastAPI()
+        router = APIRouter(route_class=HeadersRoute)
+
+        @router.post("/recipes", status_code=201, dependencies=[Depends(unit_of_work)])
+        @locked("recipe-create:{json.name}", wait=0)
+        def create(recipe: Recipe):
+            return {"name": recipe.name}
+
+        app.include_router(router)
+        app.add_middleware(LockMiddleware, manager=manager)
+        async with client_for(app) as client:
+            answer = await client.post("/recipes", json={"name": "soup"})
+    assert answer.status_code == 201 and answer.headers["x-app"] == "recipes", answer.text
+    assert held_at_exit == [True]

@@ -288,25 +288,37 @@ class _Unsupported(Unbindable):
 
 
 def _key_at_call(route: Any, locked: Locked, binding: RouteBinding, guards: list[Any], template: str) -> bool:
-    """A key from the body of a route whose class transforms the request: taken from the handler's arguments.
+    """A key from the body of a route whose class may change the request: checked at the handler's call.
 
-    A FastAPI route class that overrides `get_route_handler` (the documented
-    `GzipRequest` recipe) may hand the handler a body other than the bytes
-    on the wire, so the middleware cannot read the key from them: the guard
-    takes the lock when FastAPI calls the handler, from its arguments.
+    A FastAPI route class that overrides `get_route_handler` may only add
+    headers or time the call (then the key read from the wire is the key of
+    the handler's arguments), or hand the handler another body (the
+    documented `GzipRequest` recipe). The middleware cannot tell which before
+    the request, so it takes the wire's key as on any route and the guard
+    compares it with the key of the handler's arguments, taking that one
+    instead where they differ. That needs the key's values among the
+    handler's arguments and a handler the guard can hold (a coroutine or a
+    plain function, not a generator): otherwise the start-up fails here.
     """
     if not locked.template.needs_body or not _transforms_request(route):
         return False
     name = type(route).__name__
-    if not guards or not all(inspect.iscoroutinefunction(fn) for fn in guards):
-        raise _Unsupported(f"the route class {name} transforms the request before FastAPI reads it, so the key "
-                           f"{locked.template.template!r} must be taken from the handler's arguments: make the "
-                           f"handler `async def` and write @locked right below @app.<method>")
+    if not guards or not all(inspect.iscoroutinefunction(fn) or _plain(fn) for fn in guards):
+        raise _Unsupported(f"the route class {name} may change the request before FastAPI reads it, so the key "
+                           f"{locked.template.template!r} is checked against the handler's arguments, which a "
+                           f"generator handler cannot be held around: return the response instead of yielding it, "
+                           f"and write @locked right below @app.<method>")
     problem = binding.call_problem()
     if problem is not None:
-        raise _Unsupported(f"the route class {name} transforms the request before FastAPI reads it, so the key "
-                           f"{locked.template.template!r} is taken from the handler's arguments, but {problem}")
+        raise _Unsupported(f"the route class {name} may change the request before FastAPI reads it, so the key "
+                           f"{locked.template.template!r} is checked against the handler's arguments, but {problem}")
     return True
+
+
+def _plain(fn: Any) -> bool:
+    """A plain `def` handler (FastAPI runs it in its threadpool)."""
+    return inspect.isfunction(fn) and not (inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn)
+                                           or inspect.iscoroutinefunction(fn))
 
 
 def _transforms_request(route: Any) -> bool:

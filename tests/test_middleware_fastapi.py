@@ -13,6 +13,7 @@ import time
 from typing import Annotated, Callable
 
 import pytest
+import redis.asyncio as aioredis
 from fastapi import APIRouter, Body, Depends, FastAPI, Header, Query, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
@@ -511,3 +512,20 @@ async def test_a_headers_only_route_class_takes_the_lock_before_the_app_so_yield
             answer = await client.post("/recipes", json={"name": "soup"})
     assert answer.status_code == 201 and answer.headers["x-app"] == "recipes", answer.text
     assert held_at_exit == [True]
+
+
+@pytest.mark.parametrize("sync", [False, True], ids=["async_def", "def"])
+async def test_a_misconfigured_redis_is_the_same_problem_when_the_lock_is_taken_at_the_handlers_call(sync):
+    from otel_lock.cli._redis_server import RedisServer
+
+    with RedisServer() as server:
+        admin = aioredis.Redis.from_url(server.url)
+        await admin.config_set("requirepass", "s3cret")
+        await admin.aclose()
+        async with make_manager(server.url) as manager:
+            app = recipe_app(manager, GzipRoute, sync, threading.Event(), threading.Event(), [])
+            async with client_for(app) as client:
+                answer = await client.post("/recipes", **recipe_body(GzipRoute, "soup"))
+    assert answer.status_code == 500, answer.text
+    body = problem(answer)
+    assert body["type"] == "redis-misconfigured" and "password" in body["detail"] and "s3cret" not in answer.text

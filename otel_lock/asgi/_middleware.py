@@ -30,7 +30,7 @@ from .idempotency._principal import check_callable
 from ._keys import resolve_secret
 from ._openapi import document
 from ._request import Protection, ProtectedRequest
-from ._routing import (Annotated, Problem, Refuse, RouteHandle, RoutePlan, RouteTemplate, RuleMatcher, Rules, _Rule,
+from ._routing import (Annotated, ForeignRouter, Problem, Refuse, RouteHandle, RoutePlan, RouteTemplate, RuleMatcher, Rules, _Rule,
                        find_routes, foreign_annotated, install, is_starlette_routes, original_handle, parse_rules, plan)
 from ._types import ASGIApp, Message, Receive, Scope, Send
 
@@ -222,8 +222,8 @@ class LockMiddleware:
 
     def _prepare_plain(self) -> list[Problem]:
         """No Starlette routes: the rules' own paths are matched in front of the app."""
-        self.plain = RuleMatcher(self.rules)
-        problems: list[Problem] = foreign_annotated(self.app)
+        self.plain = RuleMatcher(self.rules, ForeignRouter.of(self.app))
+        problems: list[Problem] = foreign_annotated(self.app) + self.plain.unmatched()
         for rule in self.rules:
             annotated = Annotated(rule.annotations.get("locked"), rule.annotations.get("idempotent"))
             try:

@@ -14,9 +14,10 @@ from typing import Annotated, Callable
 
 import pytest
 import redis.asyncio as aioredis
-from fastapi import APIRouter, Body, Depends, FastAPI, Header, Query, Request
+from fastapi import APIRouter, Body, Depends, FastAPI, Header, HTTPException, Query, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel
 from starlette.routing import Mount
 
@@ -529,3 +530,114 @@ async def test_a_misconfigured_redis_is_the_same_problem_when_the_lock_is_taken_
     assert answer.status_code == 500, answer.text
     body = problem(answer)
     assert body["type"] == "redis-misconfigured" and "password" in body["detail"] and "s3cret" not in answer.text
+
+
+# -- the lock after the caller is known (issue 25, item 4) ---------------------------------
+
+
+class Store:
+    """One shop's stock and what its requests saw, shared by two replicas (two apps on one Redis)."""
+
+    def __init__(self) -> None:
+        self.stock = {1: 1}
+        self.anonymous_in_auth = asyncio.Event()
+        self.reject_anonymous = asyncio.Event()
+        self.read_under: list[str | None] = []     # the lock held when the item was read
+        self.exits_held: list[bool] = []           # the lock held at the yield dependency's exit
+
+
+def store_app(manager, store: Store, after_auth: bool | None = None) -> FastAPI:
+    bearer = HTTPBearer(auto_error=False)
+
+    async def current_user(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> str:
+        if credentials is None:
+            store.anonymous_in_auth.set()
+            await store.reject_anonymous.wait()   # a slow token check
+            raise HTTPException(401, "sign in")
+        return credentials.credentials
+
+    async def get_item_or_404(item_id: int, request: Request) -> int:
+        if item_id not in store.stock:
+            raise HTTPException(404)
+        lock = getattr(request.state, "lock", None)
+        store.read_under.append(None if lock is None else lock.key)
+        return store.stock[item_id]
+
+    async def unit_of_work(item_id: int):
+        yield
+        # another task: the request's own would re-enter its hold
+        store.exits_held.append(await asyncio.create_task(manager.try_lock(f"item:{item_id}")) is None)
+
+    app = FastAPI()
+
+    @app.post("/items/{item_id}/buy", dependencies=[Depends(unit_of_work)])
+    @locked("item:{path.item_id}", wait=0, after_auth=after_auth)
+    async def buy(item_id: int, left: int = Depends(get_item_or_404), user: str = Depends(current_user)):
+        if left <= 0:
+            return JSONResponse({"sold": False}, status_code=409)
+        await asyncio.sleep(0)   # a real purchase awaits something between the read and the write
+        store.stock[item_id] = left - 1
+        return {"sold": True, "to": user}
+
+    app.add_middleware(LockMiddleware, manager=manager)
+    return app
+
+
+SIGNED_IN = {"authorization": "Bearer alice"}
+
+
+async def test_a_request_authentication_rejects_neither_waits_for_nor_holds_the_business_lock(redis_url):
+    store = Store()
+    async with make_manager(redis_url) as one, make_manager(redis_url) as two:
+        async with client_for(store_app(one, store)) as replica_1, client_for(store_app(two, store)) as replica_2:
+            anonymous = asyncio.create_task(replica_1.post("/items/1/buy"))
+            await asyncio.wait_for(store.anonymous_in_auth.wait(), 10)   # its token is being checked now
+            bought = await replica_2.post("/items/1/buy", headers=SIGNED_IN)   # wait=0: a held lock is 409
+            store.reject_anonymous.set()
+            rejected = await anonymous
+    assert bought.status_code == 200 and bought.json() == {"sold": True, "to": "alice"}, bought.text
+    assert rejected.status_code == 401
+    # The item was read under its lock, and the yield dependency's exit ran under it too.
+    assert store.read_under == [lock_key("item:1")] and store.exits_held == [True]
+
+
+async def test_a_dependency_that_reads_the_resource_runs_under_the_lock_across_replicas(redis_url):
+    store = Store()
+    async with make_manager(redis_url) as one, make_manager(redis_url) as two:
+        async with client_for(store_app(one, store)) as replica_1, client_for(store_app(two, store)) as replica_2:
+            answers = [await replica_1.post("/items/1/buy", headers=SIGNED_IN),
+                       await replica_2.post("/items/1/buy", headers=SIGNED_IN)]
+            concurrent = await asyncio.gather(*(r.post("/items/1/buy", headers=SIGNED_IN)
+                                                for r in (replica_1, replica_2)))
+    assert [a.status_code for a in answers] == [200, 409] and store.stock[1] == 0
+    assert sorted(a.status_code for a in concurrent) == [409, 409]
+    assert all(key == lock_key("item:1") for key in store.read_under) and len(store.read_under) >= 2
+
+
+async def test_after_auth_false_keeps_the_lock_in_front_of_every_dependency(redis_url):
+    store = Store()
+    async with make_manager(redis_url) as one, make_manager(redis_url) as two:
+        async with client_for(store_app(one, store, after_auth=False)) as replica_1, \
+                client_for(store_app(two, store, after_auth=False)) as replica_2:
+            anonymous = asyncio.create_task(replica_1.post("/items/1/buy"))
+            await asyncio.wait_for(store.anonymous_in_auth.wait(), 10)   # it holds the lock meanwhile
+            refused = await replica_2.post("/items/1/buy", headers=SIGNED_IN)
+            store.reject_anonymous.set()
+            rejected = await anonymous
+    assert refused.status_code == 409 and problem(refused)["type"] == "lock-timeout"
+    assert rejected.status_code == 401 and store.stock[1] == 1
+
+
+async def test_after_auth_true_on_a_route_without_authentication_fails_the_start_up(redis_url):
+    async with make_manager(redis_url) as manager:
+        app = FastAPI()
+
+        @app.post("/items/{item_id}/buy")
+        @locked("item:{path.item_id}", after_auth=True)
+        async def buy(item_id: int):
+            return {}
+
+        app.add_middleware(LockMiddleware, manager=manager)
+        messages = await run_lifespan(app)
+    assert messages[0]["type"] == "lifespan.startup.failed"
+    assert "after_auth=True" in messages[0]["message"] and "/items/{item_id}/buy" in messages[0]["message"]

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, TypeVar, cas
 from anyio import from_thread
 
 from ..lock import HeldLock, LockError, LockLost, Locks
+from ._after_auth import DEFERRED
 from ._answers import Answer, lock_answer, release_quietly, runs_unlocked
 from ._binding import RouteBinding, Unrenderable
 from ._keys import TemplateValueError
@@ -204,11 +205,20 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
     return guarded
 
 
+def _deferred_taken() -> bool:
+    deferred = DEFERRED.get()
+    return deferred is None or deferred.done
+
+
 def _entry(guard_fn: Any, fn: Callable[..., Any]) -> _Entry | None:
     """None: run as is; otherwise what to do instead."""
     mark = MARK.get()
     if mark is not None and not mark.used and id(guard_fn) in mark.guards:
         mark.used = True   # the route's one call; any further call is a direct one
+        if mark.kind == HELD and not _deferred_taken():
+            return _Refusal(500, "lock-not-taken", _name(fn) + ": the route's lock is taken by a dependency "
+                            "LockMiddleware added after the security dependencies, and it did not run (was it "
+                            "overridden?); the handler refuses to run unlocked")
         if mark.kind in (HELD, UNLOCKED):
             return None
         if mark.kind == UNBOUND:

@@ -20,6 +20,7 @@ import warnings
 from typing import Any, Callable, TypeAlias
 
 from ..lock import Locks
+from ._after_auth import after_security, security_dependencies
 from ._annotations import MIB, Locked
 from ._binding import RouteBinding
 from ._declared import Unbindable
@@ -265,10 +266,11 @@ class LockMiddleware:
                             else self.body_idle_timeout)
         hold = Hold(self.current_locks, locked, binding, lambda: self.secret, template) \
             if locked is not None and binding is not None else None
+        after_auth = locked is not None and not at_call and _after_auth(target, locked, template)
         for fn in guards:
             install_direct_calls(fn, DirectCalls(hold, annotated.idempotent is not None, self.enabled))
         return Protection(template, locked, annotated.idempotent, binding, limits,
-                          frozenset(id(fn) for fn in guards), bool(at_call), hold)
+                          frozenset(id(fn) for fn in guards), bool(at_call), hold, after_auth)
 
     def _gate_problems(self, plans: list[RoutePlan]) -> list[Problem]:
         found: list[Problem] = []
@@ -312,6 +314,21 @@ def _key_at_call(route: Any, locked: Locked, binding: RouteBinding, guards: list
     if problem is not None:
         raise _Unsupported(f"the route class {name} may change the request before FastAPI reads it, so the key "
                            f"{locked.template.template!r} is checked against the handler's arguments, but {problem}")
+    return True
+
+
+def _after_auth(target: Any, locked: Locked, template: str) -> bool:
+    """Whether the lock is taken after the route's security dependencies (then our dependency is added)."""
+    dependant = getattr(target, "dependant", None)
+    security = security_dependencies(dependant) if dependant is not None else []
+    wanted = bool(security) if locked.after_auth is None else locked.after_auth
+    if not wanted:
+        return False
+    if not security:
+        raise Unbindable(f"locked(after_auth=True) on a route without security dependencies: FastAPI has no "
+                         f"authentication to run first (declare it with a fastapi.security scheme, a dependency "
+                         f"on one, or Security(...)), or drop after_auth=True")
+    after_security(dependant, template)
     return True
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..lock import HeldLock, LockError, LockLost, Locks, RedisUnavailable
+from ._after_auth import DEFERRED, Deferred, NotTaken
 from ._annotations import Idempotent, Locked
 from ._answers import lock_answer, release_quietly, runs_unlocked
 from ._binding import INVALID, RouteBinding
@@ -50,6 +51,7 @@ class Protection:
     # key of its arguments; where they differ (or the wire gave none), the guard takes that one then.
     at_call: bool = False
     hold: Hold | None = None        # how the guard takes it then
+    after_auth: bool = False        # taken by our dependency, after the route's security dependencies
 
 
 class SendTimeout(OSError):
@@ -123,21 +125,27 @@ class LockedApp:
                  client: Client) -> None:
         self.manager, self.protection, self.name, self.app, self.client = manager, protection, name, app, client
 
-    async def _run_app(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _run_app(self, scope: Scope, receive: Receive, send: Send, deferred: Deferred | None = None) -> None:
         p = self.protection
         mark = Mark(AT_CALL, p.guards, p.hold, scope, taken=self.name) if p.at_call else Mark.held(p.guards)
-        with marked(mark):
-            await self.app(scope, receive, send)
+        token = DEFERRED.set(deferred)
+        try:
+            with marked(mark):
+                await self.app(scope, receive, send)
+        finally:
+            DEFERRED.reset(token)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> bool:
         rule = self.protection.locked
         if rule is None or self.name is None:
             await self._run_app(scope, receive, send)
             return True
+        name = self.name
         held: HeldLock | None = None
         started = entered = app_done = False
         end = ResponseEnd()
         early = rule.release_after == "response"
+        after_auth = self.protection.after_auth
 
         async def watched_send(message: Message) -> None:
             nonlocal started
@@ -145,23 +153,39 @@ class LockedApp:
                 started = True
             last = end.is_last(message)
             await send(message)
-            if last and early:
+            if last and early and held is not None:
                 # release_after="response": the next request may start while this
                 # app still runs its background tasks and dependency exit code.
-                assert held is not None  # the app runs inside the hold
                 await release_quietly(held)
 
         try:
             async with AsyncExitStack() as stack:
-                async with self.client.cancel_on_disconnect():
-                    held = await stack.enter_async_context(self.manager.lock(
-                        self.name, wait=rule.wait, lease=rule.lease, name=rule.lock_name, cancel_on_lost=True))
-                entered = True
-                # The app's own state dict, never a copy: what the handler sets there is
-                # what every middleware around us reads.
-                scope.setdefault("state", {})["lock"] = held
-                await self._run_app(scope, receive, watched_send)
+                async def take() -> None:
+                    nonlocal held, entered
+                    try:
+                        async with self.client.cancel_on_disconnect():
+                            held = await stack.enter_async_context(self.manager.lock(
+                                name, wait=rule.wait, lease=rule.lease, name=rule.lock_name, cancel_on_lost=True))
+                    except LockError as error:
+                        if not after_auth:
+                            raise
+                        if runs_unlocked(error, rule, self.manager):
+                            return
+                        raise NotTaken(error) from None   # through FastAPI's handlers, to us
+                    entered = True
+                    # The app's own state dict, never a copy: what the handler sets there is
+                    # what every middleware around us reads.
+                    scope.setdefault("state", {})["lock"] = held
+
+                if after_auth:   # our dependency takes it, once the security dependencies passed
+                    await self._run_app(scope, receive, watched_send, Deferred(take))
+                else:
+                    await take()
+                    await self._run_app(scope, receive, watched_send)
                 app_done = True
+        except NotTaken as not_taken:
+            await lock_answer(not_taken.error, rule).send(send)
+            return False   # the handler never ran
         except ClientGone:
             return False   # hung up while waiting: no lock taken, the handler never ran
         except LockLost as error:

@@ -18,6 +18,7 @@ import types
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, TypeVar
 
+from ._guard import fail_closed_route, guard
 from ._keys import KeyTemplate, parse_template
 from .idempotency import Idempotent, idempotent
 
@@ -38,8 +39,6 @@ def _attach(obj: F, kind: str, annotation: Locked | Idempotent) -> F:
     # A new dict, never an update: functools.wraps shares __dict__ between a
     # wrapper and its target, and annotating one must not annotate the other.
     setattr(obj, ATTR, {**existing, kind: annotation})
-    from ._guard import guard
-
     guarded = guard(obj)
     if guarded is not obj:
         setattr(guarded, ATTR, {**existing, kind: annotation})
@@ -54,8 +53,6 @@ def _fail_closed_if_registered(fn: Any, kind: str, frame: Any) -> None:
     before ours; its route for `fn` is made to refuse requests that no
     LockMiddleware protects, and a warning names the fix.
     """
-    from ._guard import fail_closed_route
-
     # Apps and routers only: no attribute look-up on modules or classes (a module's __getattr__ may warn).
     holders = [v for v in (*frame.f_locals.values(), *frame.f_globals.values())
                if not isinstance(v, (types.ModuleType, type)) and isinstance(getattr(v, "routes", None), list)]

@@ -26,11 +26,11 @@ from starlette.routing import BaseRoute, Host, Mount, Route, WebSocketRoute, com
 from ._annotations import ATTR, Idempotent, Locked, annotations_of
 from ._guard import Mark, marked
 from ._problem import send_problem
+from ._request import ProtectedRequest, Protection
 from ._types import ASGIApp, Receive, Scope, Send
 
 if TYPE_CHECKING:
     from ._middleware import LockMiddleware
-    from ._request import Protection
 
 ALL_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
 # LockMiddleware(rules=...): `{"POST /api/x/{id}": locked(...)}`, or a list/tuple of annotations per route.
@@ -483,8 +483,6 @@ class RouteHandle:
             with marked(Mark.unlocked(protection.guards)):
                 await self.original(scope, receive, send)
             return
-        from ._request import ProtectedRequest
-
         await ProtectedRequest(self.mw, protection, self.original, scope, receive, send).run()
 
 

@@ -129,7 +129,8 @@ class RuleMatcher:
     """
 
     def __init__(self, rules: list[_Rule], router: ForeignRouter | None = None) -> None:
-        self.rules, self.router = rules, router
+        self.rules: list[_Rule] = rules
+        self.router: ForeignRouter | None = router
 
     def resolve(self, scope: Scope) -> RouteMatch | None:
         """The first rule matching the request's method and path (below root_path), or None.

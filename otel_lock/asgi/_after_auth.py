@@ -62,7 +62,9 @@ def security_dependencies(dependant: Any) -> list[Any]:
 def _authenticates(dependant: Any, depth: int) -> bool:
     from fastapi.security.base import SecurityBase
 
-    if isinstance(dependant.call, SecurityBase) or dependant.own_oauth_scopes:
+    # Security(..., scopes=[...]): `own_oauth_scopes` on FastAPI >= 0.12x, `security_scopes` before.
+    scopes = getattr(dependant, "own_oauth_scopes", None) or getattr(dependant, "security_scopes", None)
+    if isinstance(dependant.call, SecurityBase) or scopes:
         return True
     return depth > 0 and any(_authenticates(d, depth - 1) for d in dependant.dependencies)
 

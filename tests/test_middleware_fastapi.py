@@ -641,3 +641,16 @@ async def test_after_auth_true_on_a_route_without_authentication_fails_the_start
         messages = await run_lifespan(app)
     assert messages[0]["type"] == "lifespan.startup.failed"
     assert "after_auth=True" in messages[0]["message"] and "/items/{item_id}/buy" in messages[0]["message"]
+
+
+async def test_a_handler_whose_lock_dependency_was_overridden_refuses_to_run_unlocked(redis_url):
+    from otel_lock.asgi._after_auth import otel_lock_route_lock
+
+    store = Store()
+    async with make_manager(redis_url) as manager:
+        app = store_app(manager, store)
+        app.dependency_overrides[otel_lock_route_lock] = lambda: None
+        async with client_for(app) as client:
+            answer = await client.post("/items/1/buy", headers=SIGNED_IN)
+    assert answer.status_code == 500 and problem(answer)["type"] == "lock-not-taken"
+    assert store.stock[1] == 1

@@ -195,3 +195,13 @@ async def test_every_spelling_the_router_leads_to_a_protected_handler_is_locked_
         assert len(ran) == len(SPELLINGS)                  # Litestar leads every spelling to the handler
     assert charged.status_code == 201
     assert retried.status_code in (201, 404, 307, 308) and counter.runs == before + 1
+
+
+@pytest.mark.parametrize("framework", sorted(FRAMEWORKS))
+async def test_a_rule_naming_no_route_of_the_framework_fails_the_start_up(redis_url, framework):
+    async with make_manager(redis_url) as manager:
+        app = LockMiddleware(FRAMEWORKS[framework](Counter()), manager=manager,
+                             rules={**RULES, "POST /stock/{pid}/deduce": locked("stock:{path.pid}")})
+        messages = await run_lifespan(app)
+    assert messages[0]["type"] == "lifespan.startup.failed"
+    assert "/stock/{pid}/deduce" in messages[0]["message"] and "/stock/{pid}/deduct" in messages[0]["message"]

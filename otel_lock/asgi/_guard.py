@@ -193,7 +193,8 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
         def guarded_generator(*args: Any, **kwargs: Any) -> Any:
             entry = _entry(guarded_generator, fn)
             if entry is not None:
-                entry.call_sync(fn, args, kwargs)   # refused: a generator cannot be held (start-up says so)
+                # Nothing holds a plain generator (start-up refuses one on a route that needs it): refused.
+                raise entry.refusal(fn)
             yield from fn(*args, **kwargs)
         return guarded_generator
 
@@ -249,6 +250,11 @@ class _Entry:
     def call_sync(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         raise NotImplementedError
 
+    def refusal(self, fn: Callable[..., Any]) -> Exception:
+        """What a plain generator handler raises instead of running."""
+        return DirectCallRefused(f"{_name(fn)} is a plain generator: it cannot be held under its lock; make it "
+                                 f"return its answer (or an async generator)")
+
 
 class _Refusal(_Entry):
     """Answer 500 problem+json instead of running (generators raise: they cannot answer)."""
@@ -271,6 +277,10 @@ class _Refusal(_Entry):
     def held(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self._report()
         raise LockMiddlewareMissing(self.detail)
+
+    def refusal(self, fn: Callable[..., Any]) -> Exception:
+        self._report()
+        return LockMiddlewareMissing(self.detail)
 
 
 class _DirectHold(_Entry):
@@ -306,6 +316,10 @@ class _DirectHold(_Entry):
         rule = hold.locked
         async with manager.lock(name, wait=rule.wait, lease=rule.lease, name=rule.lock_name, cancel_on_lost=True):
             yield
+
+    def refusal(self, fn: Callable[..., Any]) -> Exception:
+        self._hold(fn)   # an @idempotent handler: refused for that first
+        return super().refusal(fn)
 
     def call_sync(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self._hold(fn)

@@ -208,14 +208,13 @@ class _LitestarRouter(ForeignRouter):
     name = "Litestar"
 
     def __init__(self, app: Any) -> None:
-        from litestar.utils.path import normalize_path
-
-        self.app, self.normalize = app, normalize_path
+        self.app = app
 
     def resolve(self, path: str, method: str, host: str) -> tuple[str, dict[str, Any], str] | None:
+        # Litestar's own normalisation (litestar.utils.path.normalize_path) before its router's look-up.
+        normalized = re.sub("//+", "/", "/" + path.strip("/"))
         try:
-            _, _, routed, params, template = self.app.asgi_router.handle_routing(path=self.normalize(path),
-                                                                                 method=method)
+            _, _, routed, params, template = self.app.asgi_router.handle_routing(path=normalized, method=method)
         except Exception:   # NotFound, MethodNotAllowed, a bad parameter: Litestar answers it, nothing runs
             return None
         return path_format(template), dict(params), str(routed)

@@ -25,9 +25,9 @@ from otel_lock import LockMiddleware, idempotent, locked
 from otel_lock.asgi.idempotency import KEY_PATTERN
 
 try:
-    from ._middleware_helpers import client_for, lock_key, make_manager, metered, problem, run_lifespan
+    from ._middleware_helpers import client_for, disconnecting_call, lock_key, make_manager, metered, problem, run_lifespan
 except ImportError:
-    from _middleware_helpers import client_for, lock_key, make_manager, metered, problem, run_lifespan
+    from _middleware_helpers import client_for, disconnecting_call, lock_key, make_manager, metered, problem, run_lifespan
 
 
 class Shelf:
@@ -546,7 +546,7 @@ class Store:
         self.exits_held: list[bool] = []           # the lock held at the yield dependency's exit
 
 
-def store_app(manager, store: Store, after_auth: bool | None = None) -> FastAPI:
+def store_app(manager, store: Store, after_auth: bool | None = None, wait: float = 0) -> FastAPI:
     bearer = HTTPBearer(auto_error=False)
 
     async def current_user(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> str:
@@ -571,7 +571,7 @@ def store_app(manager, store: Store, after_auth: bool | None = None) -> FastAPI:
     app = FastAPI()
 
     @app.post("/items/{item_id}/buy", dependencies=[Depends(unit_of_work)])
-    @locked("item:{path.item_id}", wait=0, after_auth=after_auth)
+    @locked("item:{path.item_id}", wait=wait, after_auth=after_auth)
     async def buy(item_id: int, left: int = Depends(get_item_or_404), user: str = Depends(current_user)):
         if left <= 0:
             return JSONResponse({"sold": False}, status_code=409)
@@ -654,3 +654,20 @@ async def test_a_handler_whose_lock_dependency_was_overridden_refuses_to_run_unl
             answer = await client.post("/items/1/buy", headers=SIGNED_IN)
     assert answer.status_code == 500 and problem(answer)["type"] == "lock-not-taken"
     assert store.stock[1] == 1
+
+
+async def test_a_client_that_hangs_up_while_its_lock_is_awaited_after_authentication_leaves_nothing(redis_url):
+    store = Store()
+    gone = asyncio.Event()
+    gone.set()   # the server's next message after the body is the disconnect
+    async with make_manager(redis_url) as manager:
+        app = store_app(manager, store, wait=30)
+        free = await asyncio.wait_for(disconnecting_call(app, "/items/1/buy", asyncio.Event(), method="POST",
+                                                         headers=[(b"authorization", b"Bearer alice")]), 10)
+        store.stock[1] = 1
+        store.read_under.clear()
+        async with make_manager(redis_url) as other, other.lock("item:1"):   # another replica holds the item
+            sent = await asyncio.wait_for(disconnecting_call(app, "/items/1/buy", gone, method="POST",
+                                                             headers=[(b"authorization", b"Bearer alice")]), 10)
+    assert free[0]["status"] == 200                       # the same call, the lock free: it runs
+    assert sent == [] and store.stock[1] == 1 and store.read_under == []

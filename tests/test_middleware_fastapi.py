@@ -6,11 +6,18 @@ Regression tests for issue 8, items 1, 2, 8 and 10 (one route match).
 from __future__ import annotations
 
 import asyncio
-from typing import Annotated
+import gzip
+import json
+import threading
+import time
+from typing import Annotated, Callable
 
 import pytest
-from fastapi import APIRouter, Body, Depends, FastAPI, Header, Query, Request
-from fastapi.responses import JSONResponse
+import redis.asyncio as aioredis
+from fastapi import APIRouter, Body, Depends, FastAPI, Header, HTTPException, Query, Request
+from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel
 from starlette.routing import Mount
 
@@ -18,9 +25,9 @@ from otel_lock import LockMiddleware, idempotent, locked
 from otel_lock.asgi.idempotency import KEY_PATTERN
 
 try:
-    from ._middleware_helpers import client_for, lock_key, make_manager, metered, run_lifespan
+    from ._middleware_helpers import client_for, disconnecting_call, lock_key, make_manager, metered, problem, run_lifespan
 except ImportError:
-    from _middleware_helpers import client_for, lock_key, make_manager, metered, run_lifespan
+    from _middleware_helpers import client_for, disconnecting_call, lock_key, make_manager, metered, problem, run_lifespan
 
 
 class Shelf:
@@ -368,3 +375,299 @@ async def test_starlette_path_convertors_type_the_key(redis_url):
             answers = await asyncio.gather(*(client.post(f"/stock/{p}/deduct") for p in ("7", "07", "007", "0007")))
     assert sorted(r.status_code for r in answers) == [200, 409, 409, 409]
     assert len(shelf.sold) == 1
+
+
+# -- custom route classes (issue 25, item 6) ------------------------------------------
+
+
+class HeadersRoute(APIRoute):
+    """mealie's kind: adds response headers, never touches the request."""
+
+    def get_route_handler(self) -> Callable:
+        original = super().get_route_handler()
+
+        async def handler(request: Request) -> Response:
+            response = await original(request)
+            response.headers["x-app"] = "recipes"
+            return response
+
+        return handler
+
+
+class TimedRoute(APIRoute):
+    """FastAPI's docs ("Custom Request and APIRoute class"): times the call."""
+
+    def get_route_handler(self) -> Callable:
+        original = super().get_route_handler()
+
+        async def handler(request: Request) -> Response:
+            before = time.perf_counter()
+            response = await original(request)
+            response.headers["x-response-time"] = str(time.perf_counter() - before)
+            return response
+
+        return handler
+
+
+class GzipRequest(Request):
+    async def body(self) -> bytes:
+        if not hasattr(self, "_body"):
+            body = await super().body()
+            self._body = gzip.decompress(body) if "gzip" in self.headers.getlist("content-encoding") else body
+        return self._body
+
+
+class GzipRoute(APIRoute):
+    """FastAPI's docs: the handler gets another body than the bytes on the wire."""
+
+    def get_route_handler(self) -> Callable:
+        original = super().get_route_handler()
+
+        async def handler(request: Request) -> Response:
+            return await original(GzipRequest(request.scope, request.receive))
+
+        return handler
+
+
+class Recipe(BaseModel):
+    name: str
+
+
+def recipe_app(manager, route_class: type[APIRoute], sync: bool, entered: threading.Event,
+               go: threading.Event, keys: list[str]) -> FastAPI:
+    app = FastAPI()
+    router = APIRouter(route_class=route_class)
+    if sync:
+        @router.post("/recipes", status_code=201)
+        @locked("recipe-create:{json.name}", wait=0)
+        def create(recipe: Recipe, request: Request):
+            keys.append(request.state.lock.key)
+            entered.set()
+            assert go.wait(10)
+            return {"name": recipe.name}
+    else:
+        @router.post("/recipes", status_code=201)
+        @locked("recipe-create:{json.name}", wait=0)
+        async def create(recipe: Recipe, request: Request):   # type: ignore[misc]
+            keys.append(request.state.lock.key)
+            entered.set()
+            assert await asyncio.to_thread(go.wait, 10)
+            return {"name": recipe.name}
+    app.include_router(router)
+    app.add_middleware(LockMiddleware, manager=manager)
+    return app
+
+
+def recipe_body(route_class: type[APIRoute], name: str) -> dict:
+    raw = json.dumps({"name": name}).encode()
+    if route_class is GzipRoute:
+        return {"content": gzip.compress(raw), "headers": {"content-type": "application/json",
+                                                           "content-encoding": "gzip"}}
+    return {"content": raw, "headers": {"content-type": "application/json"}}
+
+
+@pytest.mark.parametrize("sync", [False, True], ids=["async_def", "def"])
+@pytest.mark.parametrize("route_class", [HeadersRoute, TimedRoute, GzipRoute])
+async def test_custom_route_classes_are_locked_with_async_and_sync_handlers(redis_url, route_class, sync):
+    entered, go, keys = threading.Event(), threading.Event(), []
+    async with make_manager(redis_url) as manager:
+        app = recipe_app(manager, route_class, sync, entered, go, keys)
+        assert (await run_lifespan(app))[0]["type"] == "lifespan.startup.complete"
+        async with client_for(app) as client:
+            first = asyncio.create_task(client.post("/recipes", **recipe_body(route_class, "soup")))
+            assert await asyncio.to_thread(entered.wait, 10)
+            second = await client.post("/recipes", **recipe_body(route_class, "soup"))
+            go.set()
+            first_answer = await first
+            after = await client.post("/recipes", **recipe_body(route_class, "soup"))
+    assert first_answer.status_code == 201, first_answer.text
+    assert second.status_code == 409 and problem(second)["type"] == "lock-timeout", second.text
+    assert after.status_code == 201, after.text
+    assert keys == [lock_key("recipe-create:soup")] * 2
+    if route_class is HeadersRoute:
+        assert first_answer.headers["x-app"] == "recipes"
+    if route_class is TimedRoute:
+        assert float(first_answer.headers["x-response-time"]) >= 0
+
+
+async def test_a_headers_only_route_class_takes_the_lock_before_the_app_so_yield_exits_run_under_it(redis_url):
+    held_at_exit: list[bool] = []
+
+    async with make_manager(redis_url) as manager:
+        async def unit_of_work(request: Request):
+            yield
+            # another task: the request's own would re-enter its hold
+            held_at_exit.append(await asyncio.create_task(manager.try_lock("recipe-create:soup")) is None)
+
+        app = FastAPI()
+        router = APIRouter(route_class=HeadersRoute)
+
+        @router.post("/recipes", status_code=201, dependencies=[Depends(unit_of_work)])
+        @locked("recipe-create:{json.name}", wait=0)
+        def create(recipe: Recipe):
+            return {"name": recipe.name}
+
+        app.include_router(router)
+        app.add_middleware(LockMiddleware, manager=manager)
+        async with client_for(app) as client:
+            answer = await client.post("/recipes", json={"name": "soup"})
+    assert answer.status_code == 201 and answer.headers["x-app"] == "recipes", answer.text
+    assert held_at_exit == [True]
+
+
+@pytest.mark.parametrize("sync", [False, True], ids=["async_def", "def"])
+async def test_a_misconfigured_redis_is_the_same_problem_when_the_lock_is_taken_at_the_handlers_call(sync):
+    from otel_lock.cli._redis_server import RedisServer
+
+    with RedisServer() as server:
+        admin = aioredis.Redis.from_url(server.url)
+        await admin.config_set("requirepass", "s3cret")
+        await admin.aclose()
+        async with make_manager(server.url) as manager:
+            app = recipe_app(manager, GzipRoute, sync, threading.Event(), threading.Event(), [])
+            async with client_for(app) as client:
+                answer = await client.post("/recipes", **recipe_body(GzipRoute, "soup"))
+    assert answer.status_code == 500, answer.text
+    body = problem(answer)
+    assert body["type"] == "redis-misconfigured" and "password" in body["detail"] and "s3cret" not in answer.text
+
+
+# -- the lock after the caller is known (issue 25, item 4) ---------------------------------
+
+
+class Store:
+    """One shop's stock and what its requests saw, shared by two replicas (two apps on one Redis)."""
+
+    def __init__(self) -> None:
+        self.stock = {1: 1}
+        self.anonymous_in_auth = asyncio.Event()
+        self.reject_anonymous = asyncio.Event()
+        self.read_under: list[str | None] = []     # the lock held when the item was read
+        self.exits_held: list[bool] = []           # the lock held at the yield dependency's exit
+
+
+def store_app(manager, store: Store, after_auth: bool | None = None, wait: float = 0) -> FastAPI:
+    bearer = HTTPBearer(auto_error=False)
+
+    async def current_user(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> str:
+        if credentials is None:
+            store.anonymous_in_auth.set()
+            await store.reject_anonymous.wait()   # a slow token check
+            raise HTTPException(401, "sign in")
+        return credentials.credentials
+
+    async def get_item_or_404(item_id: int, request: Request) -> int:
+        if item_id not in store.stock:
+            raise HTTPException(404)
+        lock = getattr(request.state, "lock", None)
+        store.read_under.append(None if lock is None else lock.key)
+        return store.stock[item_id]
+
+    async def unit_of_work(item_id: int):
+        yield
+        # another task: the request's own would re-enter its hold
+        store.exits_held.append(await asyncio.create_task(manager.try_lock(f"item:{item_id}")) is None)
+
+    app = FastAPI()
+
+    @app.post("/items/{item_id}/buy", dependencies=[Depends(unit_of_work)])
+    @locked("item:{path.item_id}", wait=wait, after_auth=after_auth)
+    async def buy(item_id: int, left: int = Depends(get_item_or_404), user: str = Depends(current_user)):
+        if left <= 0:
+            return JSONResponse({"sold": False}, status_code=409)
+        await asyncio.sleep(0)   # a real purchase awaits something between the read and the write
+        store.stock[item_id] = left - 1
+        return {"sold": True, "to": user}
+
+    app.add_middleware(LockMiddleware, manager=manager)
+    return app
+
+
+SIGNED_IN = {"authorization": "Bearer alice"}
+
+
+async def test_a_request_authentication_rejects_neither_waits_for_nor_holds_the_business_lock(redis_url):
+    store = Store()
+    async with make_manager(redis_url) as one, make_manager(redis_url) as two:
+        async with client_for(store_app(one, store)) as replica_1, client_for(store_app(two, store)) as replica_2:
+            anonymous = asyncio.create_task(replica_1.post("/items/1/buy"))
+            await asyncio.wait_for(store.anonymous_in_auth.wait(), 10)   # its token is being checked now
+            bought = await replica_2.post("/items/1/buy", headers=SIGNED_IN)   # wait=0: a held lock is 409
+            store.reject_anonymous.set()
+            rejected = await anonymous
+    assert bought.status_code == 200 and bought.json() == {"sold": True, "to": "alice"}, bought.text
+    assert rejected.status_code == 401
+    # The item was read under its lock, and the yield dependency's exit ran under it too.
+    assert store.read_under == [lock_key("item:1")] and store.exits_held == [True]
+
+
+async def test_a_dependency_that_reads_the_resource_runs_under_the_lock_across_replicas(redis_url):
+    store = Store()
+    async with make_manager(redis_url) as one, make_manager(redis_url) as two:
+        async with client_for(store_app(one, store)) as replica_1, client_for(store_app(two, store)) as replica_2:
+            answers = [await replica_1.post("/items/1/buy", headers=SIGNED_IN),
+                       await replica_2.post("/items/1/buy", headers=SIGNED_IN)]
+            concurrent = await asyncio.gather(*(r.post("/items/1/buy", headers=SIGNED_IN)
+                                                for r in (replica_1, replica_2)))
+    assert [a.status_code for a in answers] == [200, 409] and store.stock[1] == 0
+    assert sorted(a.status_code for a in concurrent) == [409, 409]
+    assert all(key == lock_key("item:1") for key in store.read_under) and len(store.read_under) >= 2
+
+
+async def test_after_auth_false_keeps_the_lock_in_front_of_every_dependency(redis_url):
+    store = Store()
+    async with make_manager(redis_url) as one, make_manager(redis_url) as two:
+        async with client_for(store_app(one, store, after_auth=False)) as replica_1, \
+                client_for(store_app(two, store, after_auth=False)) as replica_2:
+            anonymous = asyncio.create_task(replica_1.post("/items/1/buy"))
+            await asyncio.wait_for(store.anonymous_in_auth.wait(), 10)   # it holds the lock meanwhile
+            refused = await replica_2.post("/items/1/buy", headers=SIGNED_IN)
+            store.reject_anonymous.set()
+            rejected = await anonymous
+    assert refused.status_code == 409 and problem(refused)["type"] == "lock-timeout"
+    assert rejected.status_code == 401 and store.stock[1] == 1
+
+
+async def test_after_auth_true_on_a_route_without_authentication_fails_the_start_up(redis_url):
+    async with make_manager(redis_url) as manager:
+        app = FastAPI()
+
+        @app.post("/items/{item_id}/buy")
+        @locked("item:{path.item_id}", after_auth=True)
+        async def buy(item_id: int):
+            return {}
+
+        app.add_middleware(LockMiddleware, manager=manager)
+        messages = await run_lifespan(app)
+    assert messages[0]["type"] == "lifespan.startup.failed"
+    assert "after_auth=True" in messages[0]["message"] and "/items/{item_id}/buy" in messages[0]["message"]
+
+
+async def test_a_handler_whose_lock_dependency_was_overridden_refuses_to_run_unlocked(redis_url):
+    from otel_lock.asgi._after_auth import otel_lock_route_lock
+
+    store = Store()
+    async with make_manager(redis_url) as manager:
+        app = store_app(manager, store)
+        app.dependency_overrides[otel_lock_route_lock] = lambda: None
+        async with client_for(app) as client:
+            answer = await client.post("/items/1/buy", headers=SIGNED_IN)
+    assert answer.status_code == 500 and problem(answer)["type"] == "lock-not-taken"
+    assert store.stock[1] == 1
+
+
+async def test_a_client_that_hangs_up_while_its_lock_is_awaited_after_authentication_leaves_nothing(redis_url):
+    store = Store()
+    gone = asyncio.Event()
+    gone.set()   # the server's next message after the body is the disconnect
+    async with make_manager(redis_url) as manager:
+        app = store_app(manager, store, wait=30)
+        free = await asyncio.wait_for(disconnecting_call(app, "/items/1/buy", asyncio.Event(), method="POST",
+                                                         headers=[(b"authorization", b"Bearer alice")]), 10)
+        store.stock[1] = 1
+        store.read_under.clear()
+        async with make_manager(redis_url) as other, other.lock("item:1"):   # another replica holds the item
+            sent = await asyncio.wait_for(disconnecting_call(app, "/items/1/buy", gone, method="POST",
+                                                             headers=[(b"authorization", b"Bearer alice")]), 10)
+    assert free[0]["status"] == 200                       # the same call, the lock free: it runs
+    assert sent == [] and store.stock[1] == 1 and store.read_under == []

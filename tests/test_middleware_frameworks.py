@@ -163,3 +163,45 @@ async def test_decorators_on_quart_views_fail_the_start_up_saying_use_rules(redi
     assert messages[0]["type"] == "lifespan.startup.failed"
     text = messages[0]["message"]
     assert "deduct" in text and "Quart" in text and "rules=" in text, text
+
+
+# Spellings of one path that the frameworks' routers may lead to the same handler (issue 25, item 2).
+SPELLINGS = ["/stock/7/deduct", "/stock/7/deduct/", "//stock/7//deduct", "/stock/+7/deduct", "/stock/%207/deduct",
+             "/stock/07/deduct"]
+
+
+def raw(path: str) -> httpx.URL:
+    """The path exactly as written (httpx would read `//stock` as a host)."""
+    return httpx.URL("http://test").copy_with(raw_path=path.encode())
+
+
+@pytest.mark.parametrize("framework", sorted(FRAMEWORKS))
+async def test_every_spelling_the_router_leads_to_a_protected_handler_is_locked_as_one_resource(redis_url,
+                                                                                                framework):
+    counter = Counter()
+    async with make_manager(redis_url) as manager:
+        app = LockMiddleware(FRAMEWORKS[framework](counter), manager=manager, rules=RULES)
+        async with client_for(app) as client:
+            answers = await asyncio.gather(*(client.post(raw(p)) for p in SPELLINGS))
+            before = counter.runs
+            charged = await client.post("/orders", json={"item": "a"}, headers={"idempotency-key": '"k-9"'})
+            retried = await client.post(raw("//orders/"), json={"item": "a"}, headers={"idempotency-key": '"k-9"'})
+    ran = [r for r in answers if r.status_code == 200]
+    # A handler reached without its lock answers 500 (it reads the lock from the scope): none may.
+    assert all(r.status_code in (200, 307, 308, 404) for r in answers), [(r.url, r.status_code) for r in answers]
+    assert {r.json()["key"] for r in ran} == {lock_key("stock:7")}
+    assert before == len(ran) and counter.most_inside == 1
+    if framework == "litestar":
+        assert len(ran) == len(SPELLINGS)                  # Litestar leads every spelling to the handler
+    assert charged.status_code == 201
+    assert retried.status_code in (201, 404, 307, 308) and counter.runs == before + 1
+
+
+@pytest.mark.parametrize("framework", sorted(FRAMEWORKS))
+async def test_a_rule_naming_no_route_of_the_framework_fails_the_start_up(redis_url, framework):
+    async with make_manager(redis_url) as manager:
+        app = LockMiddleware(FRAMEWORKS[framework](Counter()), manager=manager,
+                             rules={**RULES, "POST /stock/{pid}/deduce": locked("stock:{path.pid}")})
+        messages = await run_lifespan(app)
+    assert messages[0]["type"] == "lifespan.startup.failed"
+    assert "/stock/{pid}/deduce" in messages[0]["message"] and "/stock/{pid}/deduct" in messages[0]["message"]

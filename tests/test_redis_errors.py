@@ -11,8 +11,13 @@ Every message names the server (host:port, no password) and the operation.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
+import shutil
+import tempfile
+import time
 
+import httpx
 import pytest
 import redis.asyncio as aioredis
 from opentelemetry.sdk.metrics import MeterProvider
@@ -24,7 +29,14 @@ from redis.exceptions import (AuthenticationError, BusyLoadingError, ClusterDown
                               TimeoutError, TryAgainError)
 
 from _redis_states import ByteProxy, add_acl_users, admin, loading_server
-from otel_lock import LockError, LockManager, RedisMisconfigured, RedisUnavailable
+from starlette.applications import Starlette
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from otel_lock import LockError, LockManager, LockMiddleware, RedisMisconfigured, RedisUnavailable, idempotent, locked
+from otel_lock.asgi._answers import redis_answer
+from otel_lock.asgi.idempotency import IdempotencyStore, RecordStoreUnavailable
+from otel_lock.asgi.idempotency._store_errors import translate
 from otel_lock.cli._redis_server import RedisServer, free_port
 from otel_lock.lock._errors import (LOCK_COMMANDS, MISCONFIGURED, UNAVAILABLE, error_type, is_unavailable,
                                     to_lock_error)
@@ -315,7 +327,7 @@ async def test_queued_waiters_never_see_noscript_however_often_the_scripts_are_f
 # -- the classification itself, on the errors redis-py and the lean connection raise ----------
 
 
-@pytest.mark.parametrize("error, kind", [
+ERROR_KINDS = [
     (ConnectionError("Error 111 connecting to 127.0.0.1:1. Connection refused."), UNAVAILABLE),
     (TimeoutError("Timeout reading from socket"), UNAVAILABLE),
     (OSError(104, "Connection reset by peer"), UNAVAILABLE),
@@ -349,7 +361,10 @@ async def test_queued_waiters_never_see_noscript_however_often_the_scripts_are_f
     (ResponseError("WRONGTYPE Operation against a key holding the wrong kind of value"), "redis_error"),
     (ResponseError("Protocol error: invalid bulk length"), "redis_error"),
     (DataError("Invalid input of type: 'NoneType'."), "redis_error"),
-])
+]
+
+
+@pytest.mark.parametrize("error, kind", ERROR_KINDS)
 def test_error_types(error, kind):
     assert error_type(error) == kind
     assert is_unavailable(error) == (kind == UNAVAILABLE)
@@ -365,3 +380,76 @@ def test_an_acl_refusal_names_the_user_and_the_exact_rule():
     error = to_lock_error(NoPermissionError("this user has no permissions to access one of the channels used "
                                             "as arguments"), "subscribe", key=KEY)
     assert re.search(r"ACL SETUSER default &shop:wake:\*", str(error))
+
+
+# -- one classifier, one answer: the lock and the idempotency record store agree (issue 25) -----
+
+
+@pytest.mark.parametrize("error, kind", [(e, k) for e, k in ERROR_KINDS])
+def test_the_record_store_classifies_each_error_as_the_lock_does(error, kind):
+    translated = translate(error)
+    assert isinstance(translated, RecordStoreUnavailable) == (kind == UNAVAILABLE), translated
+    locked_answer = redis_answer(to_lock_error(error, "acquire of shop:{k}"), "the lock service", 1.0)
+    stored_answer = redis_answer(translated, "the idempotency store", 1.0)
+    assert stored_answer.status == locked_answer.status
+
+
+@contextlib.contextmanager
+def refusing_writes(state: str):
+    """A redis-server that refuses writes: NOREPLICAS (min-replicas-to-write without replicas) or MISCONF
+    (its last background save failed, stop-writes-on-bgsave-error)."""
+    folder = tempfile.mkdtemp(prefix="otel-lock-misconf-")
+    try:
+        with RedisServer(extra_args=("--dir", folder, "--save", "3600 1")) as server:
+            with admin(server.port) as client:
+                if state == "NOREPLICAS":
+                    client.config_set("min-replicas-to-write", 1)
+                else:
+                    shutil.rmtree(folder)   # the save's child cannot write its file: the save fails
+                    client.bgsave()
+                    deadline = time.monotonic() + 10
+                    while client.info("persistence")["rdb_last_bgsave_status"] != "err":
+                        assert time.monotonic() < deadline, "the background save never failed"
+                        time.sleep(0.01)   # polling the server's own state, no other event to wait on
+                with pytest.raises(ResponseError, match=state):
+                    client.set("probe", "x")
+            yield server
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def one_route_app(manager, store=None):
+    async def take(request):
+        return JSONResponse({"ran": True}, status_code=201)
+
+    async def charge(request):
+        return JSONResponse({"ran": True}, status_code=201)
+
+    app = Starlette(routes=[Route("/locked/{k}", locked("thing:{path.k}")(take), methods=["POST"]),
+                            Route("/idempotent", idempotent(shared_scope=True)(charge), methods=["POST"])])
+    app.add_middleware(LockMiddleware, manager=manager, idempotency_store=store)
+    return app
+
+
+@pytest.mark.parametrize("state", ["NOREPLICAS", "MISCONF"])
+async def test_a_redis_refusing_writes_answers_the_same_from_a_locked_and_an_idempotent_route(redis_url, state):
+    with refusing_writes(state) as server:
+        # The lock meets the state on a locked route; the record store meets it on an idempotent route
+        # (its in-flight lock on a healthy Redis).
+        locks = LockManager.from_url(server.url, namespace=NS)
+        healthy = LockManager.from_url(redis_url, namespace=NS)
+        store = IdempotencyStore.from_url(server.url)
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=one_route_app(locks)),
+                                         base_url="http://test") as client:
+                from_lock = await client.post("/locked/1")
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=one_route_app(healthy, store)),
+                                         base_url="http://test") as client:
+                from_store = await client.post("/idempotent", headers={"idempotency-key": '"k1"'})
+        finally:
+            await locks.aclose()
+            await healthy.aclose()
+            await store.aclose()
+    for answer in (from_lock, from_store):
+        assert answer.status_code == 503, (answer.request.url, answer.request.headers, answer.text)
+        assert answer.json()["type"].endswith("/redis-unavailable") and answer.headers["retry-after"]

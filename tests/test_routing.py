@@ -294,3 +294,19 @@ async def test_http_endpoint_methods_are_locked_through_the_middleware(redis_url
         app.add_middleware(LockMiddleware, manager=manager)
         await assert_locked(app, "POST", "/shop/acme/items/007", "items:7", manager)
         await assert_locked(app, "GET", "/shop/acme/items/7", None, manager)
+
+
+def test_a_plain_generator_handler_never_runs_unprotected():
+    from otel_lock.asgi._guard import LockMiddlewareMissing
+
+    ran = []
+
+    @locked("report:{path.day}")
+    def report(day: str):
+        ran.append(day)
+        yield day
+
+    # No LockMiddleware ever prepared it: refused, as a function handler is, instead of streaming unlocked.
+    with pytest.raises(LockMiddlewareMissing, match="ran without LockMiddleware"):
+        list(report("monday"))
+    assert ran == []

@@ -18,6 +18,7 @@ import types
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, TypeVar
 
+from ._guard import fail_closed_route, guard
 from ._keys import KeyTemplate, parse_template
 from .idempotency import Idempotent, idempotent
 
@@ -38,8 +39,6 @@ def _attach(obj: F, kind: str, annotation: Locked | Idempotent) -> F:
     # A new dict, never an update: functools.wraps shares __dict__ between a
     # wrapper and its target, and annotating one must not annotate the other.
     setattr(obj, ATTR, {**existing, kind: annotation})
-    from ._guard import guard
-
     guarded = guard(obj)
     if guarded is not obj:
         setattr(guarded, ATTR, {**existing, kind: annotation})
@@ -54,8 +53,6 @@ def _fail_closed_if_registered(fn: Any, kind: str, frame: Any) -> None:
     before ours; its route for `fn` is made to refuse requests that no
     LockMiddleware protects, and a warning names the fix.
     """
-    from ._guard import fail_closed_route
-
     # Apps and routers only: no attribute look-up on modules or classes (a module's __getattr__ may warn).
     holders = [v for v in (*frame.f_locals.values(), *frame.f_globals.values())
                if not isinstance(v, (types.ModuleType, type)) and isinstance(getattr(v, "routes", None), list)]
@@ -92,6 +89,7 @@ class Locked:
     release_after: str = "app"
     max_body: int | None = None             # request body limit; None: the middleware's
     body_idle_timeout: float | None = None  # seconds without a body chunk; None: the middleware's
+    after_auth: bool | None = None          # FastAPI: take the lock after the security dependencies; None: if any
 
     kind: ClassVar[str] = "locked"
 
@@ -108,6 +106,7 @@ def locked(
     template: str, *, wait: float | None = None, lease: float | None = None, status: int = 409,
     fail_open: bool = False, hash_parts: bool = False, name: str | None = None, retry_after: float | None = None,
     release_after: str = "app", max_body: int | None = None, body_idle_timeout: float | None = None,
+    after_auth: bool | None = None,
 ) -> Locked:
     """Take the lock named by `template` before the handler runs; release when the app call returns.
 
@@ -115,6 +114,9 @@ def locked(
     instead: background tasks and yield-dependency exit code then run unlocked.
     `max_body` (bytes) and `body_idle_timeout` (seconds without a body chunk)
     bound the body read before the lock; by default the middleware's.
+    `after_auth` (FastAPI): take the lock after the route's security
+    dependencies and before its other ones (None: when it has any; False:
+    before every dependency; True: insist, failing the start-up without any).
     """
     _check_seconds("wait", wait, allow_zero=True)
     _check_seconds("lease", lease, allow_zero=False)
@@ -128,8 +130,11 @@ def locked(
         raise ValueError("name must be a non-empty string")
     if release_after not in RELEASE_AFTER:
         raise ValueError(f"release_after must be one of {', '.join(map(repr, RELEASE_AFTER))}, got {release_after!r}")
+    if after_auth is not None and not isinstance(after_auth, bool):
+        raise ValueError(f"after_auth must be True, False or None, got {after_auth!r}")
     return Locked(parse_template(template), wait, lease, status, fail_open, hash_parts, name, retry_after,
-                  release_after, max_body, None if body_idle_timeout is None else float(body_idle_timeout))
+                  release_after, max_body, None if body_idle_timeout is None else float(body_idle_timeout),
+                  after_auth)
 
 
 def annotations_of(endpoint: Any, method: str | None = None) -> dict[str, Any]:

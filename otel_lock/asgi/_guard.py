@@ -26,11 +26,16 @@ from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, TypeVar, cast
 
-from ..lock import LockLost, LockTimeout, Locks, RedisUnavailable
+from anyio import from_thread
+
+from ..lock import HeldLock, LockError, LockLost, Locks
+from ._after_auth import DEFERRED
+from ._answers import Answer, lock_answer, release_quietly, runs_unlocked
+from ._binding import RouteBinding, Unrenderable
+from ._keys import TemplateValueError
 
 if TYPE_CHECKING:
     from ._annotations import Locked
-    from ._binding import RouteBinding
     from ._types import Scope
 
 log = logging.getLogger("otel_lock.middleware")
@@ -84,6 +89,7 @@ class Mark:
     guards: frozenset[int]
     hold: Hold | None = None
     scope: Scope | None = None
+    taken: str | None = None        # at_call: the key the middleware holds already (None: none)
     used: bool = False
 
     @classmethod
@@ -187,7 +193,8 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
         def guarded_generator(*args: Any, **kwargs: Any) -> Any:
             entry = _entry(guarded_generator, fn)
             if entry is not None:
-                entry.refuse_sync(fn)
+                # Nothing holds a plain generator (start-up refuses one on a route that needs it): refused.
+                raise entry.refusal(fn)
             yield from fn(*args, **kwargs)
         return guarded_generator
 
@@ -195,8 +202,13 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
         entry = _entry(guarded, fn)
         if entry is None:
             return fn(*args, **kwargs)
-        return entry.refuse_sync(fn)
+        return entry.call_sync(fn, args, kwargs)
     return guarded
+
+
+def _deferred_taken() -> bool:
+    deferred = DEFERRED.get()
+    return deferred is None or deferred.done
 
 
 def _entry(guard_fn: Any, fn: Callable[..., Any]) -> _Entry | None:
@@ -204,6 +216,10 @@ def _entry(guard_fn: Any, fn: Callable[..., Any]) -> _Entry | None:
     mark = MARK.get()
     if mark is not None and not mark.used and id(guard_fn) in mark.guards:
         mark.used = True   # the route's one call; any further call is a direct one
+        if mark.kind == HELD and not _deferred_taken():
+            return _Refusal(500, "lock-not-taken", _name(fn) + ": the route's lock is taken by a dependency "
+                            "LockMiddleware added after the security dependencies, and it did not run (was it "
+                            "overridden?); the handler refuses to run unlocked")
         if mark.kind in (HELD, UNLOCKED):
             return None
         if mark.kind == UNBOUND:
@@ -211,7 +227,7 @@ def _entry(guard_fn: Any, fn: Callable[..., Any]) -> _Entry | None:
                             "lock key invalid for the route's declared types and took no lock, yet the framework "
                             "accepted the request; it refuses to run unlocked (please report the route and request)")
         assert mark.hold is not None
-        return _RouteHold(mark.hold, mark.scope)
+        return _RouteHold(mark.hold, mark.scope, mark.taken)
     calls: DirectCalls | None = getattr(guard_fn, CALLS_ATTR, None)
     if calls is None:
         return _Refusal(500, "lock-middleware-missing",
@@ -231,8 +247,13 @@ class _Entry:
     def held(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         raise NotImplementedError
 
-    def refuse_sync(self, fn: Callable[..., Any]) -> Any:
+    def call_sync(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         raise NotImplementedError
+
+    def refusal(self, fn: Callable[..., Any]) -> Exception:
+        """What a plain generator handler raises instead of running."""
+        return DirectCallRefused(f"{_name(fn)} is a plain generator: it cannot be held under its lock; make it "
+                                 f"return its answer (or an async generator)")
 
 
 class _Refusal(_Entry):
@@ -247,15 +268,19 @@ class _Refusal(_Entry):
             log.error("otel-lock: %s", self.detail)
 
     async def run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        return self.refuse_sync(fn)
+        return self.call_sync(fn, args, kwargs)
 
-    def refuse_sync(self, fn: Callable[..., Any]) -> Any:
+    def call_sync(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self._report()
-        return problem_response(self.status, self.type_name, self.detail)
+        return Answer(self.status, self.type_name, self.detail).response()
 
     def held(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self._report()
         raise LockMiddlewareMissing(self.detail)
+
+    def refusal(self, fn: Callable[..., Any]) -> Exception:
+        self._report()
+        return LockMiddlewareMissing(self.detail)
 
 
 class _DirectHold(_Entry):
@@ -282,8 +307,6 @@ class _DirectHold(_Entry):
         manager = hold.locks()
         if manager is None:
             raise DirectCallRefused(f"{_name(fn)}: LockMiddleware has no lock manager yet to hold this call")
-        from ._binding import Unrenderable
-
         try:
             name = await hold.name(_arguments(fn, args, kwargs))
         except Unrenderable as error:
@@ -294,7 +317,11 @@ class _DirectHold(_Entry):
         async with manager.lock(name, wait=rule.wait, lease=rule.lease, name=rule.lock_name, cancel_on_lost=True):
             yield
 
-    def refuse_sync(self, fn: Callable[..., Any]) -> Any:
+    def refusal(self, fn: Callable[..., Any]) -> Exception:
+        self._hold(fn)   # an @idempotent handler: refused for that first
+        return super().refusal(fn)
+
+    def call_sync(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self._hold(fn)
         raise DirectCallRefused(f"{_name(fn)} was called directly: a plain (def) or generator handler cannot take "
                                 f"an asyncio lock around a direct call; call the route, make the handler "
@@ -302,50 +329,90 @@ class _DirectHold(_Entry):
 
 
 class _RouteHold(_Entry):
-    """The route's call on a route whose key comes from the handler's arguments (custom route classes)."""
+    """The route's call on a route whose class may change the request: the key of the handler's arguments.
 
-    def __init__(self, hold: Hold, scope: Scope | None) -> None:
-        self.hold, self.scope = hold, scope
+    The middleware took the key it read from the wire (`taken`, None if it
+    could not read one). When the handler's arguments give the same key, the
+    call runs under that lock; otherwise the route class changed the request,
+    and the call takes the key of its arguments now: a coroutine around its
+    await, a plain function around its run in the threadpool (the wait runs on
+    the event loop while the worker thread waits for it).
+    """
+
+    def __init__(self, hold: Hold, scope: Scope | None, taken: str | None) -> None:
+        self.hold, self.scope, self.taken = hold, scope, taken
 
     async def run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        from ._binding import Unrenderable
-        from ._keys import TemplateValueError
-        from ._request import count_fail_open, retry_after
-
-        rule = self.hold.locked
-        manager = self.hold.locks()
-        if manager is None:
-            return problem_response(500, "lock-manager-missing", "LockMiddleware has no lock manager")
-        try:
-            name = await self.hold.name(_arguments(fn, args, kwargs))
-        except TemplateValueError as error:
-            return problem_response(400, "lock-key-invalid", str(error))
-        except Unrenderable as error:
-            return problem_response(500, "lock-route-unsupported", str(error))
+        found = await self._name(_arguments(fn, args, kwargs))
+        if isinstance(found, Answer):
+            return found.response()
+        rule, manager = self.hold.locked, self.hold.locks()
+        if found is None or manager is None:
+            return await fn(*args, **kwargs)
         entered = False
         try:
-            async with manager.lock(name, wait=rule.wait, lease=rule.lease, name=rule.lock_name,
+            async with manager.lock(found, wait=rule.wait, lease=rule.lease, name=rule.lock_name,
                                     cancel_on_lost=True) as held:
                 entered = True
-                if self.scope is not None:
-                    self.scope.setdefault("state", {})["lock"] = held
+                self._remember(held)
                 return await fn(*args, **kwargs)
-        except LockTimeout:
+        except LockLost as error:
+            return lock_answer(error, rule).response()
+        except LockError as error:
             if entered:
-                raise
-            return problem_response(rule.status, "lock-timeout", f"the resource is busy (lock {rule.lock_name!r} "
-                                    f"not acquired within the wait)", retry_after=retry_after(rule))
-        except RedisUnavailable as error:
-            if entered:
-                raise
-            if rule.fail_open:
-                count_fail_open(manager, rule)
+                raise  # the handler's own
+            if runs_unlocked(error, rule, manager):
                 return await fn(*args, **kwargs)
-            return problem_response(503, "redis-unavailable", "the lock service is unavailable",
-                                    retry_after=retry_after(rule) if error.retry_after is None else error.retry_after)
-        except LockLost:
-            return problem_response(503, "lock-lost", "the lock was lost while the request ran; its effects may "
-                                    "be incomplete", retry_after=retry_after(rule))
+            return lock_answer(error, rule).response()
+
+    def call_sync(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        try:
+            taken = from_thread.run(self._acquire, _arguments(fn, args, kwargs))
+        except RuntimeError as error:   # not in a worker thread of the serving loop: nothing to wait on
+            return Answer(500, "lock-route-unsupported", f"{_name(fn)} ran outside the threadpool of its route, "
+                          f"so its lock cannot be taken around it: {error}").response()
+        if isinstance(taken, Answer):
+            return taken.response()
+        if taken is None:
+            return fn(*args, **kwargs)
+        try:
+            result = fn(*args, **kwargs)
+        finally:
+            from_thread.run(release_quietly, taken)
+        if taken.lost.is_set():
+            return lock_answer(LockLost("the lock was lost", key=taken.key), self.hold.locked).response()
+        return result
+
+    async def _name(self, arguments: dict[str, Any]) -> str | Answer | None:
+        """The key to take now; None: run as it is (the middleware holds this key already)."""
+        if self.hold.locks() is None:
+            return Answer(500, "lock-manager-missing", "LockMiddleware has no lock manager")
+        try:
+            name = await self.hold.name(arguments)
+        except TemplateValueError as error:
+            return Answer(400, "lock-key-invalid", str(error))
+        except Unrenderable as error:
+            return Answer(500, "lock-route-unsupported", str(error))
+        return None if name == self.taken else name
+
+    async def _acquire(self, arguments: dict[str, Any]) -> Answer | HeldLock | None:
+        """For a worker thread: the held lock (None: run as it is), never cancelled when lost (a thread cannot be)."""
+        found = await self._name(arguments)
+        if not isinstance(found, str):
+            return found
+        rule, manager = self.hold.locked, self.hold.locks()
+        assert manager is not None   # _name answers for a missing one
+        try:
+            held = await manager.acquire(found, wait=rule.wait, lease=rule.lease, name=rule.lock_name,
+                                         cancel_on_lost=False)
+        except LockError as error:
+            return None if runs_unlocked(error, rule, manager) else lock_answer(error, rule)
+        self._remember(held)
+        return held
+
+    def _remember(self, held: HeldLock) -> None:
+        if self.scope is not None:
+            self.scope.setdefault("state", {})["lock"] = held
 
 
 class _FailClosedRoute:
@@ -356,7 +423,7 @@ class _FailClosedRoute:
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and MARK.get() is None:
-            await problem_response(500, "lock-middleware-missing", self.detail)(scope, receive, send)
+            await Answer(500, "lock-middleware-missing", self.detail).send(send)
             return
         await self.app(scope, receive, send)
 
@@ -376,16 +443,6 @@ def fail_closed_route(route: Any) -> bool:
                                       f"below @app.<method>(...), and add app.add_middleware(LockMiddleware, "
                                       f"manager=...) to the app")
     return True
-
-
-def problem_response(status: int, type_name: str, detail: str, retry_after: float | None = None) -> Any:
-    from starlette.responses import Response
-
-    from ._problem import CONTENT_TYPE, problem_body, retry_after_value
-
-    headers = {"retry-after": retry_after_value(retry_after).decode()} if retry_after is not None else None
-    return Response(problem_body(status, type_name, detail), status_code=status, headers=headers,
-                    media_type=CONTENT_TYPE.decode())
 
 
 @functools.cache

@@ -20,6 +20,7 @@ import warnings
 from typing import Any, Callable, TypeAlias
 
 from ..lock import Locks
+from ._after_auth import after_security, security_dependencies
 from ._annotations import MIB, Locked
 from ._binding import RouteBinding
 from ._declared import Unbindable
@@ -30,7 +31,7 @@ from .idempotency._principal import check_callable
 from ._keys import resolve_secret
 from ._openapi import document
 from ._request import Protection, ProtectedRequest
-from ._routing import (Annotated, Problem, Refuse, RouteHandle, RoutePlan, RouteTemplate, RuleMatcher, Rules, _Rule,
+from ._routing import (Annotated, ForeignRouter, Problem, Refuse, RouteHandle, RoutePlan, RouteTemplate, RuleMatcher, Rules, _Rule,
                        find_routes, foreign_annotated, install, is_starlette_routes, original_handle, parse_rules, plan)
 from ._types import ASGIApp, Message, Receive, Scope, Send
 
@@ -222,8 +223,8 @@ class LockMiddleware:
 
     def _prepare_plain(self) -> list[Problem]:
         """No Starlette routes: the rules' own paths are matched in front of the app."""
-        self.plain = RuleMatcher(self.rules)
-        problems: list[Problem] = foreign_annotated(self.app)
+        self.plain = RuleMatcher(self.rules, ForeignRouter.of(self.app))
+        problems: list[Problem] = foreign_annotated(self.app) + self.plain.unmatched()
         for rule in self.rules:
             annotated = Annotated(rule.annotations.get("locked"), rule.annotations.get("idempotent"))
             try:
@@ -265,10 +266,11 @@ class LockMiddleware:
                             else self.body_idle_timeout)
         hold = Hold(self.current_locks, locked, binding, lambda: self.secret, template) \
             if locked is not None and binding is not None else None
+        after_auth = locked is not None and not at_call and _after_auth(target, locked, template)
         for fn in guards:
             install_direct_calls(fn, DirectCalls(hold, annotated.idempotent is not None, self.enabled))
         return Protection(template, locked, annotated.idempotent, binding, limits,
-                          frozenset(id(fn) for fn in guards), bool(at_call), hold)
+                          frozenset(id(fn) for fn in guards), bool(at_call), hold, after_auth)
 
     def _gate_problems(self, plans: list[RoutePlan]) -> list[Problem]:
         found: list[Problem] = []
@@ -288,25 +290,52 @@ class _Unsupported(Unbindable):
 
 
 def _key_at_call(route: Any, locked: Locked, binding: RouteBinding, guards: list[Any], template: str) -> bool:
-    """A key from the body of a route whose class transforms the request: taken from the handler's arguments.
+    """A key from the body of a route whose class may change the request: checked at the handler's call.
 
-    A FastAPI route class that overrides `get_route_handler` (the documented
-    `GzipRequest` recipe) may hand the handler a body other than the bytes
-    on the wire, so the middleware cannot read the key from them: the guard
-    takes the lock when FastAPI calls the handler, from its arguments.
+    A FastAPI route class that overrides `get_route_handler` may only add
+    headers or time the call (then the key read from the wire is the key of
+    the handler's arguments), or hand the handler another body (the
+    documented `GzipRequest` recipe). The middleware cannot tell which before
+    the request, so it takes the wire's key as on any route and the guard
+    compares it with the key of the handler's arguments, taking that one
+    instead where they differ. That needs the key's values among the
+    handler's arguments and a handler the guard can hold (a coroutine or a
+    plain function, not a generator): otherwise the start-up fails here.
     """
     if not locked.template.needs_body or not _transforms_request(route):
         return False
     name = type(route).__name__
-    if not guards or not all(inspect.iscoroutinefunction(fn) for fn in guards):
-        raise _Unsupported(f"the route class {name} transforms the request before FastAPI reads it, so the key "
-                           f"{locked.template.template!r} must be taken from the handler's arguments: make the "
-                           f"handler `async def` and write @locked right below @app.<method>")
+    if not guards or not all(inspect.iscoroutinefunction(fn) or _plain(fn) for fn in guards):
+        raise _Unsupported(f"the route class {name} may change the request before FastAPI reads it, so the key "
+                           f"{locked.template.template!r} is checked against the handler's arguments, which a "
+                           f"generator handler cannot be held around: return the response instead of yielding it, "
+                           f"and write @locked right below @app.<method>")
     problem = binding.call_problem()
     if problem is not None:
-        raise _Unsupported(f"the route class {name} transforms the request before FastAPI reads it, so the key "
-                           f"{locked.template.template!r} is taken from the handler's arguments, but {problem}")
+        raise _Unsupported(f"the route class {name} may change the request before FastAPI reads it, so the key "
+                           f"{locked.template.template!r} is checked against the handler's arguments, but {problem}")
     return True
+
+
+def _after_auth(target: Any, locked: Locked, template: str) -> bool:
+    """Whether the lock is taken after the route's security dependencies (then our dependency is added)."""
+    dependant = getattr(target, "dependant", None)
+    security = security_dependencies(dependant) if dependant is not None else []
+    wanted = bool(security) if locked.after_auth is None else locked.after_auth
+    if not wanted:
+        return False
+    if not security:
+        raise Unbindable(f"locked(after_auth=True) on a route without security dependencies: FastAPI has no "
+                         f"authentication to run first (declare it with a fastapi.security scheme, a dependency "
+                         f"on one, or Security(...)), or drop after_auth=True")
+    after_security(dependant, template)
+    return True
+
+
+def _plain(fn: Any) -> bool:
+    """A plain `def` handler (FastAPI runs it in its threadpool)."""
+    return inspect.isfunction(fn) and not (inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn)
+                                           or inspect.iscoroutinefunction(fn))
 
 
 def _transforms_request(route: Any) -> bool:

@@ -17,10 +17,12 @@ import asyncio
 import logging
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from ..lock import HeldLock, LockError, LockLost, LockTimeout, Locks, RedisMisconfigured, RedisUnavailable
+from ..lock import HeldLock, LockError, LockLost, Locks, RedisUnavailable
+from ._after_auth import DEFERRED, Deferred, NotTaken
 from ._annotations import Idempotent, Locked
+from ._answers import lock_answer, release_quietly, runs_unlocked
 from ._binding import INVALID, RouteBinding
 from ._body import BodyLimits, BodyRefused, Client, ClientGone, read_body
 from ._guard import AT_CALL, Hold, Mark, marked
@@ -44,8 +46,12 @@ class Protection:
     binding: RouteBinding | None    # how the lock key's values reach the handler
     limits: BodyLimits
     guards: frozenset[int] = frozenset()   # the endpoint's guards this request may enter
-    at_call: bool = False           # the key is taken from the handler's arguments (custom route classes)
+    # A route class that may change the request (it overrides get_route_handler): the key read from
+    # the wire is taken around the app as on any route, and checked at the handler's call against the
+    # key of its arguments; where they differ (or the wire gave none), the guard takes that one then.
+    at_call: bool = False
     hold: Hold | None = None        # how the guard takes it then
+    after_auth: bool = False        # taken by our dependency, after the route's security dependencies
 
 
 class SendTimeout(OSError):
@@ -76,13 +82,14 @@ class ProtectedRequest:
         client = Client(body, self.receive)
         locked, idem = self.protection.locked, self.protection.idempotent
         name: str | None = None
-        if locked is not None and not self.protection.at_call:
+        if locked is not None:
             try:
                 name = await self._key(locked, body)
             except TemplateValueError as error:
-                await send_problem(self.send, 400, "lock-key-invalid", str(error))
-                return
-            if name is None:
+                if not self.protection.at_call:
+                    await send_problem(self.send, 400, "lock-key-invalid", str(error))
+                    return
+            if name is None and not self.protection.at_call:
                 # The framework rejects a value of the key with its own 422: nothing to lock, nothing to store.
                 with marked(Mark.unbound(self.protection.guards)):
                     await self.app(self.scope, client.receive, self.send)
@@ -118,21 +125,27 @@ class LockedApp:
                  client: Client) -> None:
         self.manager, self.protection, self.name, self.app, self.client = manager, protection, name, app, client
 
-    async def _run_app(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _run_app(self, scope: Scope, receive: Receive, send: Send, deferred: Deferred | None = None) -> None:
         p = self.protection
-        mark = Mark(AT_CALL, p.guards, p.hold, scope) if p.at_call else Mark.held(p.guards)
-        with marked(mark):
-            await self.app(scope, receive, send)
+        mark = Mark(AT_CALL, p.guards, p.hold, scope, taken=self.name) if p.at_call else Mark.held(p.guards)
+        token = DEFERRED.set(deferred)
+        try:
+            with marked(mark):
+                await self.app(scope, receive, send)
+        finally:
+            DEFERRED.reset(token)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> bool:
         rule = self.protection.locked
         if rule is None or self.name is None:
             await self._run_app(scope, receive, send)
             return True
+        name = self.name
         held: HeldLock | None = None
         started = entered = app_done = False
         end = ResponseEnd()
         early = rule.release_after == "response"
+        after_auth = self.protection.after_auth
 
         async def watched_send(message: Message) -> None:
             nonlocal started
@@ -140,31 +153,45 @@ class LockedApp:
                 started = True
             last = end.is_last(message)
             await send(message)
-            if last and early:
+            if last and early and held is not None:
                 # release_after="response": the next request may start while this
                 # app still runs its background tasks and dependency exit code.
-                assert held is not None  # the app runs inside the hold
                 await release_quietly(held)
 
         try:
             async with AsyncExitStack() as stack:
-                async with self.client.cancel_on_disconnect():
-                    held = await stack.enter_async_context(self.manager.lock(
-                        self.name, wait=rule.wait, lease=rule.lease, name=rule.lock_name, cancel_on_lost=True))
-                entered = True
-                # The app's own state dict, never a copy: what the handler sets there is
-                # what every middleware around us reads.
-                scope.setdefault("state", {})["lock"] = held
-                await self._run_app(scope, receive, watched_send)
+                async def take() -> None:
+                    nonlocal held, entered
+                    try:
+                        async with self.client.cancel_on_disconnect():
+                            held = await stack.enter_async_context(self.manager.lock(
+                                name, wait=rule.wait, lease=rule.lease, name=rule.lock_name, cancel_on_lost=True))
+                    except LockError as error:
+                        if not after_auth:
+                            raise
+                        if runs_unlocked(error, rule, self.manager):
+                            return
+                        raise NotTaken(error) from None   # through FastAPI's handlers, to us
+                    entered = True
+                    # The app's own state dict, never a copy: what the handler sets there is
+                    # what every middleware around us reads.
+                    scope.setdefault("state", {})["lock"] = held
+
+                if after_auth:   # our dependency takes it, once the security dependencies passed
+                    await self._run_app(scope, receive, watched_send, Deferred(take))
+                else:
+                    await take()
+                    await self._run_app(scope, receive, watched_send)
                 app_done = True
+        except NotTaken as not_taken:
+            await lock_answer(not_taken.error, rule).send(send)
+            return False   # the handler never ran
         except ClientGone:
             return False   # hung up while waiting: no lock taken, the handler never ran
-        except LockLost:
+        except LockLost as error:
             if started:
                 raise  # half a response is out: abort it, the server drops the connection
-            await send_problem(send, 503, "lock-lost",
-                               "the lock was lost while the request ran; its effects may be incomplete",
-                               retry_after=retry_after(rule))
+            await lock_answer(error, rule).send(send)
             return True
         except LockError as error:
             if isinstance(error, RedisUnavailable) and app_done:
@@ -176,27 +203,10 @@ class LockedApp:
 
     async def _not_taken(self, error: LockError, rule: Locked, scope: Scope, receive: Receive, send: Send) -> bool:
         """Our lock could not be taken: answer for it (or, fail_open, run the app without it)."""
-        if isinstance(error, LockTimeout):
-            await send_problem(send, rule.status, "lock-timeout",
-                               f"the resource is busy (lock {rule.lock_name!r} not acquired within the wait)",
-                               retry_after=retry_after(rule))
-            return False
-        if isinstance(error, RedisUnavailable):
-            if rule.fail_open:
-                count_fail_open(self.manager, rule)
-                await self._run_app(scope, receive, send)
-                return True
-            # An open circuit breaker knows when it lets a call through again.
-            await send_problem(send, 503, "redis-unavailable", "the lock service is unavailable",
-                               retry_after=retry_after(rule) if error.retry_after is None else error.retry_after)
-            return False
-        log.error("otel-lock: %s", error)
-        if isinstance(error, RedisMisconfigured):
-            # Permanent: retrying cannot help, and fail_open would hide it. The message names the fix.
-            await send_problem(send, 500, "redis-misconfigured", f"the lock service is misconfigured: {error}")
-        else:
-            # Redis answered the lock's script with an error (a key of another type in the namespace, ...)
-            await send_problem(send, 500, "redis-error", f"the lock service failed: {error}")
+        if runs_unlocked(error, rule, self.manager):
+            await self._run_app(scope, receive, send)
+            return True
+        await lock_answer(error, rule).send(send)
         return False
 
 
@@ -218,25 +228,3 @@ class BoundedSend:
             self.left = 0.0
             raise SendTimeout("the client did not read the response within send_timeout") from None
         self.left -= loop.time() - began
-
-
-def retry_after(rule: Locked) -> float:
-    return rule.retry_after if rule.retry_after is not None else 1.0
-
-
-def count_fail_open(manager: Locks, rule: Locked) -> None:
-    """The manager counted the Redis error (otel_lock.errors); this counts the unlocked run."""
-    telemetry: Any = getattr(manager, "telemetry", None)
-    if telemetry is None:
-        from ..telemetry._instruments import get_telemetry
-
-        telemetry = get_telemetry()
-    telemetry.fail_open.add(1, {"lock.name": rule.lock_name})
-    log.warning("otel-lock: Redis unavailable, running %s without its lock (fail_open)", rule.lock_name)
-
-
-async def release_quietly(held: HeldLock) -> None:
-    try:
-        await held.release()
-    except RedisUnavailable as error:
-        log.warning("otel-lock: could not release %s, it will expire by itself: %s", held.key, error)

@@ -26,11 +26,11 @@ from starlette.routing import BaseRoute, Host, Mount, Route, WebSocketRoute, com
 from ._annotations import ATTR, Idempotent, Locked, annotations_of
 from ._guard import Mark, marked
 from ._problem import send_problem
+from ._request import ProtectedRequest, Protection
 from ._types import ASGIApp, Receive, Scope, Send
 
 if TYPE_CHECKING:
     from ._middleware import LockMiddleware
-    from ._request import Protection
 
 ALL_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
 # LockMiddleware(rules=...): `{"POST /api/x/{id}": locked(...)}`, or a list/tuple of annotations per route.
@@ -118,21 +118,42 @@ def path_format(template: str) -> str:
 
 
 class RuleMatcher:
-    """Rules for a plain ASGI app without Starlette routes: the rules' own paths are the routes."""
+    """Rules for an app without Starlette routes.
 
-    def __init__(self, rules: list[_Rule]) -> None:
-        self.rules = rules
+    Where the app has a router we can ask (Litestar, Quart), the request is
+    routed by it: whatever spelling it leads to a handler (`/deduct/`, `//`,
+    `+7`, `%207` on Litestar) is matched to that handler's rule, with the
+    path parameters typed as the handler gets them, so one resource is one
+    key. A plain ASGI app has no router but the rules: their own paths are
+    then the routes.
+    """
+
+    def __init__(self, rules: list[_Rule], router: ForeignRouter | None = None) -> None:
+        self.rules: list[_Rule] = rules
+        self.router: ForeignRouter | None = router
 
     def resolve(self, scope: Scope) -> RouteMatch | None:
         """The first rule matching the request's method and path (below root_path), or None.
 
-        The path is what the client sent, percent-decoded by the server: it is
-        the path the framework behind us routes on too.
+        The path is what the client sent, percent-decoded by the server.
         """
         path = scope["path"]
         root = scope.get("root_path", "")
         if root and path.startswith(root):
             path = path[len(root):] or "/"
+        if self.router is not None:
+            routed = self.router.resolve(path, scope["method"], _host(scope))
+            if routed is None:
+                return None   # the framework answers (404, 405, a redirect): nothing runs
+            template, params, routed_path = routed
+            rule = self._rule(template, scope["method"])
+            if rule is None:
+                return None
+            if routed_path != path:
+                # The path as the framework reads it from here on (Litestar writes it into the scope itself):
+                # a retry of `/charges` as `//charges/` is the same request to the idempotency fingerprint.
+                scope["path"] = root + routed_path if root and scope["path"].startswith(root) else routed_path
+            return RouteMatch(rule.path_format, params, rule)
         for rule in self.rules:
             if rule.methods is not None and scope["method"] not in rule.methods:
                 continue
@@ -141,6 +162,98 @@ class RuleMatcher:
                 params = {k: rule.convertors[k].convert(v) for k, v in m.groupdict().items()}
                 return RouteMatch(rule.path_format, params, rule)
         return None
+
+    def _rule(self, template: str, method: str) -> _Rule | None:
+        return next((r for r in self.rules if r.path_format == template
+                     and (r.methods is None or method in r.methods)), None)
+
+    def unmatched(self) -> list[Problem]:
+        """Rules that name no route of the framework's router (a typo would otherwise protect nothing)."""
+        if self.router is None:
+            return []
+        known = self.router.templates()
+        return [Problem(r.path_format, f"a rule of LockMiddleware(rules=...) matches no route of the "
+                                       f"{self.router.name} app (its routes: {', '.join(sorted(known)) or 'none'})")
+                for r in self.rules if r.path_format not in known]
+
+
+class ForeignRouter:
+    """A Litestar or Quart app's own router, asked which route a path leads to (never to run it)."""
+
+    name = "ASGI"
+
+    def resolve(self, path: str, method: str, host: str) -> tuple[str, dict[str, Any], str] | None:
+        """(the route's template as `/x/{name}`, its typed path parameters, the path as the framework
+        reads it), or None (no route)."""
+        raise NotImplementedError
+
+    def templates(self) -> set[str]:
+        raise NotImplementedError
+
+    @staticmethod
+    def of(app: Any) -> ForeignRouter | None:
+        node, seen = app, 0
+        while node is not None and seen < 32:
+            router = getattr(node, "asgi_router", None)
+            if callable(getattr(router, "handle_routing", None)):
+                return _LitestarRouter(node)
+            if callable(getattr(getattr(node, "url_map", None), "bind", None)):
+                return _WerkzeugRouter(node)
+            node = getattr(node, "app", None)
+            seen += 1
+        return None
+
+
+class _LitestarRouter(ForeignRouter):
+    name = "Litestar"
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    def resolve(self, path: str, method: str, host: str) -> tuple[str, dict[str, Any], str] | None:
+        # Litestar's own normalisation (litestar.utils.path.normalize_path) before its router's look-up.
+        normalized = re.sub("//+", "/", "/" + path.strip("/"))
+        try:
+            _, _, routed, params, template = self.app.asgi_router.handle_routing(path=normalized, method=method)
+        except Exception:   # NotFound, MethodNotAllowed, a bad parameter: Litestar answers it, nothing runs
+            return None
+        return path_format(template), dict(params), str(routed)
+
+    def templates(self) -> set[str]:
+        return {path_format(str(route.path)) for route in self.app.routes}
+
+
+class _WerkzeugRouter(ForeignRouter):
+    """Quart (and any app with a Werkzeug `url_map`)."""
+
+    name = "Quart"
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    def resolve(self, path: str, method: str, host: str) -> tuple[str, dict[str, Any], str] | None:
+        try:
+            rule, params = self.app.url_map.bind(host).match(path, method, return_rule=True)
+        except Exception:   # NotFound, MethodNotAllowed, RequestRedirect: Quart answers it, nothing runs
+            return None
+        return _werkzeug_format(rule.rule), dict(params), path
+
+    def templates(self) -> set[str]:
+        return {_werkzeug_format(rule.rule) for rule in self.app.url_map.iter_rules()}
+
+
+def _host(scope: Scope) -> str:
+    """The Host header (a Werkzeug map may route by host), or the server's name."""
+    for name, value in scope.get("headers") or ():
+        if name == b"host":
+            return str(value.decode("latin-1"))
+    server = scope.get("server") or ("localhost", None)
+    return str(server[0])
+
+
+def _werkzeug_format(rule: str) -> str:
+    """`/stock/<int:pid>/deduct` -> `/stock/{pid}/deduct`."""
+    return re.sub(r"<(?:[^<>:]+:)?([^<>:]+)>", r"{\1}", rule)
 
 
 def find_routes(app: Any) -> list[Any] | None:
@@ -370,8 +483,6 @@ class RouteHandle:
             with marked(Mark.unlocked(protection.guards)):
                 await self.original(scope, receive, send)
             return
-        from ._request import ProtectedRequest
-
         await ProtectedRequest(self.mw, protection, self.original, scope, receive, send).run()
 
 

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 from starlette.requests import ClientDisconnect, Request
 
 from ...lock import LockError, LockTimeout, RedisMisconfigured, RedisUnavailable
+from .._answers import redis_answer
 from .._problem import send_problem
 from .._types import Message, Receive, ResponseEnd, Scope, Send
 from ._answer import FREE, STORE, Capture, replay_messages
@@ -190,14 +191,11 @@ class IdempotentRequest:
                 "lock.name": f"idempotency {self.route}", "lock.operation": "acquire", "error.type": kind})
         if transient:
             log.warning("otel-lock: idempotency of %s unavailable: %s", self.route, error)
-            retry = getattr(error, "retry_after", None)
-            retry = retry if retry is not None else self.idem.retry_after
-            await send_problem(self.send, 503, "redis-unavailable", "the idempotency store is unavailable",
-                               retry_after=retry)
-            return
-        self.gate.report_once(self.route, "misconfigured", "otel-lock: idempotency of %s: %s", self.route, error)
-        await send_problem(self.send, 500, "redis-misconfigured" if isinstance(error, RedisMisconfigured)
-                           else "redis-error", str(error))
+            if not isinstance(error, RedisUnavailable):
+                error = RedisUnavailable(str(error), key=error.key)
+        else:
+            self.gate.report_once(self.route, "misconfigured", "otel-lock: idempotency of %s: %s", self.route, error)
+        await redis_answer(error, "the idempotency store", self.idem.retry_after).send(self.send)
 
     async def _gate(self, inner: Inner) -> None:
         self.seen = record = await self._load()

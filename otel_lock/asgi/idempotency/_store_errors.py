@@ -1,22 +1,20 @@
 """What a Redis error of the record store means: wait and retry (503), or fix the set-up (500).
 
-redis-py files an authentication failure under ConnectionError and a full
-server under ResponseError, so the class alone misleads: a wrong password
-retried forever is a 503 that never ends, a server out of memory under
-`noeviction` is not the client's bug. Both become the core's public errors,
-which the gate answers as problem+json, never as a bare 500. (redis-py
-strips the error code from mapped replies: "NOAUTH Authentication
-required." arrives as AuthenticationError("Authentication required.").)
+Which it is, is the lock's decision (`lock._errors.error_type`), the one
+classifier of the package: one Redis state (MISCONF, NOREPLICAS, BUSY, a
+wrong password) answers the same from a locked route and from an idempotent
+one, whichever of the lock and the record store meets it first. This module
+only words the fix for the record store (its URL, its ACL rule) and wraps
+the error in the store's own classes, which the gate answers as
+problem+json, never as a bare 500.
 """
 
 from __future__ import annotations
 
-from redis.exceptions import (AuthenticationError, AuthenticationWrongNumberOfArgsError, BusyLoadingError,
-                              ClusterDownError, NoPermissionError, ReadOnlyError, RedisError, TryAgainError)
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import AuthenticationError, AuthenticationWrongNumberOfArgsError, NoPermissionError, RedisError
 
 from ...lock import RedisMisconfigured, RedisUnavailable
+from ...lock._errors import MISCONFIGURED, UNAVAILABLE, error_type, to_lock_error
 
 WHERE = "the idempotency record store"
 
@@ -44,8 +42,6 @@ _PERMANENT_TEXT = (
     ("invalid password", _WRONG_PASSWORD),
     ("db index is out of range", "has no such database number: fix the /db part of the record store's URL"),
 )
-_TRANSIENT_TEXT = ("command not allowed when used memory", "oom ", "max number of clients", "loading",
-                   "busy ", "masterdown", "readonly", "tryagain", "clusterdown")
 
 
 def translate(error: BaseException) -> RecordStoreUnavailable | RecordStoreMisconfigured | None:
@@ -55,6 +51,9 @@ def translate(error: BaseException) -> RecordStoreUnavailable | RecordStoreMisco
     text = _first_line(str(error))
     said = f"(Redis said: {text or type(error).__name__})"
     lowered = text.lower()
+    kind = error_type(error)   # the lock's classifier; the wording below is the record store's own
+    if kind == UNAVAILABLE:
+        return RecordStoreUnavailable(f"{WHERE}: {to_lock_error(error, 'a call of the record store')}")
     for words, fix in _PERMANENT_TEXT:
         if words in lowered:
             return RecordStoreMisconfigured(f"{WHERE} {fix} {said}")
@@ -62,11 +61,8 @@ def translate(error: BaseException) -> RecordStoreUnavailable | RecordStoreMisco
         return RecordStoreMisconfigured(f"{WHERE} refused authentication: check the user and password of its URL {said}")
     if isinstance(error, NoPermissionError) or lowered.startswith("noperm"):
         return RecordStoreMisconfigured(f"{WHERE} {_ACL} {said}")
-    if "command not allowed when used memory" in lowered or lowered.startswith("oom"):
-        return RecordStoreUnavailable(f"{WHERE} is out of memory (maxmemory reached, nothing it may evict) {said}")
-    if isinstance(error, (RedisConnectionError, RedisTimeoutError, OSError, BusyLoadingError, ReadOnlyError,
-                          ClusterDownError, TryAgainError)) or lowered.startswith(_TRANSIENT_TEXT):
-        return RecordStoreUnavailable(f"{WHERE} is unavailable {said}")
+    if kind == MISCONFIGURED:
+        return RecordStoreMisconfigured(f"{WHERE}: {to_lock_error(error, 'a call of the record store')}")
     # Anything else is a reply no retry will change (a proxy without scripting, a module
     # shadowing a command): name it, as a misconfiguration.
     return RecordStoreMisconfigured(f"{WHERE} answered with an unexpected error {said}")

@@ -7,6 +7,8 @@ prom       otel_lock.telemetry.setup(prometheus=True, otlp=False): /metrics, the
 otlp       setup() with OTEL_EXPORTER_OTLP_ENDPOINT and OTEL_METRICS_EXPORTER=otlp: traces and metrics over
            OTLP/HTTP to a local receiver (spans batched, metrics every second); the lock's metrics on the
            fast path, exported with the SDK's in one request (issue 18)
+prom-workers  prom with PROMETHEUS_MULTIPROC_DIR (a fresh directory per process): the worker-process
+           mode, where every record is also written to prometheus-client's per-pid files (issue 23)
 
 For the demo endpoint each telemetry mode also runs without the ASGI
 instrumentation (`prom-lock`, `otlp-lock`: the lock's telemetry alone), so
@@ -15,21 +17,24 @@ the overhead splits into the lock's part and the HTTP instrumentation's.
 
 from __future__ import annotations
 
+import tempfile
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-MODES = ("off", "prom", "otlp")
-ENDPOINT_MODES = ("off", "prom-lock", "prom", "otlp-lock", "otlp")
+MODES = ("off", "prom", "prom-workers", "otlp")
+ENDPOINT_MODES = ("off", "prom-lock", "prom", "prom-workers", "otlp-lock", "otlp")
 TARGETS = {"prom": 0.10, "otlp": 0.25}  # lock cycle p50 and client CPU overhead allowed over off
 METRIC_EXPORT_MS = "1000"  # export often, so the window pays for it (the SDK default is 60 s)
 
 
 def base_mode(mode: str) -> str:
-    return mode.removesuffix("-lock")
+    return mode.removesuffix("-lock").removesuffix("-workers")
 
 
 def env_for(mode: str, receiver_port: int | None) -> dict:
     """Environment for a process in `mode` (the OTLP exporters read OTEL_* themselves)."""
+    if mode == "prom-workers":  # a fresh directory, as a server start empties it
+        return {"PROMETHEUS_MULTIPROC_DIR": tempfile.mkdtemp(prefix="otel-lock-bench-workers-")}
     if base_mode(mode) != "otlp":
         return {}
     return {

@@ -147,6 +147,7 @@ TELEMETRY_LABELS = {
     "prom": "/metrics (prometheus-client fast path)",
     "otlp": "OTLP/HTTP (fast path, one export)",
     "prom-lock": "/metrics, lock telemetry only (no ASGI instrumentation)",
+    "prom-workers": "/metrics, worker-process mode (PROMETHEUS_MULTIPROC_DIR)",
     "otlp-lock": "OTLP, lock telemetry only (no ASGI instrumentation)",
     # results of earlier runs (issue 4)
     "sdk-memory": "SDK, in-memory exporters",

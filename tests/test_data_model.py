@@ -177,3 +177,24 @@ async def test_redlock_claims_every_master_again_after_a_flush(awake):
     finally:
         for server in servers:
             server.stop()
+
+
+async def test_a_manager_dropped_without_closing_is_collected_and_its_guard_ends(redis_url, awake):
+    """Regression: the guard task held its manager strongly, so a manager its user dropped without
+    aclose() stayed alive (with its connections and a tick every period) for the loop's whole life."""
+    import gc
+    import weakref
+
+    locks = LockManager.from_url(redis_url, namespace="dropped", lease=LEASE)
+    held = await locks.acquire("k")
+    await held.release()
+    guard = locks._runtimes.here().guard
+    assert guard is not None and not guard.done()  # premise: the guard runs
+    gone = weakref.ref(locks)
+    del locks, held
+    gc.collect()
+    assert gone() is None
+
+    async def ended() -> bool:
+        return guard.done()
+    await until(ended, "the guard of a collected manager ending at its next tick")

@@ -21,6 +21,7 @@ import logging
 import os
 import time
 import uuid
+import weakref
 from functools import partial
 from types import TracebackType
 from typing import Any, AsyncIterator, Awaitable, Callable, Never, Self, TypeVar
@@ -359,7 +360,7 @@ class Core:
             error = to_lock_error(exc, what, key=key, client=runtime.transport.records)
             self._breaker.record(not isinstance(error, RedisUnavailable))
             raise error from exc
-        runtime.keep_awake(lambda: stay_awake(runtime, self, period(self.options.lease)))
+        runtime.keep_awake(lambda: stay_awake(weakref.ref(runtime), weakref.ref(self), period(self.options.lease)))
         return await runtime.transport.take(request)
 
     async def _check_server(self, transport: Any, key: str, name: str) -> None:

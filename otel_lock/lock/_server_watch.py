@@ -59,21 +59,33 @@ class Keeper(Protocol):
     def _refused(self) -> bool: ...  # did the last checks refuse a server?
 
 
-async def stay_awake(runtime: Any, keeper: Keeper, every: float) -> None:
-    """Forever, every `every` seconds: the servers' identity, then the model claim (see the module's docstring)."""
-    transport = runtime.transport
+async def stay_awake(runtime_ref: Callable[[], Any], keeper_ref: Callable[[], Keeper | None], every: float) -> None:
+    """Forever, every `every` seconds: the servers' identity, then the model claim (see the module's docstring).
+
+    The runtime and the manager are held weakly across the sleeps: a manager
+    its user dropped without closing is collected as before, and its guard
+    ends at the next tick instead of keeping it alive for the loop's life.
+    """
+    runtime = runtime_ref()
+    if runtime is None:
+        return
     try:
-        seen = await identity(transport)
+        seen = await identity(runtime.transport)
     except (RedisError, OSError, LockError):
         seen = ()  # unknown: the first identity read will run the checks again
+    del runtime
     while True:
         await asyncio.sleep(every)
+        runtime, keeper = runtime_ref(), keeper_ref()
+        if runtime is None or keeper is None or runtime.closed:
+            return
         seen = await _check_servers(runtime, keeper, seen)
         try:
-            if await keeper._claim_model(transport) is not None:
+            if await keeper._claim_model(runtime.transport) is not None:
                 runtime.recheck()
         except (RedisError, OSError, LockError) as exc:  # a replica answers READONLY: the checks said why
             log.debug("otel-lock: server watch could not claim the namespace: %s", exc)
+        del runtime, keeper
 
 
 async def _check_servers(runtime: Any, keeper: Keeper, seen: Identity) -> Identity:

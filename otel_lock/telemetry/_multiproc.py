@@ -64,6 +64,7 @@ SUBDIR = "otel_lock"
 GAUGE_MODES = {
     "active": "livesum", "pending": "livesum", "connections": "livesum", "connection_pending": "livesum",
     "hold_age": "liveall", "lease": "liveall", "circuit_state": "liveall",
+    "server_verdict": "livemax",  # the worst verdict any live worker holds on a server
 }
 # Only while a hold lasts: a sample of 0 (the hold ended) is left out, as one process leaves it out.
 _WHILE_HELD = {OBSERVED["hold_age"].prom, OBSERVED["lease"].prom}

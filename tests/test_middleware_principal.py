@@ -174,6 +174,16 @@ async def test_an_optional_principal_locks_the_anonymous_together_and_each_user_
     assert seen == [f"{NAMESPACE}:{{cart:%n}}", f"{NAMESPACE}:{{cart:bob}}"]
 
 
+async def test_the_openapi_of_a_per_caller_lock_documents_its_401(redis_url):
+    async with make_manager(redis_url) as manager:
+        app = shop_app(manager, Shop())
+        assert (await run_lifespan(app))[0]["type"] == "lifespan.startup.complete"
+        async with client_for(app) as client:
+            paths = (await client.get("/openapi.json")).json()["paths"]
+    answers = paths["/orders/checkout"]["post"]["responses"]
+    assert "WWW-Authenticate" in answers["401"]["headers"] and "409" in answers
+
+
 async def test_a_principal_key_without_a_principal_fails_the_start_up_naming_the_fix(redis_url):
     app = FastAPI()
 

@@ -10,7 +10,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Annotated
 
-from fastapi import APIRouter, Cookie, Depends, FastAPI, HTTPException, status
+from fastapi import APIRouter, Cookie, Depends, FastAPI, Header, HTTPException, status
 from fastapi.security import OAuth2PasswordBearer
 from starlette.applications import Starlette
 from starlette.authentication import AuthCredentials, AuthenticationBackend, SimpleUser
@@ -297,3 +297,78 @@ async def test_an_optional_cookie_parameter_needs_an_optional_placeholder_at_sta
         messages = await run_lifespan(app)
     assert messages[0]["type"] == "lifespan.startup.failed"
     assert "{cookie.session?}" in messages[0]["message"]
+
+
+# -- how the dependency is resolved ------------------------------------------------------
+
+
+async def test_one_resolution_serves_the_key_and_the_record_and_its_yield_dependencies_close_first(redis_url):
+    events: list[str] = []
+
+    async def get_db():
+        events.append("db open")
+        yield "db"
+        events.append("db closed")
+
+    async def get_current_user(token: Annotated[str, Depends(OAuth2PasswordBearer("t"))],
+                               db: Annotated[str, Depends(get_db)]) -> User:
+        events.append("token checked")
+        return User(TOKENS[token])
+
+    def current_user_id(user: Annotated[User, Depends(get_current_user)]) -> str:
+        return user.id
+
+    app = FastAPI()
+
+    @app.post("/checkout", status_code=201)
+    @locked("checkout:{principal}")
+    @idempotent()
+    async def checkout(user: Annotated[User, Depends(get_current_user)]):
+        events.append(f"handler of {user.id}")
+        return {"user": user.id}
+
+    async with make_manager(redis_url) as manager:
+        app.add_middleware(LockMiddleware, manager=manager, principal=Depends(current_user_id))
+        async with client_for(app) as client:
+            answer = await client.post("/checkout", headers={**ANN, "idempotency-key": '"k"'})
+    assert answer.status_code == 201
+    # Ours: the key and the record share one resolution, whose session closed before the lock was
+    # taken; then FastAPI's own for the handler (it runs twice, written once).
+    assert events == ["db open", "token checked", "db closed",
+                      "db open", "token checked", "handler of ann", "db closed"]
+
+
+async def test_a_principal_dependency_whose_inputs_fastapi_rejects_is_422(redis_url):
+    def tenant_user(x_tenant: Annotated[int, Header()]) -> str:
+        return f"tenant-{x_tenant}"
+
+    app = FastAPI()
+
+    @app.post("/checkout")
+    @locked("checkout:{principal}")
+    async def checkout():
+        return {}
+
+    async with make_manager(redis_url) as manager:
+        app.add_middleware(LockMiddleware, manager=manager, principal=Depends(tenant_user))
+        async with client_for(app) as client:
+            missing = await client.post("/checkout")
+            wrong = await client.post("/checkout", headers={"x-tenant": "abc"})
+            fine = await client.post("/checkout", headers={"x-tenant": "7"})
+    assert missing.status_code == wrong.status_code == 422
+    assert problem(missing)["type"] == "lock-principal-rejected"
+    assert fine.status_code == 200
+
+
+async def test_authenticated_user_without_an_authentication_middleware_fails_closed(redis_url, caplog):
+    @locked("checkout:{principal}")
+    async def checkout(request):
+        return JSONResponse({})
+
+    async with make_manager(redis_url) as manager:
+        app = Starlette(routes=[Route("/checkout", checkout, methods=["POST"])],
+                        middleware=[Middleware(LockMiddleware, manager=manager, principal=authenticated_user)])
+        async with client_for(app) as client:
+            answer = await client.post("/checkout", headers=ANN)
+    assert answer.status_code == 500 and problem(answer)["type"] == "lock-principal-error"
+    assert "AuthenticationMiddleware outside LockMiddleware" in caplog.text

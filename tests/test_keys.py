@@ -29,6 +29,9 @@ def render(template: str, values: dict[str, str], secret: bytes | None = None) -
     ("stock:{path.a}%{path.b}", "separated"),
     ("stock *:{path.a}", "printable ASCII"),
     ("stock*:{path.a}", "'*'"),
+    ("cart:{principal.id}", "or {principal}"),
+    ("cart:{cookie.}", "ill-formed"),
+    ("cart:{principal}{path.a}", "separated"),
     ("x" * MAX_NAME + ":{path.a}", "longer than"),
 ], ids=lambda v: v[:30] if isinstance(v, str) else v)
 def test_bad_template_is_rejected_at_decoration_time(template, message):
@@ -41,6 +44,15 @@ def test_template_parts_and_body_need():
     assert [(p.source, p.field) for p in tpl.parts] == [("header", "x-user-id"), ("json", "item.sku"), ("query", "q")]
     assert tpl.needs_body
     assert not parse_template("stock:{path.id}").needs_body
+
+
+def test_principal_and_cookie_placeholders():
+    tpl = parse_template("cart:{principal?|casefold}:{cookie.Session}")
+    assert [(p.source, p.field, p.optional, p.normalisers) for p in tpl.parts] == [
+        ("principal", "", True, ("casefold",)), ("cookie", "Session", False, ())]   # cookie names keep their case
+    assert not tpl.needs_body
+    assert tpl.render(lambda part: "Ann" if part.source == "principal" else "a:b") == "cart:ann:a%3Ab"
+    assert tpl.render(lambda part: None if part.source == "principal" else "s") == "cart:%n:s"
 
 
 def test_plain_values_stay_readable():

@@ -3,5 +3,6 @@
 from ._annotations import idempotent, locked
 from ._guard import DirectCallRefused
 from ._middleware import LockMiddleware, StartupFailed
+from .idempotency._principal import authenticated_user
 
-__all__ = ["DirectCallRefused", "LockMiddleware", "StartupFailed", "idempotent", "locked"]
+__all__ = ["DirectCallRefused", "LockMiddleware", "StartupFailed", "authenticated_user", "idempotent", "locked"]

@@ -12,58 +12,18 @@ of `LockMiddleware(rules={...})`.
 from __future__ import annotations
 
 import inspect
-import logging
-import sys
-import types
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, TypeVar
 
-from ._guard import fail_closed_route, guard
+from ._attach import ATTR, attach
 from ._keys import KeyTemplate, parse_template
 from .idempotency import Idempotent, idempotent
 
-log = logging.getLogger("otel_lock.middleware")
-
-ATTR = "__otel_lock__"
 MIB = 1024 * 1024
 __all__ = ["ATTR", "Idempotent", "Locked", "annotations_of", "idempotent", "locked"]
 RELEASE_AFTER = ("app", "response")   # when the app call returns (default), or after the last body message
 # A handler (function, method, HTTPEndpoint class or ASGI app): decorating returns it with its own type.
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-def _attach(obj: F, kind: str, annotation: Locked | Idempotent) -> F:
-    existing = getattr(obj, ATTR, None) or {}
-    if kind in existing:
-        raise ValueError(f"{getattr(obj, '__qualname__', obj)!r} already has a @{kind} annotation")
-    # A new dict, never an update: functools.wraps shares __dict__ between a
-    # wrapper and its target, and annotating one must not annotate the other.
-    setattr(obj, ATTR, {**existing, kind: annotation})
-    guarded = guard(obj)
-    if guarded is not obj:
-        setattr(guarded, ATTR, {**existing, kind: annotation})
-        _fail_closed_if_registered(obj, kind, sys._getframe(2))
-    return guarded
-
-
-def _fail_closed_if_registered(fn: Any, kind: str, frame: Any) -> None:
-    """`@locked` written above `@app.post`: the route registered `fn` itself, unguarded.
-
-    The decorating frame holds the app or router whose decorator ran just
-    before ours; its route for `fn` is made to refuse requests that no
-    LockMiddleware protects, and a warning names the fix.
-    """
-    # Apps and routers only: no attribute look-up on modules or classes (a module's __getattr__ may warn).
-    holders = [v for v in (*frame.f_locals.values(), *frame.f_globals.values())
-               if not isinstance(v, (types.ModuleType, type)) and isinstance(getattr(v, "routes", None), list)]
-    for holder in holders:
-        for route in holder.routes:
-            if getattr(route, "endpoint", None) is fn and fail_closed_route(route):
-                log.warning("otel-lock: @%s is written above @%s.<method>(%r) on %s: the route registered the "
-                            "function before the annotation; put @%s right below the route decorator. Until then "
-                            "the route depends on LockMiddleware alone (without it, it answers 500)",
-                            kind, type(holder).__name__, getattr(route, "path", "?"),
-                            getattr(fn, "__qualname__", fn), kind)
 
 
 def _check_seconds(what: str, value: float | None, *, allow_zero: bool) -> None:
@@ -99,7 +59,7 @@ class Locked:
         return self.name or self.template.template
 
     def __call__(self, endpoint: F) -> F:
-        return _attach(endpoint, self.kind, self)
+        return attach(endpoint, self.kind, self)
 
 
 def locked(

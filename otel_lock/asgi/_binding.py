@@ -4,7 +4,7 @@ At start-up each placeholder of a route's template is tied to what the
 handler gets (`RouteBinding`), or the start-up fails naming the route and
 the fix (`Unbindable`):
 
-- a declared path, query or header parameter, by any name it is bound with
+- a declared path, query, header or cookie parameter, by any name it is bound with
   (its alias, `validation_alias`, each of its `AliasChoices`, its Python
   name), or a field of a parameter model;
 - a field of the declared JSON body, `{json.a.b}`, through models by any
@@ -12,7 +12,8 @@ the fix (`Unbindable`):
 - a field of the declared form, `{form.name}`, and an upload's metadata,
   `{form.upload.filename}`, `.content_type`, `.size`;
 - anything the route does not declare (and every placeholder of a Starlette
-  route): the raw request value.
+  route): the raw request value;
+- `{principal}`: the caller the middleware resolved for this request.
 
 Per request, declared values go through FastAPI's own validation
 (`request_params_to_args`, `request_body_to_args`), so `{"pid": "07"}`,
@@ -29,8 +30,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from ._declared import MISSING, Unbindable, check_optional, check_path, info_names, model_field, model_of
-from ._keys import KeyTemplate, Part, TemplateValueError
-from ._values import RawValues, detach, parse_form, render, walk
+from ._keys import PRINCIPAL, KeyTemplate, Part, TemplateValueError
+from ._values import RawValues, detach, parse_form, principal_value, render, walk
 from ._types import Scope
 
 __all__ = ["INVALID", "RouteBinding", "Unbindable", "Unrenderable", "render"]
@@ -69,9 +70,9 @@ class RouteBinding:
     # -- start-up -------------------------------------------------------------
 
     def _bind(self, part: Part, declared: _Declared | None, own: _Declared | None) -> Bound:
-        if declared is None:
+        if declared is None or part.source == PRINCIPAL:
             return Bound(part)
-        if part.source in ("path", "query", "header"):
+        if part.source in ("path", "query", "header", "cookie"):
             return _bind_param(part, declared, own)
         return self._bind_body(part, own)
 
@@ -101,7 +102,7 @@ class RouteBinding:
         """Why the key cannot be read from the handler's arguments (None: it can)."""
         if self.request_argument is not None:
             return None
-        missing = [b.part.text for b in self.bounds if b.argument is None]
+        missing = [b.part.text for b in self.bounds if b.argument is None and b.part.source != PRINCIPAL]
         if not missing:
             return None
         return (f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not among the handler's own "
@@ -135,8 +136,9 @@ class RouteBinding:
 
     async def call_values(self, arguments: Mapping[str, Any]) -> dict[Part, str | None]:
         """The rendered values from a handler's arguments; raises Unrenderable if they lack one."""
-        if all(b.argument is not None and b.argument in arguments for b in self.bounds):
-            return {b.part: render(walk(arguments[b.argument or ""], b.steps), b.part) for b in self.bounds}
+        if all(b.part.source == PRINCIPAL or b.argument is not None and b.argument in arguments for b in self.bounds):
+            return {b.part: principal_value(b.part) if b.part.source == PRINCIPAL
+                    else render(walk(arguments[b.argument or ""], b.steps), b.part) for b in self.bounds}
         request = _request_among(arguments)
         if request is None:
             raise Unrenderable(self.call_problem() or "the handler's arguments do not carry the key's values")
@@ -167,7 +169,7 @@ class _Declared:
     """The declared fields of a dependant (and its sub-dependencies unless top_only)."""
 
     def __init__(self, dependant: Any, top_only: bool = False) -> None:
-        self.params: dict[str, list[Any]] = {"path": [], "query": [], "header": []}
+        self.params: dict[str, list[Any]] = {"path": [], "query": [], "header": [], "cookie": []}
         self.body: list[Any] = []
         stack, seen = [dependant], set()
         while stack:
@@ -178,6 +180,7 @@ class _Declared:
             self.params["path"].extend(current.path_params)
             self.params["query"].extend(current.query_params)
             self.params["header"].extend(current.header_params)
+            self.params["cookie"].extend(current.cookie_params)
             self.body.extend(f for f in current.body_params if all(f is not b for b in self.body))
             if not top_only:
                 stack.extend(current.dependencies)
@@ -263,6 +266,10 @@ def _mapping(scope: Scope, source: str) -> Any:
         from starlette.datastructures import QueryParams
 
         return QueryParams(scope.get("query_string", b""))
+    if source == "cookie":
+        from starlette.requests import HTTPConnection
+
+        return HTTPConnection(scope).cookies
     from starlette.datastructures import Headers
 
     return Headers(scope=scope)

@@ -14,6 +14,11 @@ has one, else the marker `%n` (no value of a request escapes to it, so every
 request without one shares that lock and none can pose as one). It may name
 a normaliser after `|` (`{json.email|casefold}`) for apps whose database
 treats values as equal that differ in case.
+
+`{cookie.session}` is a cookie's value as the handler reads it;
+`{principal}` is the caller the middleware's (or the route's
+`@idempotent`) `principal=` names, e.g. from the app's own authentication
+dependency: one lock per user without a client-chosen header.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ from typing import Any, Callable
 
 from ._canonical import number_text
 
-SOURCES = ("path", "query", "header", "json", "form")
+SOURCES = ("path", "query", "header", "cookie", "json", "form")
+PRINCIPAL = "principal"   # `{principal}`: the caller, as the app's `principal=` names it (no field)
 MAX_NAME = 512            # the lock core's limit on a lock name
 MAX_PART = 64             # escaped values longer than this are hashed
 SECRET_ENV = "OTEL_LOCK_HASH_SECRET"
@@ -80,8 +86,9 @@ def resolve_secret(explicit: str | bytes | None, fallback: str) -> bytes:
 class Part:
     """One `{source.field}` placeholder of a key template."""
 
-    source: str             # path, query, header, json, form
-    field: str              # path param, query name, lower-case header name, or dotted json/form path
+    source: str             # path, query, header, cookie, json, form, principal
+    field: str              # path param, query name, lower-case header name, cookie name, dotted json/form
+                            # path; "" for principal
     text: str               # the placeholder as written, for error messages
     optional: bool = False  # `{json.email?}`: an absent value renders ABSENT instead of failing
     normalisers: tuple[str, ...] = ()   # `{json.email|casefold}`, applied in order
@@ -160,11 +167,13 @@ def _parse_part(template: str, inner: str, text: str) -> Part:
                          f"(known: {', '.join(NORMALISERS)})")
     optional = inner.endswith("?")
     inner = inner.removesuffix("?")
+    if inner == PRINCIPAL:
+        return Part(PRINCIPAL, "", text, optional, tuple(normalisers))
     source, dot, field = inner.partition(".")
     if not dot or source not in SOURCES:
         raise ValueError(
             f"lock key template {template!r}: placeholder {text} must be one of "
-            + ", ".join(f"{{{s}.NAME}}" for s in SOURCES)
+            + ", ".join(f"{{{s}.NAME}}" for s in SOURCES) + " or {principal}"
         )
     names = field.split(".") if source in ("json", "form") else [field]
     if not all(_FIELD.match(n) for n in names):

@@ -21,14 +21,14 @@ from typing import Any, Callable, TypeAlias
 
 from ..lock import Locks
 from ._after_auth import after_security, security_dependencies
-from ._annotations import MIB, Locked
+from ._annotations import MIB, Idempotent, Locked
 from ._binding import RouteBinding
 from ._declared import Unbindable
 from ._body import BodyLimits
 from ._guard import DirectCalls, Hold, guard_functions, install_direct_calls
 from .idempotency import IdempotencyGate, IdempotencyStore, Principal
 from .idempotency._principal import check_callable
-from ._keys import resolve_secret
+from ._keys import PRINCIPAL, resolve_secret
 from ._openapi import document
 from ._request import Protection, ProtectedRequest
 from ._routing import (Annotated, ForeignRouter, Problem, Refuse, RouteHandle, RoutePlan, RouteTemplate, RuleMatcher, Rules, _Rule,
@@ -267,10 +267,24 @@ class LockMiddleware:
         hold = Hold(self.current_locks, locked, binding, lambda: self.secret, template) \
             if locked is not None and binding is not None else None
         after_auth = locked is not None and not at_call and _after_auth(target, locked, template)
+        principal = self._key_principal(locked, annotated.idempotent)
         for fn in guards:
             install_direct_calls(fn, DirectCalls(hold, annotated.idempotent is not None, self.enabled))
         return Protection(template, locked, annotated.idempotent, binding, limits,
-                          frozenset(id(fn) for fn in guards), bool(at_call), hold, after_auth)
+                          frozenset(id(fn) for fn in guards), bool(at_call), hold, after_auth, principal)
+
+    def _key_principal(self, locked: Locked | None, idem: Idempotent | None) -> Principal | None:
+        """Where `{principal}` in the route's key comes from: the route's @idempotent principal, else ours."""
+        part = next((p for p in locked.template.parts if p.source == PRINCIPAL), None) if locked else None
+        if locked is None or part is None:
+            return None
+        source = idem.principal if idem is not None and idem.principal is not None else self.principal
+        if source is None:
+            raise Unbindable(f"{part.text} in {locked.template.template!r} needs to know the caller: pass "
+                             f"principal=Depends(<a dependency returning the user's id>) (FastAPI) or "
+                             f"principal=<callable(request)> (e.g. otel_lock.asgi.authenticated_user after "
+                             f"Starlette's AuthenticationMiddleware) to LockMiddleware(...)")
+        return source
 
     def _gate_problems(self, plans: list[RoutePlan]) -> list[Problem]:
         found: list[Problem] = []

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from ._annotations import Idempotent, Locked
+from ._keys import PRINCIPAL
 from ._problem import TYPE_BASE
 from ._routing import RoutePlan
 from .idempotency import KEY_PATTERN, MAX_KEY
@@ -89,6 +90,8 @@ def answers(rules: Iterable[Locked], idem: Idempotent | None) -> dict[str, Answe
         add(400, "A value the lock key needs is missing or ill-formed")
         add(rule.status, "The resource is busy: its lock was not acquired within the wait", "Retry-After")
         add(503, "The lock service is unavailable, or the lock was lost while the request ran", "Retry-After")
+        if any(p.source == PRINCIPAL and not p.optional for p in rule.template.parts):
+            add(401, "No caller was identified, and the lock is per caller", "WWW-Authenticate")
     if idem is not None:
         add(400, "The Idempotency-Key header is missing or ill-formed")
         add(idem.unauthenticated_status, "No caller was identified for this Idempotency-Key",

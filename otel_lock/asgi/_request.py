@@ -17,7 +17,7 @@ import asyncio
 import logging
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..lock import HeldLock, LockError, LockLost, Locks, RedisUnavailable
 from ._after_auth import DEFERRED, Deferred, NotTaken
@@ -26,7 +26,9 @@ from ._answers import lock_answer, release_quietly, runs_unlocked
 from ._binding import INVALID, RouteBinding
 from ._body import BodyLimits, BodyRefused, Client, ClientGone, read_body
 from ._guard import AT_CALL, Hold, Mark, marked
-from ._keys import TemplateValueError
+from ._keys import PRINCIPAL, TemplateValueError
+from ._values import CALLER
+from .idempotency._principal import PrincipalProblem, request_of, resolve
 from ._problem import send_problem
 from ._types import ASGIApp, Message, Receive, ResponseEnd, Scope, Send
 
@@ -34,6 +36,7 @@ if TYPE_CHECKING:
     from ._middleware import LockMiddleware
 
 log = logging.getLogger("otel_lock.middleware")
+_ANONYMOUS = Idempotent()   # how a `{principal}` route without @idempotent answers nobody: 401, Bearer
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,7 @@ class Protection:
     at_call: bool = False
     hold: Hold | None = None        # how the guard takes it then
     after_auth: bool = False        # taken by our dependency, after the route's security dependencies
+    principal: Any = None           # where `{principal}` of the key comes from (None: the key has none)
 
 
 class SendTimeout(OSError):
@@ -79,6 +83,27 @@ class ProtectedRequest:
             return
         except ClientGone:
             return   # nothing to lock for
+        try:
+            principal = await self._principal(body)
+        except PrincipalProblem as problem:   # nobody, or the app's authentication said no: nothing locked
+            await send_problem(self.send, problem.status, problem.type_name, problem.detail, headers=problem.headers)
+            return
+        token = CALLER.set(principal[2:] if principal else None)
+        try:
+            await self._protect(manager, body, principal)
+        finally:
+            CALLER.reset(token)
+
+    async def _principal(self, body: bytes) -> str | None:
+        """The caller, for a key with `{principal}` (resolved once, before the key and the record)."""
+        source, locked = self.protection.principal, self.protection.locked
+        if source is None or locked is None:
+            return None
+        optional = any(p.optional for p in locked.template.parts if p.source == PRINCIPAL)
+        return await resolve(source, request_of(self.scope, body), self.protection.route,
+                             self.protection.idempotent or _ANONYMOUS, kind="lock", optional=optional)
+
+    async def _protect(self, manager: Locks, body: bytes, principal: str | None) -> None:
         client = Client(body, self.receive)
         locked, idem = self.protection.locked, self.protection.idempotent
         name: str | None = None
@@ -100,7 +125,8 @@ class ProtectedRequest:
             if idem is None:
                 await inner(self.scope, client.receive, send)
             else:
-                await self.mw.gate(idem, self.protection.route, self.scope, client.receive, send, body, inner)
+                await self.mw.gate(idem, self.protection.route, self.scope, client.receive, send, body, inner,
+                                   None if idem.shared_scope else principal)
         except SendTimeout as error:
             log.warning("otel-lock: %s %s: %s; the response was cut off and the lock released",
                         self.scope.get("method"), self.protection.route, error)

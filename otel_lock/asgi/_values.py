@@ -9,6 +9,7 @@ request.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 from typing import Any, Mapping
 from urllib.parse import parse_qsl
@@ -16,8 +17,29 @@ from urllib.parse import parse_qsl
 from ._canonical import NotCanonical, loads, scalar_text
 from ._declared import FILE_ATTRS, MISSING, model_field
 
-from ._keys import Part, TemplateValueError, json_value
+from ._keys import PRINCIPAL, Part, TemplateValueError, json_value
 from ._types import Message, Scope
+
+# The caller of the request being protected (`{principal}`), set once it is resolved; None: nobody.
+CALLER: contextvars.ContextVar[str | None] = contextvars.ContextVar("otel_lock_principal", default=None)
+
+
+def principal_value(part: Part) -> str | None:
+    """`{principal}`: the resolved caller; a required one is always there (the middleware answered 401 else)."""
+    value = CALLER.get()
+    if value is None and not part.optional:
+        raise TemplateValueError(f"{part.text} is missing: the request has no identified caller")
+    return value
+
+
+def cookie_value(scope: Scope, part: Part) -> str | None:
+    """A cookie as the handler reads it (Starlette's `request.cookies`)."""
+    from starlette.requests import HTTPConnection
+
+    value = HTTPConnection(scope).cookies.get(part.field)
+    if value is None and not part.optional:
+        raise TemplateValueError(f"cookie {part.field!r} is missing (needed by {part.text})")
+    return value
 
 
 def render(value: Any, part: Part) -> str | None:
@@ -70,6 +92,10 @@ class RawValues:
         self._form: Any = MISSING
 
     async def value(self, part: Part) -> str | None:
+        if part.source == PRINCIPAL:
+            return principal_value(part)
+        if part.source == "cookie":
+            return cookie_value(self.scope, part)
         if part.source == "json":
             return json_value(self._document(), part)
         if part.source == "form":

@@ -4,8 +4,10 @@ A request of an `@idempotent` route passes these steps, one module each:
 
     _options      `idempotent(...)`: the route's settings, checked when it is decorated
     _key          the Idempotency-Key header, validated (400 when ill-formed)
-    _principal    whose key it is: the app names the caller (401 with a challenge when nobody)
-    _fingerprint  what makes a retry "the same request" (method, scheme and host, target, body, inputs)
+    _principal    whose key it is: the app names the caller (401 with a challenge when nobody);
+                  `_principal_dependency` when it is a FastAPI Depends(...)
+    _fingerprint  what makes a retry "the same request" (method, scheme and host, target, body, inputs);
+                  a multipart body by its parts as python-multipart reads them (`_multipart`, `_mime`)
     _fingerprint_inputs  the headers and cookies the handler declares or its lock key names
     _versions     which fingerprint a stored record carries (`fpv` 3); version 2's in `_fingerprint_v2`,
                   0.1.0's in `_fingerprint_v1`

@@ -10,7 +10,8 @@ query flag or another body is a 422, never a replay of an answer that
 belongs to a different request. What a client cannot keep equal on a retry,
 or the handler cannot tell apart, is left out: the order of JSON keys and
 whitespace, the spelling of a JSON number (`7.0` is `7`, RFC 8785), and the
-random boundary of a multipart body.
+random boundary of a multipart body (read by python-multipart, as the
+handler's form is: `_multipart`).
 
 Version 2 (no inputs, JSON numbers as Python spells them) is in
 `_fingerprint_v2`, built from the same pieces; `_versions` picks by record.
@@ -21,12 +22,12 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-from email.message import Message as MimeHeader
 from typing import Any, Callable
 from urllib.parse import parse_qsl
 
 from .. import _canonical
 from .._types import Scope
+from ._multipart import multipart_parts
 
 
 def fingerprint(secret: bytes, scope: Scope, route: str, body: bytes, inputs: bytes) -> str:
@@ -95,13 +96,14 @@ def canonical_target(scope: Scope) -> tuple[bytes, bytes]:
     return path, query
 
 
-def canonical_body(body: bytes, content_type: str, json_form: Callable[[bytes], bytes] | None = None) -> bytes:
-    """Canonical JSON (RFC 8785, or `json_form`), multipart by its parts, else the raw bytes."""
+def canonical_body(body: bytes, content_type: str, json_form: Callable[[bytes], bytes] | None = None,
+                   multipart_form: Callable[[bytes, str], bytes | None] = multipart_parts) -> bytes:
+    """Canonical JSON (RFC 8785, or `json_form`), multipart by its parts (`multipart_form`), else the raw bytes."""
     if not body:
         return b"b"
     media_type = content_type.lower()
     if media_type.startswith("multipart/"):
-        parts = multipart_parts(body, content_type)
+        parts = multipart_form(body, content_type)
         if parts is not None:
             return b"m" + parts
     elif "json" in media_type or not media_type:
@@ -114,69 +116,6 @@ def canonical_body(body: bytes, content_type: str, json_form: Callable[[bytes], 
 
 def _rfc8785(body: bytes) -> bytes:
     return canonical_json(_canonical.loads(body))
-
-
-def multipart_parts(body: bytes, content_type: str) -> bytes | None:
-    """The parts of a multipart body, without its boundary; None unless it is strictly well-formed.
-
-    Each part is its headers (names lower-cased; Content-Disposition and
-    Content-Type as type plus sorted parameters, so `name="f"` and `name=f`
-    agree) and its content, length-prefixed, in order. Anything not
-    well-formed (no boundary, a missing delimiter, a header line without a
-    colon) is fingerprinted as raw bytes instead: then only a byte-identical
-    retry replays, never a different upload.
-    """
-    boundary = next((v for k, v in _params(content_type) if k == "boundary"), None)
-    if not boundary or len(boundary) > 70:
-        return None
-    delimiter = b"--" + boundary.encode("latin-1")
-    first = body.find(delimiter)
-    if first < 0 or (first > 0 and body[first - 2:first] != b"\r\n"):
-        return None
-    preamble = body[:max(first - 2, 0)]
-    sections = body[first + len(delimiter):].split(b"\r\n" + delimiter)
-    out = [preamble]
-    for i, section in enumerate(sections):
-        if section.startswith(b"--"):       # the close delimiter: what follows is the epilogue
-            if i != len(sections) - 1:
-                return None
-            out.append(b"epilogue" + section[2:])
-            return b"".join(len(piece).to_bytes(8, "big") + piece for piece in out)
-        part = _part(section)
-        if part is None:
-            return None
-        out.extend(part)
-    return None  # no close delimiter: a truncated body
-
-
-def _part(section: bytes) -> list[bytes] | None:
-    head, sep, content = section.partition(b"\r\n\r\n")
-    if not sep or not head.startswith(b"\r\n") and head.strip(b" \t"):
-        return None
-    if not head.startswith(b"\r\n"):   # a part without headers: "--b\r\n\r\ncontent"
-        head = b""
-    headers = []
-    for line in head[2:].split(b"\r\n") if head else []:
-        name, colon, value = line.partition(b":")
-        if not colon or not name or name != name.strip() or line[:1] in (b" ", b"\t"):
-            return None
-        key, text = name.decode("latin-1").lower(), value.decode("latin-1").strip(" \t")
-        if key in ("content-disposition", "content-type"):
-            main = text.split(";", 1)[0].strip().lower()
-            text = json.dumps([main, sorted(_params(text))], ensure_ascii=True)
-        headers.append(f"{key}:{text}")
-    headers.sort()
-    return [json.dumps(headers, ensure_ascii=True).encode(), content]
-
-
-def _params(value: str) -> list[tuple[str, str]]:
-    """MIME parameters of a header value (quoted or not, RFC 2231 too), names lower-cased, repeats kept."""
-    header = MimeHeader()
-    header["content-type"] = value
-    found = []
-    for name, param in header.get_params(header="content-type", failobj=[])[1:]:
-        found.append((name.lower(), param if isinstance(param, str) else str(param[2])))
-    return found
 
 
 def _header(scope: Scope, name: bytes) -> str:

@@ -29,7 +29,7 @@ import hmac
 import logging
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import ClientDisconnect
 
 from ...lock import LockError, LockTimeout, RedisMisconfigured, RedisUnavailable
 from .._answers import redis_answer
@@ -39,7 +39,8 @@ from ._answer import FREE, STORE, Capture, replay_messages
 from ._key import IdempotencyKeyError, parse_key
 from ._legacy import LegacyRecords
 from ._options import Idempotent
-from ._principal import SHARED_PRINCIPAL, Principal, PrincipalProblem, check_callable, choose, missing_setting, resolve
+from ._principal import (SHARED_PRINCIPAL, Principal, PrincipalProblem, check_callable, choose, missing_setting,
+                         request_of, resolve)
 from ._store import Claim, IdempotencyStore, Record, RecordId, Written, answer_bound
 from ._store_errors import RecordStoreMisconfigured, RecordStoreUnavailable, translate
 from ._fingerprint_inputs import Inputs, inputs_of
@@ -84,9 +85,11 @@ class IdempotencyGate:
         self._reported: set[tuple[str, str]] = set()
 
     async def __call__(self, idem: Idempotent, route: str, scope: Scope, receive: Receive, send: Send,
-                       body: bytes, inner: Inner) -> None:
+                       body: bytes, inner: Inner, principal: str | None = None) -> None:
+        """`principal`: this request's, if the middleware resolved it already (for a `{principal}` key)."""
         request = IdempotentRequest(self, idem, route, scope, receive, send)
         request.inputs = inputs_of(scope, _lock_template(inner))
+        request.known = principal
         await request.run(body, inner)
 
     def check(self, idem: Idempotent, route: str) -> None:
@@ -138,6 +141,7 @@ class IdempotentRequest:
         self.legacy: LegacyRecords | None = None   # release 0.1.0's records, kept in step for one release
         self.written: Written | None = None    # what this request's last write costs, as counted
         self.inputs = Inputs()                 # the headers and cookies the handler reads, for the fingerprint
+        self.known: str | None = None          # the principal, when the middleware resolved it already
 
     async def run(self, body: bytes, inner: Inner) -> None:
         source = choose(self.idem, self.gate.principal)
@@ -158,10 +162,11 @@ class IdempotentRequest:
             await inner(self.scope, self.receive, self.send)
             return
         try:
-            principal = await resolve(source, Request(self.scope, _body_once(body)), self.route, self.idem)
+            principal = self.known or await resolve(source, request_of(self.scope, body), self.route, self.idem)
         except PrincipalProblem as problem:
             return await send_problem(self.send, problem.status, problem.type_name, problem.detail,
                                       headers=problem.headers)
+        assert principal is not None   # not optional: nobody is answered above
         self._identify(principal, key, body)
         try:
             self.store = self.gate.records()
@@ -462,13 +467,6 @@ def _business_lock_lost(scope: Scope) -> bool:
     held = (scope.get("state") or {}).get("lock")
     lost = getattr(held, "lost", None)
     return bool(lost is not None and lost.is_set())
-
-
-def _body_once(body: bytes) -> Receive:
-    """A receive for the principal's Request: the buffered body, so `await request.body()` works."""
-    async def receive() -> Message:
-        return {"type": "http.request", "body": body, "more_body": False}
-    return receive
 
 
 async def _release_quietly(held: HeldLock) -> None:

@@ -13,6 +13,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, TypeVar
 
+from .._attach import attach
 from ._principal import Principal, check_callable
 
 MIB = 1024 * 1024
@@ -42,9 +43,7 @@ class Idempotent:
     kind: ClassVar[str] = "idempotent"
 
     def __call__(self, endpoint: F) -> F:
-        from .._annotations import _attach  # the annotations module imports this one
-
-        return _attach(endpoint, self.kind, self)
+        return attach(endpoint, self.kind, self)
 
 
 def idempotent(

@@ -7,13 +7,21 @@ the app names the principal (`principal=` on `@idempotent` or on
 `LockMiddleware`), or opts into one shared scope (`shared_scope=True`);
 with neither, the route answers 500 and says which setting is missing.
 
-The callable's answer decides, and it fails closed:
+`principal=` is a callable of the request, or a FastAPI dependency,
+`Depends(user_id)`: FastAPI resolves it (with its own sub-dependencies,
+security schemes and `app.dependency_overrides`) on the request, before the
+lock and the Idempotency-Key record, so an app's authentication is written
+once. With Starlette's AuthenticationMiddleware outside ours,
+`principal=authenticated_user` reads `scope["user"]`.
+
+The answer decides, and it fails closed:
 
     str / int            the principal
     None or ""           nobody identified: 401 with the route's challenge
                          (or its `unauthenticated_status`), nothing runs
     raises HTTPException  that 4xx status and headers (a 401 without a
-                         WWW-Authenticate gets the route's challenge)
+                         WWW-Authenticate gets the route's challenge);
+                         a dependency whose inputs FastAPI rejects: 422
     raises anything else a bug in the app: 500, logged; nothing runs
 """
 
@@ -26,6 +34,8 @@ from typing import TYPE_CHECKING, Any, Callable
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 
+from ._principal_dependency import Invalid, from_dependency, is_dependency
+
 if TYPE_CHECKING:
     from ._options import Idempotent
 
@@ -35,6 +45,7 @@ SHARED_SCOPE = "shared"
 SHARED_PRINCIPAL = "s:"
 
 # Whose keys: takes the request, returns (or awaits) a str or int; None or "" is nobody.
+# (Or a fastapi.Depends(...) whose dependency returns one.)
 Principal = Callable[[Request], Any]
 Headers = list[tuple[bytes, bytes]]
 
@@ -45,6 +56,13 @@ class PrincipalProblem(Exception):
     def __init__(self, status: int, type_name: str, detail: str, headers: Headers | None = None) -> None:
         super().__init__(detail)
         self.status, self.type_name, self.detail, self.headers = status, type_name, detail, headers or []
+
+
+def request_of(scope: Any, body: bytes) -> Request:
+    """The principal's Request: the buffered body, so `await request.body()` works."""
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": body, "more_body": False}
+    return Request(scope, receive)
 
 
 def missing_setting(route: str) -> str:
@@ -60,30 +78,43 @@ def choose(idem: Idempotent, fallback: Principal | None) -> Principal | str | No
     return idem.principal if idem.principal is not None else fallback
 
 
-async def resolve(source: Principal | str, request: Request, route: str, idem: Idempotent) -> str:
-    """The scope string for this request (prefixed so shared and named scopes never meet)."""
+async def resolve(source: Principal | str, request: Request, route: str, idem: Idempotent,
+                  kind: str = "idempotency", optional: bool = False) -> str | None:
+    """The scope string for this request (prefixed so shared and named scopes never meet).
+
+    `kind` names the answers (`lock-principal-missing` for a `{principal}`
+    key); `optional`: None for nobody instead of the unauthenticated answer.
+    """
     if isinstance(source, str):  # SHARED_SCOPE, the only string `choose` gives
         return SHARED_PRINCIPAL
     try:
-        value = source(request)
-        if inspect.isawaitable(value):
-            value = await value
+        if is_dependency(source):
+            value = await from_dependency(source, request, route)
+        else:
+            value = source(request)
+            if inspect.isawaitable(value):
+                value = await value
     except HTTPException as error:
         if 400 <= error.status_code < 500:
-            raise PrincipalProblem(error.status_code, "idempotency-principal-rejected", str(error.detail),
+            raise PrincipalProblem(error.status_code, f"{kind}-principal-rejected", str(error.detail),
                                    _with_challenge(error.status_code, _latin1(error.headers), idem)) from None
-        raise _failed(route, error) from error
+        raise _failed(route, error, kind) from error
+    except Invalid as error:
+        raise PrincipalProblem(422, f"{kind}-principal-rejected", str(error)) from None
     except Exception as error:
-        raise _failed(route, error) from error
+        raise _failed(route, error, kind) from error
     if value is None or value == "":
+        if optional:
+            return None
         status = idem.unauthenticated_status
-        raise PrincipalProblem(status, "idempotency-principal-missing",
-                               "this operation needs an identified caller (the principal of its "
-                               "Idempotency-Key); authenticate and retry", _with_challenge(status, [], idem))
+        what = "the principal of its Idempotency-Key" if kind == "idempotency" else "its lock is per caller"
+        raise PrincipalProblem(status, f"{kind}-principal-missing",
+                               f"this operation needs an identified caller ({what}); authenticate and retry",
+                               _with_challenge(status, [], idem))
     if isinstance(value, bool) or not isinstance(value, (str, int)):
-        log.error("otel-lock: the principal callable of %s returned %s; it must return a str (or int)",
-                  route, type(value).__name__)
-        raise PrincipalProblem(500, "idempotency-principal-error",
+        log.error("otel-lock: the principal of %s is a %s; it must be a str (or int): a dependency such as "
+                  "`def user_id(user: CurrentUser) -> str: return str(user.id)`", route, type(value).__name__)
+        raise PrincipalProblem(500, f"{kind}-principal-error",
                                "the server could not determine the caller of this request")
     return "p:" + str(value)
 
@@ -100,23 +131,44 @@ def _latin1(headers: Any) -> Headers:
             for k, v in (headers or {}).items()]
 
 
-def _failed(route: str, error: Exception) -> PrincipalProblem:
+def _failed(route: str, error: Exception, kind: str = "idempotency") -> PrincipalProblem:
     # Fail closed: without a principal we cannot tell callers apart, and a
     # 401/403 would send a correctly authenticated client to log in again.
-    log.error("otel-lock: the principal callable of %s raised %s: %s", route, type(error).__name__, error)
-    return PrincipalProblem(500, "idempotency-principal-error",
+    log.error("otel-lock: the principal of %s raised %s: %s", route, type(error).__name__, error)
+    return PrincipalProblem(500, f"{kind}-principal-error",
                             "the server could not determine the caller of this request")
 
 
 def check_callable(principal: Any, where: str) -> None:
-    """At configuration time: a callable that takes the request."""
-    if principal is None:
+    """At configuration time: a callable that takes the request, or a FastAPI Depends(...)."""
+    if principal is None or is_dependency(principal):
         return
     if not callable(principal):
-        raise ValueError(f"{where}: principal must be a callable taking the request, got {principal!r}")
+        raise ValueError(f"{where}: principal must be a callable taking the request or a FastAPI "
+                         f"Depends(<dependency>), got {principal!r}")
     try:
         inspect.signature(principal).bind(None)
     except TypeError:
         raise ValueError(f"{where}: principal must accept one argument (the request)") from None
     except ValueError:
         pass  # no signature to inspect (some builtins): find out on the first request
+
+
+def authenticated_user(request: Request) -> str | None:
+    """`principal=` for Starlette's AuthenticationMiddleware (outside LockMiddleware): `scope["user"]`'s identity.
+
+    None (nobody) for an unauthenticated user. A user class without an
+    `identity` (Starlette's SimpleUser) is named by its `display_name`.
+    """
+    if "user" not in request.scope:
+        raise RuntimeError("scope['user'] is not set: add Starlette's AuthenticationMiddleware outside "
+                           "LockMiddleware (app.add_middleware(LockMiddleware, ...) first, then "
+                           "AuthenticationMiddleware), or give principal= another source")
+    user = request.scope["user"]
+    if not getattr(user, "is_authenticated", False):
+        return None
+    try:
+        identity = user.identity
+    except NotImplementedError:
+        identity = user.display_name
+    return None if identity is None else str(identity)

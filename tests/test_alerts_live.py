@@ -151,6 +151,14 @@ async def test_a_holder_stopped_past_its_lease_fires_lease_lost(short_leases):
     [replica] = stack.replicas.replicas
     shop = httpx.AsyncClient(base_url=replica.url, timeout=60.0)
     assert (await shop.put("/api/stock/1", json={"stock": 5})).status_code == 200
+    # Premise: Prometheus has scraped the replica once (its routes' loss series exist at 0 from start-up).
+    # A loss before a replica's first scrape is a series born at 1, which no increase() can see.
+    async with httpx.AsyncClient(base_url=stack.prometheus.url, timeout=5.0) as client:
+        deadline = time.monotonic() + REACT_WITHIN
+        seen = 'otel_lock_renewals_total{lock_name="stock:{path.product_id}",lock_renewal_outcome="lost"}'
+        while not (await client.get("/api/v1/query", params={"query": seen})).json()["data"]["result"]:
+            assert time.monotonic() < deadline, "Prometheus never scraped the replica's loss series"
+            await asyncio.sleep(0.2)
     buying = asyncio.create_task(shop.post("/api/stock/1/deduct"))  # holds stock:1 for its 2 s of work
     async with aioredis.Redis.from_url(stack.redis_url) as redis:
         deadline = time.monotonic() + REACT_WITHIN

@@ -359,7 +359,7 @@ def test_7_7_sync_holds_leave_no_task_behind(redis_url):
 
         async def count():
             return len(asyncio.all_tasks())
-        assert s._run(count()) == 1 + 1  # this one and the watchdog
+        assert s._run(count()) == 1 + 2  # this one, the watchdog and the server watch (`_server_watch.py`)
         with s.lock("k") as held:
             assert not held.lost.is_set()
 

@@ -243,3 +243,28 @@ async def test_a_manager_made_before_setup_has_its_series_seeded_on_the_new_rout
         await locks.aclose()
     assert 'otel_lock_circuit_opened_total{db_client_connection_pool_name="early"} 0.0' in text
     assert 'otel_lock_renewals_total{lock_name="early-name",lock_renewal_outcome="lost"} 0.0' in text
+
+
+async def test_the_routes_lock_names_have_series_at_zero_from_start_up(redis_client):
+    """A route's first lease, lost before the next scrape, was scraped as a series born at 1 (no alert):
+    the middleware names its routes' locks at start-up, so their series exist before the first request."""
+    from otel_lock import LockManager, LockMiddleware, locked
+    from starlette.responses import PlainTextResponse
+
+    telemetry.setup("shop", "r1")
+    locks = LockManager(redis_client, namespace="routes-seeded")
+
+    @locked("stock:{path.product_id}")
+    async def deduct(request):
+        return PlainTextResponse("ok")
+
+    app = Starlette(routes=[Route("/stock/{product_id}/deduct", deduct, methods=["POST"])])
+    app.add_middleware(LockMiddleware, manager=locks)
+    try:
+        from starlette.testclient import TestClient
+
+        with TestClient(app):   # start-up only: no request
+            text = await _exposition()
+    finally:
+        await locks.aclose()
+    assert 'otel_lock_renewals_total{lock_name="stock:{path.product_id}",lock_renewal_outcome="lost"} 0.0' in text

@@ -24,7 +24,7 @@ import uuid
 import weakref
 from functools import partial
 from types import TracebackType
-from typing import Any, AsyncIterator, Awaitable, Callable, Never, Self, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Never, Self, TypeVar
 
 from opentelemetry import trace
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -205,6 +205,15 @@ class Core:
                             "own owner (docs/lock.md, RedLock quorum)")
         if not isinstance(owner, str) or not owner:
             raise ValueError(f"owner must be a non-empty string, not {owner!r}")
+
+    def expect_lock_names(self, names: Iterable[str]) -> None:
+        """These lock names will be used (the middleware's routes at start-up): their series start at 0 now.
+
+        Otherwise a name's series start at its first hold, and a lease lost
+        before the next scrape is never seen as an increase by the alerts.
+        """
+        for name in names:
+            self._counts.expect(name)
 
     async def held_locks(self) -> list[LockInfo]:
         """Every lock held in this namespace (SCAN, for operators), sorted by key."""

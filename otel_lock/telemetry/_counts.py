@@ -88,6 +88,16 @@ class LockCounts:
         if self._circuit_source is not None:
             seeds.seed_pool(self.pool_name)
 
+    def expect(self, name: str) -> None:
+        """Lock `name` will be used (a route's, known at start-up): its series exist at 0 from now.
+
+        A name first seen at its first hold is seeded then, and a scrape that
+        comes after that hold's loss reads the series born at 1: `increase()`
+        sees nothing. Names known in advance never have that gap.
+        """
+        if name not in self.active:
+            self.active[name] += 0
+
     # -- holds ---------------------------------------------------------------
 
     def hold_started(self, hold: Hold) -> None:

@@ -21,12 +21,10 @@ and costs its bytes again on the locks' Redis. The next release stops writing it
 from __future__ import annotations
 
 import json
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any
 
 from ._store import Record, _parse
-from ._store_errors import translate
-
-T = TypeVar("T")
+from ._store_errors import translated
 
 SUFFIX = ":idempotency"
 
@@ -42,21 +40,11 @@ class LegacyRecords:
         return f"{self.namespace}:{{idem:{scope_id}}}{SUFFIX}"
 
     async def load(self, scope_id: str) -> Record | None:
-        return _parse(await _call(lambda: self.redis.get(self.key(scope_id))))
+        return _parse(await translated(lambda: self.redis.get(self.key(scope_id))))
 
     async def write(self, scope_id: str, record: Record, ttl: float) -> None:
         data = json.dumps(record, separators=(",", ":"))
-        await _call(lambda: self.redis.set(self.key(scope_id), data, px=int(ttl * 1000)))
+        await translated(lambda: self.redis.set(self.key(scope_id), data, px=int(ttl * 1000)))
 
     async def delete(self, scope_id: str) -> None:
-        await _call(lambda: self.redis.delete(self.key(scope_id)))
-
-
-async def _call(call: Callable[[], Awaitable[T]]) -> T:
-    try:
-        return await call()
-    except Exception as error:
-        translated = translate(error)
-        if translated is None:
-            raise
-        raise translated from error
+        await translated(lambda: self.redis.delete(self.key(scope_id)))

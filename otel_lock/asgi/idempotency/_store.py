@@ -29,13 +29,13 @@ import json
 import logging
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, Callable
 
 import redis.asyncio as aioredis
 
 from ...lock._runtime import at_loop_shutdown
 from ...lock._scripts import Script
-from ._store_errors import RecordStoreUnavailable, translate
+from ._store_errors import RecordStoreUnavailable, translate, translated
 
 log = logging.getLogger("otel_lock.idempotency")
 
@@ -52,7 +52,6 @@ MAX_BYTES_PER_PRINCIPAL = 16 * MIB
 MAXMEMORY_SHARE = 0.5
 EVICTING = ("allkeys-", "volatile-")
 Record = dict[str, Any]
-T = TypeVar("T")
 
 # Shared by both scripts (their last ARGV is the bucket width W in ms). KEYS of a usage pair:
 # the usage hash and its bucket zset. Bucket b holds the records expiring in ((b-1)*W, b*W];
@@ -310,7 +309,7 @@ class IdempotencyStore:
         JSON string), that record when this one is missing (one round trip on one client)."""
         key = self._keys(rid)[0]
         if also is None:
-            return _parse(await self._call(lambda: self.redis.hget(key, "d")))
+            return _parse(await translated(lambda: self.redis.hget(key, "d")))
         client, old_key = also
         if client is self.redis:
             async def both() -> list[Any]:
@@ -319,10 +318,10 @@ class IdempotencyStore:
                 pipe.get(old_key)
                 return list(await pipe.execute())
 
-            current, legacy = await self._call(both)
+            current, legacy = await translated(both)
         else:
-            current = await self._call(lambda: self.redis.hget(key, "d"))
-            legacy = None if current is not None else await self._call(lambda: client.get(old_key))
+            current = await translated(lambda: self.redis.hget(key, "d"))
+            legacy = None if current is not None else await translated(lambda: client.get(old_key))
         return _parse(current if current is not None else legacy)
 
     async def claim(self, rid: RecordId, record: Record, ttl: float, answer_bound: int = 0) -> Claim:
@@ -388,7 +387,7 @@ class IdempotencyStore:
         if not (caps.records or caps.bytes):
             return None
         args = [*added, *released, caps.records, caps.bytes, int(check), headroom, self._bucket_ms]
-        answer = await self._call(lambda: TOTAL(self.redis, self._total_keys(), args))
+        answer = await translated(lambda: TOTAL(self.redis, self._total_keys(), args))
         return int(answer[1]) / 1000 if answer[0] == 1 else None
 
     async def _run_record(self, rid: RecordId, mode: str, data: str, size: int, ttl: float, *,
@@ -396,7 +395,7 @@ class IdempotencyStore:
         caps = self.caps if rid.capped else _NO_CAPS
         args: list[str | int] = [mode, data, size, int(ttl * 1000), caps.records_per_principal,
                                  caps.bytes_per_principal, int(check), headroom, self._bucket_ms]
-        return list(await self._call(lambda: RECORD(self.redis, self._keys(rid), args)))
+        return list(await translated(lambda: RECORD(self.redis, self._keys(rid), args)))
 
     async def _prepare(self) -> None:
         if not self._probed:
@@ -423,15 +422,6 @@ class IdempotencyStore:
                         "pressure it may evict completed records, and a retry whose record was evicted runs "
                         "the handler again; give the records a Redis with maxmemory-policy noeviction "
                         "(IdempotencyStore.from_url(...))", policy)
-
-    async def _call(self, call: Callable[[], Awaitable[T]]) -> T:
-        try:
-            return await call()
-        except Exception as error:
-            translated = translate(error)
-            if translated is None:
-                raise
-            raise translated from error
 
 
 def _check_cap(name: str, value: Any) -> None:

@@ -11,6 +11,8 @@ problem+json, never as a bare 500.
 
 from __future__ import annotations
 
+from typing import Awaitable, Callable, TypeVar
+
 from redis.exceptions import AuthenticationError, AuthenticationWrongNumberOfArgsError, NoPermissionError, RedisError
 
 from ...lock import RedisMisconfigured, RedisUnavailable
@@ -71,3 +73,17 @@ def translate(error: BaseException) -> RecordStoreUnavailable | RecordStoreMisco
 def _first_line(text: str) -> str:
     text = text.strip()
     return text.splitlines()[0][:200] if text else ""
+
+
+T = TypeVar("T")
+
+
+async def translated(call: Callable[[], Awaitable[T]]) -> T:
+    """Run one Redis call of the record store; its errors as the store's own (`translate`)."""
+    try:
+        return await call()
+    except Exception as error:
+        mapped = translate(error)
+        if mapped is None:
+            raise
+        raise mapped from error

@@ -671,3 +671,30 @@ async def test_a_client_that_hangs_up_while_its_lock_is_awaited_after_authentica
                                                              headers=[(b"authorization", b"Bearer alice")]), 10)
     assert free[0]["status"] == 200                       # the same call, the lock free: it runs
     assert sent == [] and store.stock[1] == 1 and store.read_under == []
+
+
+@locked("item:{path.item_id}")
+async def _module_level_buy(item_id: int) -> dict:
+    return {"item": item_id}
+
+
+async def test_a_dropped_app_and_its_manager_are_collected_though_its_handler_lives_on(redis_url):
+    """Regression: a guarded handler (module-level, and kept by FastAPI's caches) held its middleware
+    strongly, so every app's manager, connections and telemetry series outlived the app."""
+    import gc
+    import weakref
+
+    async def serve_once() -> weakref.ref:
+        async with make_manager(redis_url) as manager:
+            app = FastAPI()
+            app.post("/buy/{item_id}")(_module_level_buy)
+            app.add_middleware(LockMiddleware, manager=manager)
+            async with client_for(app) as client:
+                assert (await client.post("/buy/7")).json() == {"item": 7}
+            return weakref.ref(manager)
+
+    gone = await asyncio.create_task(serve_once())   # its own context, as a server's request task
+    gc.collect()
+    assert gone() is None
+    with pytest.raises(Exception):   # the handler outlives its app: called directly, it finds no manager
+        await _module_level_buy(item_id=7)

@@ -62,9 +62,9 @@ class Hold:
     """How a guarded handler takes its own lock from its arguments."""
 
     locks: Callable[[], Locks | None]
+    secret: Callable[[], bytes]
     locked: Locked
     binding: RouteBinding
-    secret: Callable[[], bytes]
     route: str
 
     async def name(self, arguments: Mapping[str, Any]) -> str:

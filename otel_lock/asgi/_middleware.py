@@ -17,6 +17,7 @@ from __future__ import annotations
 import inspect
 import logging
 import warnings
+import weakref
 from typing import Any, Callable, TypeAlias
 
 from ..lock import Locks
@@ -267,8 +268,7 @@ class LockMiddleware:
         limits = BodyLimits(locked.max_body if locked is not None and locked.max_body is not None else self.max_body,
                             locked.body_idle_timeout if locked is not None and locked.body_idle_timeout is not None
                             else self.body_idle_timeout)
-        hold = Hold(self.current_locks, locked, binding, lambda: self.secret, template) \
-            if locked is not None and binding is not None else None
+        hold = Hold(*_weakly(self), locked, binding, template) if locked is not None and binding is not None else None
         after_auth = locked is not None and not at_call and _after_auth(target, locked, template)
         principal = self._key_principal(locked, annotated.idempotent)
         for fn in guards:
@@ -423,3 +423,26 @@ def _expect(manager: Locks | None, names: set[str]) -> None:
     expect = getattr(manager, "expect_lock_names", None)
     if expect is not None and names:
         expect(sorted(names))
+
+
+def _weakly(middleware: LockMiddleware) -> tuple[Callable[[], Locks | None], Callable[[], bytes]]:
+    """The manager and the secret of `middleware`, reached weakly from the handler it guards.
+
+    A handler function outlives its app (module-level, and kept by FastAPI's
+    caches): holding the middleware strongly kept every app's manager, its
+    connections and its telemetry series alive. A handler called directly
+    after its app is gone finds no manager, as one never served.
+    """
+    ref = weakref.ref(middleware)
+
+    def locks() -> Locks | None:
+        alive = ref()
+        return alive.current_locks() if alive is not None else None
+
+    def secret() -> bytes:
+        alive = ref()
+        if alive is None:
+            raise RuntimeError("otel-lock: the LockMiddleware that guarded this handler is gone")
+        return alive.secret
+
+    return locks, secret

@@ -50,7 +50,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
 from .. import __version__
-from . import _env, _multiproc, _signals
+from . import _counts, _env, _multiproc, _signals
 from ._instance import default_instance_id, follow_forks
 from ._instruments import route_default_metrics
 from ._prom import FastMetrics, TargetInfo
@@ -366,6 +366,9 @@ def _reset_for_tests() -> None:
         _current = None
         route_default_metrics()
         configure_redaction()
+        # The managers of earlier tests may live on (a FastAPI handler closing over one stays in
+        # FastAPI's caches): they are not the next test's, whose fresh telemetry would seed their series.
+        _counts.ALL_COUNTS.clear()
     trace._TRACER_PROVIDER_SET_ONCE = Once()
     trace._TRACER_PROVIDER = None
     metrics._internal._METER_PROVIDER_SET_ONCE = Once()

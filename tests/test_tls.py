@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -25,30 +24,12 @@ from starlette.routing import Route
 
 from _middleware_helpers import client_for, problem
 from _proc_helpers import DEADLINE, TcpProxy, queued, until
+from benchmarks.tls_burst import make_certificates
 from otel_lock import LockManager, LockMiddleware, LockTimeout, RedisMisconfigured, locked
 from otel_lock.cli._redis_server import RedisServer, free_port
 from otel_lock.lock._breaker import CLOSED
 
 SOCKET_TIMEOUT = 0.5
-EC = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-
-
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=30)
-
-
-def _make_certificates(where: Path) -> None:
-    """A CA, a server certificate for 127.0.0.1 signed by it, a client certificate, and an unrelated CA."""
-    for ca in ("ca", "other-ca"):
-        _openssl("req", "-x509", "-new", *EC, "-keyout", f"{ca}.key", "-out", f"{ca}.crt", "-days", "2",
-                 "-subj", f"/CN=otel-lock {ca}", cwd=where)
-    (where / "server.ext").write_text("subjectAltName=IP:127.0.0.1\n")
-    (where / "client.ext").write_text("extendedKeyUsage=clientAuth\n")
-    for name in ("server", "client"):
-        _openssl("req", "-new", *EC, "-keyout", f"{name}.key", "-out", f"{name}.csr",
-                 "-subj", f"/CN=otel-lock {name}", cwd=where)
-        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-                 "-out", f"{name}.crt", "-days", "2", "-extfile", f"{name}.ext", cwd=where)
 
 
 class TlsServer:
@@ -80,7 +61,7 @@ def certs(tmp_path_factory):
     if shutil.which("openssl") is None:
         pytest.skip("no openssl CLI to make the test's CA")
     where = tmp_path_factory.mktemp("tls")
-    _make_certificates(where)
+    make_certificates(where)
     return where
 
 

@@ -258,7 +258,7 @@ class Connection:
                                             f"{self._connect_timeout} s") from exc
                 refusal = self._tls.refusal(exc, self.server) if self._tls is not None else None
                 if refusal is None and self._tls is not None and type(exc) is RedisConnectionError and \
-                        not self._path:  # hung up before any reply: a client certificate refused (TLS 1.3)?
+                        protocol.refusal is None:  # hung up without a word: a client certificate refused?
                     refusal = await self._tls.diagnose(self._host, self._port, min(self._connect_timeout or 1.0, 1.0))
                 if refusal is not None:  # a certificate or protocol problem: no retry will fix it
                     raise refusal from exc

@@ -24,6 +24,7 @@ from starlette.routing import Route
 
 from _middleware_helpers import client_for, problem
 from _proc_helpers import DEADLINE, TcpProxy, queued, until
+from benchmarks._cluster_set import ClusterSet, _bus_safe_port
 from benchmarks.tls_burst import make_certificates
 from otel_lock import LockManager, LockMiddleware, LockTimeout, RedisMisconfigured, locked
 from otel_lock.cli._redis_server import RedisServer, free_port
@@ -328,3 +329,36 @@ async def test_a_silently_dropped_tls_subscriber_flow_is_noticed_and_subscribed_
 def _channels(server: TlsServer) -> list[bytes]:
     with redis.Redis(port=server.server.port) as admin:
         return admin.pubsub_channels()
+
+
+async def test_a_cluster_over_tls_hands_over_on_every_master_and_names_a_wrong_ca(certs, tls_server):
+    cluster = ClusterSet(masters=3)  # tls_server: skipped where redis-server has no TLS
+    tls_ports = [_bus_safe_port() for _ in cluster.nodes]  # with tls-cluster, the bus is the TLS port + 10000
+    for node, port in zip(cluster.nodes, tls_ports):
+        node.extra_args += ("--tls-port", str(port), "--tls-cluster", "yes", "--tls-auth-clients", "no",
+                            "--tls-cert-file", str(certs / "server.crt"), "--tls-key-file", str(certs / "server.key"),
+                            "--tls-ca-cert-file", str(certs / "ca.crt"))
+    await cluster.__aenter__()
+    try:
+        url = "redis+cluster://" + ",".join(f"127.0.0.1:{port}" for port in tls_ports)
+        ca = str(certs / "ca.crt")
+        keys = [k for ks in (await cluster.keys_per_master(1, prefix="tls")).values() for k in ks]
+        async with LockManager.from_url(url, ssl=True, ssl_ca_certs=ca) as locks, \
+                LockManager.from_url(url, ssl=True, ssl_ca_certs=ca) as other:
+            for key in keys:
+                held = await locks.acquire(key)
+                waiter = asyncio.create_task(other.acquire(key, wait=DEADLINE))  # woken over a TLS shard channel
+                async with aioredis.Redis(port=await cluster.owner(key)) as owner:
+                    await queued(owner, key, 1)
+                assert await held.release()
+                taken = await asyncio.wait_for(waiter, DEADLINE)
+                assert taken.token > held.token
+                assert await taken.release()
+        async with LockManager.from_url(url, ssl=True, ssl_ca_certs=str(certs / "other-ca.crt"),
+                                        breaker_failures=1) as wrong:
+            for _ in range(2):
+                with pytest.raises(RedisMisconfigured, match="ssl_ca_certs"):
+                    await wrong.try_lock(keys[0])
+            assert wrong._breaker.state() == CLOSED
+    finally:
+        await cluster.__aexit__()

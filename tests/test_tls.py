@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -23,12 +24,13 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from _middleware_helpers import client_for, problem
-from _proc_helpers import DEADLINE, TcpProxy, queued, until
+from _proc_helpers import DEADLINE, TcpProxy, link_of, queued, until
 from benchmarks._cluster_set import ClusterSet, _bus_safe_port
 from benchmarks.tls_burst import make_certificates
 from otel_lock import LockManager, LockMiddleware, LockTimeout, RedisMisconfigured, locked
-from otel_lock.cli._redis_server import RedisServer, free_port
+from otel_lock.cli._redis_server import RedisServer, free_port, stop_process
 from otel_lock.lock._breaker import CLOSED
+from otel_lock.lock._sentinel import MasterConnection
 
 SOCKET_TIMEOUT = 0.5
 
@@ -362,3 +364,41 @@ async def test_a_cluster_over_tls_hands_over_on_every_master_and_names_a_wrong_c
             assert wrong._breaker.state() == CLOSED
     finally:
         await cluster.__aexit__()
+
+
+async def test_a_sentinel_master_over_tls_runs_on_the_lean_connection(tls_server, tmp_path):
+    """One Sentinel (plain) names the master's TLS port; scripts and wake-ups go there over TLS."""
+    port, certs = free_port(), tls_server.certs
+    conf = tmp_path / "sentinel.conf"
+    conf.write_text(f"port {port}\nbind 127.0.0.1\nprotected-mode no\ndir {tmp_path}\ntls-replication yes\n"
+                    f"tls-cert-file {certs / 'server.crt'}\ntls-key-file {certs / 'server.key'}\n"
+                    f"tls-ca-cert-file {certs / 'ca.crt'}\nsentinel monitor tls-svc 127.0.0.1 {tls_server.tls_port} 1\n")
+    sentinel = subprocess.Popen([shutil.which("redis-server") or "redis-server", str(conf), "--sentinel"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        async def names_the_master() -> bool:
+            try:
+                async with aioredis.Redis(port=port) as client:
+                    found = await client.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", "tls-svc")
+            except redis.ConnectionError:
+                return False
+            return bool(found) and int(found[1]) == tls_server.tls_port
+        await until(names_the_master, "the Sentinel to name the TLS master", every=0.05)
+        before = len(tls_server.tls_clients())
+        url = f"redis+sentinel://127.0.0.1:{port}/tls-svc"
+        async with LockManager.from_url(url, ssl=True, ssl_ca_certs=tls_server.ca) as locks, \
+                LockManager.from_url(url, ssl=True, ssl_ca_certs=tls_server.ca) as other:
+            held = await locks.acquire("sentinel:a")
+            waiter = asyncio.create_task(other.acquire("sentinel:a", wait=DEADLINE))
+            async with aioredis.Redis(port=tls_server.server.port) as admin:
+                await queued(admin, "sentinel:a", 1)
+            assert len(tls_server.tls_clients()) > before  # the managers' connections are on the TLS port
+            assert await held.release()
+            taken = await asyncio.wait_for(waiter, DEADLINE)
+            assert taken.token > held.token and await taken.release()
+            assert isinstance(link_of(locks).client, MasterConnection)
+        async with LockManager.from_url(url, ssl=True, ssl_ca_certs=str(certs / "other-ca.crt")) as wrong:
+            with pytest.raises(RedisMisconfigured, match="ssl_ca_certs"):
+                await wrong.try_lock("sentinel:a")
+    finally:
+        stop_process(sentinel)

@@ -402,3 +402,4 @@ async def test_a_sentinel_master_over_tls_runs_on_the_lean_connection(tls_server
                 await wrong.try_lock("sentinel:a")
     finally:
         stop_process(sentinel)
+

@@ -53,7 +53,9 @@ _REASONS = {
     "NO_PROTOCOLS_AVAILABLE": _NO_COMMON,
     "NO_SHARED_CIPHER": _NO_COMMON,
     "NO_CIPHERS_AVAILABLE": _NO_COMMON,
-    "SSLV3_ALERT_HANDSHAKE_FAILURE": _NO_COMMON,
+    "SSLV3_ALERT_HANDSHAKE_FAILURE": ("the server refused the handshake: it may require a client certificate "
+                                      "(ssl_certfile=, ssl_keyfile=), or share no TLS version or cipher with the "
+                                      "client (ssl_min_version=, ssl_ciphers=)"),
 }
 # What the text of a wrapped error (redis-py's path) shows of a certificate the client refused
 _VERIFY_WORDS = ("CERTIFICATE_VERIFY_FAILED", "certificate verify failed")

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import redis
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 from redis.credentials import CredentialProvider
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse
@@ -362,6 +363,20 @@ async def test_a_cluster_over_tls_hands_over_on_every_master_and_names_a_wrong_c
                 with pytest.raises(RedisMisconfigured, match="ssl_ca_certs"):
                     await wrong.try_lock(keys[0])
             assert wrong._breaker.state() == CLOSED
+        # A RedisCluster handed in: another event loop gets a twin of it, over TLS too.
+        given = RedisCluster(host="127.0.0.1", port=tls_ports[0], ssl=True, ssl_ca_certs=ca)
+        handed = LockManager(given)
+        try:
+            async with handed.lock(keys[0]) as here:
+                assert here.token > 0
+
+            async def elsewhere() -> int:
+                async with handed.lock(keys[1]) as there:
+                    return there.token
+            assert await asyncio.to_thread(asyncio.run, elsewhere()) > 0
+        finally:
+            await handed.aclose()
+            await given.aclose()
     finally:
         await cluster.__aexit__()
 

@@ -13,6 +13,7 @@ connection, the cluster's per-node connections and subscribers).
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,7 @@ from ._tls import Tls
 # redis-py's own connection classes: what they do, the lean connection does too (a caller's own class: not)
 _LEAN_CLASSES = (aioredis.Connection, aioredis.SSLConnection, aioredis.UnixDomainSocketConnection)
 _SENTINEL_CLASSES = ("SentinelManagedConnection", "SentinelManagedSSLConnection")
+_CLUSTER_ARGS = frozenset(inspect.signature(RedisCluster.__init__).parameters)
 
 
 @dataclass(frozen=True)
@@ -95,8 +97,11 @@ def twin(client: Any) -> Any:
     the first loop too): build such a manager with `from_url`.
     """
     if isinstance(client, RedisCluster):
-        kw: dict[str, Any] = {k: v for k, v in client.get_connection_kwargs().items()
-                              if k not in ("connection_class", "host", "port")}
+        given: dict[str, Any] = client.get_connection_kwargs()
+        # what RedisCluster takes back (it adds connection internals of its own: response_callbacks, ...)
+        kw = {k: v for k, v in given.items() if k in _CLUSTER_ARGS and k not in ("host", "port")}
+        if Tls.of(given.get("connection_class"), given) is not None:
+            kw["ssl"] = True
         nodes = [ClusterNode(n.host, int(n.port)) for n in client.get_nodes()] or [ClusterNode("127.0.0.1", 6379)]
         return RedisCluster(startup_nodes=nodes, retry=client.retry, **kw)
     if type(client) is not aioredis.Redis or isinstance(client.connection_pool, SentinelConnectionPool):

@@ -244,8 +244,13 @@ class Connection:
                     if self._path:
                         await loop.create_unix_connection(lambda: protocol, self._path)
                     elif self._tls is not None:
-                        await loop.create_connection(lambda: protocol, self._host, self._port,
-                                                     ssl=self._tls.context(), server_hostname=self._host)
+                        # TCP, then TLS on it: a handshake cancelled half-way (aclose) leaves a socket
+                        # this code can abort, where create_connection(ssl=...) could leave it to the GC
+                        context = self._tls.context()
+                        await loop.create_connection(lambda: protocol, self._host, self._port)
+                        assert protocol.transport is not None  # connection_made set it
+                        protocol.transport = cast(asyncio.Transport, await loop.start_tls(
+                            protocol.transport, protocol, context, server_hostname=self._host))
                     else:
                         await loop.create_connection(lambda: protocol, self._host, self._port)
                     await self._handshake(protocol)

@@ -74,6 +74,21 @@ class TlsMisconfigured(RedisConnectionError):
         self.fix = fix
 
 
+class _Listener(asyncio.Protocol):
+    """Waits for the server's first word: `heard` is None for data, or the error the connection ended with."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.heard: asyncio.Future[BaseException | None] = loop.create_future()
+
+    def data_received(self, data: bytes) -> None:
+        if not self.heard.done():
+            self.heard.set_result(None)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.heard.done():
+            self.heard.set_result(exc)
+
+
 class Tls:
     """The TLS settings of one client; the SSLContext is built once, on the first connect."""
 
@@ -124,17 +139,23 @@ class Tls:
         alert itself. Only asked when a TLS connection was lost before its
         first reply; a server that accepts it stays silent until `timeout`.
         """
+        loop = asyncio.get_running_loop()
+        listener = _Listener(loop)
+        transports: list[asyncio.Transport] = []
         try:
             async with asyncio.timeout(timeout):
-                reader, writer = await asyncio.open_connection(host, port, ssl=self.context(),
-                                                               server_hostname=host)
-                try:
-                    await reader.read(1)
-                finally:
-                    writer.transport.abort()
+                raw, _ = await loop.create_connection(lambda: listener, host, port)
+                transports.append(raw)
+                tls = await loop.start_tls(raw, listener, self.context(), server_hostname=host)
+                if tls is not None:
+                    transports.append(tls)
+                lost = await listener.heard
         except (OSError, TimeoutError) as exc:
-            return self.refusal(exc, f"{host}:{port}")
-        return None
+            lost = exc
+        finally:
+            for transport in reversed(transports):
+                transport.abort()
+        return None if lost is None else self.refusal(lost, f"{host}:{port}")
 
     def _verify_fix(self, error: ssl.SSLCertVerificationError, server: str) -> str:
         code, message = error.verify_code, str(error.verify_message or error)

@@ -297,10 +297,10 @@ def _subscribers(server: TlsServer) -> list[dict]:
 
 async def test_a_silently_dropped_tls_subscriber_flow_is_noticed_and_subscribed_again(tls_server, managers):
     proxy = await FlowProxy("127.0.0.1", tls_server.tls_port).start()
+    locks = managers(f"rediss://127.0.0.1:{proxy.port}/0", ssl_ca_certs=tls_server.ca,
+                     socket_timeout=SOCKET_TIMEOUT)
     try:
         holder = managers(tls_server.url(), ssl_ca_certs=tls_server.ca)
-        locks = managers(f"rediss://127.0.0.1:{proxy.port}/0", ssl_ca_certs=tls_server.ca,
-                         socket_timeout=SOCKET_TIMEOUT)
         held = await holder.acquire("deaf")
         with pytest.raises(LockTimeout):  # starts the proxied manager's subscriber
             await locks.acquire("deaf", wait=0.05)
@@ -326,6 +326,7 @@ async def test_a_silently_dropped_tls_subscriber_flow_is_noticed_and_subscribed_
         assert taken.token > held.token
         assert await taken.release()
     finally:
+        await locks.aclose()  # first: a subscriber reconnecting through a closing proxy would race its teardown
         await proxy.aclose()
 
 

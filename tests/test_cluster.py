@@ -75,8 +75,8 @@ def test_cluster_url_names_every_node_and_the_credentials():
 async def test_options_the_cluster_cannot_honour_are_refused(cluster):
     with pytest.raises(ValueError, match="wait_replicas is not supported"):
         LockManager(RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", cluster.ports[0])]), wait_replicas=1)
-    with pytest.raises(ValueError, match="ssl"):
-        LockManager.from_url(cluster.url, ssl=True)
+    with pytest.raises(ValueError, match="unix_socket_path"):
+        LockManager.from_url(cluster.url, unix_socket_path="/tmp/redis.sock")
     with pytest.raises(ValueError, match="unknown Redis URL scheme"):
         LockManager.from_url("cluster://127.0.0.1:1")
 

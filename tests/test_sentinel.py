@@ -91,11 +91,16 @@ async def test_a_sentinel_client_gets_a_lean_connection_that_follows_the_master(
     assert isinstance(link.client, MasterConnection) and link.client in link.watch.leans
     await locks.aclose()
     await client.aclose()
-    tls = sentinel.master_for("svc", ssl=True)  # what the lean connection does not speak: redis-py
+    tls = sentinel.master_for("svc", ssl=True)  # TLS too: the lean connection speaks it
     locks = LockManager(tls)
-    assert link_of(locks).client is tls
+    assert isinstance(link_of(locks).client, MasterConnection) and link_of(locks).settings.tls is not None
     await locks.aclose()
     await tls.aclose()
+    resp3 = sentinel.master_for("svc", protocol=3)  # what the lean connection does not speak: redis-py
+    locks = LockManager(resp3)
+    assert link_of(locks).client is resp3
+    await locks.aclose()
+    await resp3.aclose()
     await sentinel.aclose()
     from_url = LockManager.from_url("redis+sentinel://127.0.0.1:1/svc/2", socket_timeout=1.0)
     assert isinstance(link_of(from_url).client, MasterConnection)

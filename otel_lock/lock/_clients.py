@@ -13,14 +13,20 @@ connection, the cluster's per-node connections and subscribers).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import inspect
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.sentinel import SentinelConnectionPool
 
-_LEAN_CLASSES = (aioredis.Connection, aioredis.UnixDomainSocketConnection)
+from ._tls import Tls
+
+# redis-py's own connection classes: what they do, the lean connection does too (a caller's own class: not)
+_LEAN_CLASSES = (aioredis.Connection, aioredis.SSLConnection, aioredis.UnixDomainSocketConnection)
+_SENTINEL_CLASSES = ("SentinelManagedConnection", "SentinelManagedSSLConnection")
+_CLUSTER_ARGS = frozenset(inspect.signature(RedisCluster.__init__).parameters)
 
 
 @dataclass(frozen=True)
@@ -35,12 +41,15 @@ class Settings:
     password: str | None = None
     timeout: float | None = 2.0
     connect_timeout: float | None = 2.0
-    lean: bool = True  # TCP or unix socket, RESP2, password auth: the lean connection can speak for it
+    lean: bool = True  # redis-py's own connection class, RESP2: the lean connection can speak for it
+    tls: Tls | None = field(default=None, compare=False)  # rediss:// (or ssl=True) and its ssl_* options
+    credential_provider: Any = field(default=None, compare=False)  # asked for user and password on each connect
 
     def credentials(self) -> dict[str, Any]:
-        """What a lean connection needs besides the address: db, user, password, timeouts."""
+        """What a lean connection needs besides the address: db, credentials, timeouts, TLS."""
         return {"db": self.db, "username": self.username, "password": self.password, "timeout": self.timeout,
-                "connect_timeout": self.connect_timeout}
+                "connect_timeout": self.connect_timeout, "tls": self.tls,
+                "credential_provider": self.credential_provider}
 
     def address(self) -> str:
         """`host:port` (or the socket path), for messages and span attributes; never a password."""
@@ -51,25 +60,28 @@ def settings_of(client: Any) -> Settings:
     """The settings of a plain, Sentinel-managed or cluster client."""
     if isinstance(client, RedisCluster):
         kw: dict[str, Any] = client.get_connection_kwargs()
-        lean = not (kw.get("credential_provider") or kw.get("ssl") or str(kw.get("protocol") or 2) != "2")
+        cls = kw.get("connection_class", aioredis.Connection)
+        lean = cls in _LEAN_CLASSES and str(kw.get("protocol") or 2) == "2"
         nodes = client.get_nodes()
         node = client.get_default_node() or (nodes[0] if nodes else None)
         host, port = (node.host, int(node.port)) if node is not None else ("127.0.0.1", 6379)
-        return _settings(kw, host, port, None, lean)
+        return _settings(kw, host, port, None, lean, Tls.of(cls, kw))
     pool = client.connection_pool
     kw = pool.connection_kwargs
+    cls = pool.connection_class
     sentinel = isinstance(pool, SentinelConnectionPool)
-    plain = pool.connection_class in _LEAN_CLASSES or sentinel and pool.connection_class.__name__ == \
-        "SentinelManagedConnection"
-    lean = plain and not kw.get("credential_provider") and str(kw.get("protocol") or 2) == "2"
-    return _settings(kw, kw.get("host", "127.0.0.1"), int(kw.get("port") or 6379), kw.get("path"), lean)
+    plain = cls in _LEAN_CLASSES or sentinel and cls.__name__ in _SENTINEL_CLASSES
+    lean = plain and str(kw.get("protocol") or 2) == "2"
+    return _settings(kw, kw.get("host", "127.0.0.1"), int(kw.get("port") or 6379), kw.get("path"), lean,
+                     Tls.of(cls, kw))
 
 
-def _settings(kw: dict[str, Any], host: str, port: int, path: str | None, lean: bool) -> Settings:
+def _settings(kw: dict[str, Any], host: str, port: int, path: str | None, lean: bool, tls: Tls | None) -> Settings:
     timeout = kw.get("socket_timeout")
     return Settings(host=str(host), port=port, path=path, db=int(kw.get("db") or 0), username=kw.get("username"),
                     password=kw.get("password"), timeout=timeout,
-                    connect_timeout=kw.get("socket_connect_timeout") or timeout, lean=lean)
+                    connect_timeout=kw.get("socket_connect_timeout") or timeout, lean=lean, tls=tls,
+                    credential_provider=kw.get("credential_provider"))
 
 
 def is_plain(client: Any) -> bool:
@@ -85,8 +97,11 @@ def twin(client: Any) -> Any:
     the first loop too): build such a manager with `from_url`.
     """
     if isinstance(client, RedisCluster):
-        kw: dict[str, Any] = {k: v for k, v in client.get_connection_kwargs().items()
-                              if k not in ("connection_class", "host", "port")}
+        given: dict[str, Any] = client.get_connection_kwargs()
+        # what RedisCluster takes back (it adds connection internals of its own: response_callbacks, ...)
+        kw = {k: v for k, v in given.items() if k in _CLUSTER_ARGS and k not in ("host", "port")}
+        if Tls.of(given.get("connection_class"), given) is not None:
+            kw["ssl"] = True
         nodes = [ClusterNode(n.host, int(n.port)) for n in client.get_nodes()] or [ClusterNode("127.0.0.1", 6379)]
         return RedisCluster(startup_nodes=nodes, retry=client.retry, **kw)
     if type(client) is not aioredis.Redis or isinstance(client.connection_pool, SentinelConnectionPool):

@@ -31,7 +31,7 @@ DEFAULT_PORT = 6379
 _URL = UrlForm(SCHEME, "Redis Cluster", DEFAULT_PORT,
                f"{SCHEME}://[[user]:password@]host1[:{DEFAULT_PORT}][,host2[:port]...]")
 # Options a cluster client takes that a plain one does not pass on, and the ones it refuses.
-_UNSUPPORTED = ("db", "ssl", "connection_class", "unix_socket_path", "path")
+_UNSUPPORTED = ("db", "connection_class", "unix_socket_path", "path")  # ssl=True: TLS, as redis-py takes it
 
 
 def is_cluster(client: Any) -> bool:

@@ -6,9 +6,11 @@ a timeout context per read), and a lock hand-off is a chain of small single
 commands, so that overhead *is* the throughput. This connection writes each
 command at once and matches replies in order (Redis answers in order), so
 concurrent lock calls share one socket without waiting for each other;
-hiredis parses. It is used only when the manager's client is a plain
-redis-py client (TCP or unix socket, RESP2, password auth); anything else
-(TLS, RESP3, credential providers, Cluster) goes through redis-py itself.
+hiredis parses. It speaks for the manager's client whenever that client uses
+redis-py's own connection classes over RESP2: TCP, TLS (`_tls.py`: redis-py's
+`ssl_*` options), unix sockets, a password or a credential provider (asked
+again on every connect). A client with a connection class of its own, or
+RESP3, goes through redis-py itself.
 
 It behaves as redis-py does, call for call (tests/test_connection_parity.py
 feeds both the same cases): arguments are encoded by redis-py's rules, error
@@ -42,6 +44,8 @@ from redis._parsers import BaseParser
 from redis.exceptions import AuthenticationError, BusyLoadingError, DataError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from ._tls import Tls
 
 _pack: Callable[[tuple[Any, ...]], bytes] = hiredis.pack_command  # RESP encoding in C: half the time of a Python encoder
 ALONE_ABOVE = 1 << 20  # bytes; the smallest proto-max-bulk-len and client-query-buffer-limit
@@ -105,8 +109,9 @@ class _Protocol(asyncio.Protocol):
     """Feeds bytes to hiredis; hands each reply to the oldest waiting future, or to `on_push`."""
 
     def __init__(self, on_push: Callable[[Any], None] | None, on_lost: Callable[[], None] | None,
-                 server: str = "Redis") -> None:
+                 server: str = "Redis", tls: Tls | None = None) -> None:
         self.server = server
+        self.tls = tls
         self.reader = hiredis.Reader(replyError=_reply_error)
         self.pending: collections.deque[asyncio.Future[Any]] = collections.deque()
         self.transport: asyncio.Transport | None = None
@@ -152,6 +157,9 @@ class _Protocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        if self.tls is not None and exc is not None and self.refusal is None:
+            # TLS 1.3: the server refuses a client certificate after the client's handshake is done
+            self.refusal = self.tls.refusal(exc, self.server)
         while self.pending:
             future = self.pending.popleft()
             if self.stuck_after is not None:  # dropped because a reply did not come in time
@@ -182,9 +190,11 @@ class Connection:
     def __init__(self, *, host: str = "127.0.0.1", port: int = 6379, path: str | None = None, db: int = 0,
                  username: str | None = None, password: str | None = None, timeout: float | None = 2.0,
                  connect_timeout: float | None = 2.0, on_push: Callable[[Any], None] | None = None,
-                 on_lost: Callable[[], None] | None = None) -> None:
+                 on_lost: Callable[[], None] | None = None, tls: Tls | None = None,
+                 credential_provider: Any = None) -> None:
         self._host, self._port, self._path = host, port, path
         self._db, self._username, self._password = int(db or 0), username, password
+        self._tls, self._credential_provider = tls, credential_provider
         self._timeout, self._connect_timeout = timeout, connect_timeout
         self._on_push, self._on_lost = on_push, on_lost
         self._protocol: _Protocol | None = None
@@ -228,11 +238,19 @@ class Connection:
         async with self._connecting:
             if self.connected:
                 return
-            protocol = _Protocol(None, None, self.server)
+            protocol = _Protocol(None, None, self.server, self._tls)
             try:
                 async with asyncio.timeout(self._connect_timeout):
                     if self._path:
                         await loop.create_unix_connection(lambda: protocol, self._path)
+                    elif self._tls is not None:
+                        # TCP, then TLS on it: a handshake cancelled half-way (aclose) leaves a socket
+                        # this code can abort, where create_connection(ssl=...) could leave it to the GC
+                        context = self._tls.context()
+                        await loop.create_connection(lambda: protocol, self._host, self._port)
+                        assert protocol.transport is not None  # connection_made set it
+                        protocol.transport = cast(asyncio.Transport, await loop.start_tls(
+                            protocol.transport, protocol, context, server_hostname=self._host))
                     else:
                         await loop.create_connection(lambda: protocol, self._host, self._port)
                     await self._handshake(protocol)
@@ -243,6 +261,12 @@ class Connection:
                 if isinstance(exc, TimeoutError):
                     raise RedisTimeoutError(f"connecting to Redis at {self.server} timed out after "
                                             f"{self._connect_timeout} s") from exc
+                refusal = self._tls.refusal(exc, self.server) if self._tls is not None else None
+                if refusal is None and self._tls is not None and type(exc) is RedisConnectionError and \
+                        protocol.refusal is None:  # hung up without a word: a client certificate refused?
+                    refusal = await self._tls.diagnose(self._host, self._port, min(self._connect_timeout or 1.0, 1.0))
+                if refusal is not None:  # a certificate or protocol problem: no retry will fix it
+                    raise refusal from exc
                 if isinstance(exc, OSError):
                     raise RedisConnectionError(f"cannot connect to Redis at {self.server}: {exc}") from exc
                 raise
@@ -262,8 +286,15 @@ class Connection:
         commands that follow.
         """
         commands: list[tuple[Any, ...]] = []
-        if self._password:
-            commands.append(("AUTH", self._username, self._password) if self._username else ("AUTH", self._password))
+        username, password = self._username, self._password
+        provider = self._credential_provider
+        if provider is not None:  # asked on every connect: a rotated token is picked up by the next one
+            ask = getattr(provider, "get_credentials_async", None)
+            credentials = tuple(await ask() if ask is not None else provider.get_credentials())
+            username, password = (None, credentials[0]) if len(credentials) == 1 else credentials[:2]
+            self._username = username
+        if password:
+            commands.append(("AUTH", username, password) if username else ("AUTH", password))
         if self._db:
             commands.append(("SELECT", self._db))
         probe = not commands

@@ -7,7 +7,8 @@
      ├── RedisUnavailable    transient: refused, reset, timed out, LOADING, a failover
      │                       under way, maxclients, OOM, an open circuit; `.retry_after`
      └── RedisMisconfigured  permanent: authentication, ACL rights, database number,
-                             an unsupported server; the message says what to fix
+                             an unsupported server, a TLS certificate or protocol
+                             problem; the message says what to fix
 
 Bad arguments raise ValueError (or TypeError) with a message that names the
 problem, before anything is sent to Redis.
@@ -32,6 +33,9 @@ from redis.exceptions import (AuthenticationError, AuthenticationWrongNumberOfAr
                               OutOfMemoryError, ReadOnlyError, RedisClusterException, TryAgainError)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from ._tls import WORDS as TLS_WORDS
+from ._tls import TlsMisconfigured, fix_for
 
 
 class LockError(Exception):
@@ -122,8 +126,14 @@ def _acl_fix(message: str, key: str | None, user: str) -> str:
             f"`ACL SETUSER {named.group(1) if named else user} {rule}` (or in the ACL file)")
 
 
-# First match wins. Misconfiguration first: redis-py makes a refused password a ConnectionError.
+def _tls_fix(message: str, key: str | None, user: str) -> str:
+    """What to change for a TLS failure seen through redis-py (the lean connection names its own fix)."""
+    return fix_for(message) or ""
+
+
+# First match wins. Misconfiguration first: redis-py makes a refused password (or certificate) a ConnectionError.
 _RULES = (
+    _Rule(MISCONFIGURED, (TlsMisconfigured,), words=TLS_WORDS, fix=_tls_fix),
     _Rule(MISCONFIGURED, words=("without any password configured", "no password is set"),
           fix="the server has no password but the URL gives one: remove it from the URL, or give the "
               "server one (requirepass)"),
@@ -209,7 +219,9 @@ def to_lock_error(error: BaseException, what: str, *, key: str | None = None, cl
     where = "Redis" if client is None else f"Redis at {server_name(client)}"
     text = _text(error)
     message = f"{where} {state} ({what}): {type(error).__name__}: {text}".rstrip(": .")
-    fix = "" if rule is None else rule.fix if isinstance(rule.fix, str) else rule.fix(text, key, user_name(client))
+    fix = getattr(error, "fix", None) if isinstance(error, TlsMisconfigured) else None
+    if not fix:
+        fix = "" if rule is None else rule.fix if isinstance(rule.fix, str) else rule.fix(text, key, user_name(client))
     return cls(f"{message}; {fix}" if fix else message, key=key)
 
 

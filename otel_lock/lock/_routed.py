@@ -23,12 +23,13 @@ from typing import Any, Awaitable, Callable
 
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import AskError, MovedError, RedisError, ResponseError
+from redis.exceptions import AskError, MovedError, RedisClusterException, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ._clients import Settings
 from ._cluster import slot_of
 from ._connection import Connection
+from ._tls import TlsMisconfigured
 
 MAX_REDIRECTS = 5
 Address = tuple[str, int]
@@ -73,7 +74,7 @@ class RoutedConnections:
         async with self._reading:
             try:
                 await self._cluster.initialize()
-            except (RedisError, OSError):
+            except (RedisError, RedisClusterException, OSError):
                 # redis-py read the nodes, then failed a command on its default node (a master that is
                 # down): the nodes it knows, or the start-up nodes, can still answer for the map
                 pass
@@ -94,6 +95,8 @@ class RoutedConnections:
                         slots[slot] = owner
                 self._slots = slots
                 return
+            if isinstance(error, TlsMisconfigured):
+                raise error  # the same on every node and every retry: say what to fix
             raise RedisConnectionError(f"no cluster node answered CLUSTER SLOTS: {error}")
 
     async def masters(self) -> list[Address]:

@@ -5,8 +5,8 @@ manager was given (or its twin). It offers the same four things whatever
 the topology, so the transport above it has no branch on it:
 
 - `client`: what scripts are sent on (`evalsha` / `script_load`): the lean
-  connection when the client allows (TCP or unix socket, RESP2, password
-  auth), else redis-py itself;
+  connection when the client allows (redis-py's own connection classes:
+  TCP, TLS or unix socket; RESP2), else redis-py itself;
 - `batch(calls)`: several script calls in one round trip (per node on a
   Cluster), errors returned in place;
 - `groups(keys)`: which keys may share one script call (a Cluster script
@@ -46,7 +46,7 @@ def lean_connection(settings: Settings, **extra: Any) -> Connection:
 
 
 class Link:
-    """One server through redis-py (TLS, RESP3, credential providers): the base of every link."""
+    """One server through redis-py (RESP3, a connection class of the caller's own): the base of every link."""
 
     sharded = False
 
@@ -152,7 +152,7 @@ class SentinelLink(LeanLink):
 
 
 class SentinelPyLink(Link):
-    """The Sentinels' master through redis-py (TLS, RESP3): the same master check before each call."""
+    """The Sentinels' master through redis-py (RESP3, a connection class of its own): the same master check."""
 
     def __init__(self, redis: Any, settings: Settings, watch: MasterWatch) -> None:
         super().__init__(redis, settings)

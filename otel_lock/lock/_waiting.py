@@ -223,7 +223,7 @@ class Waiting:
             self._deliver(reply[2])
 
     async def _listen_redis_py(self) -> None:
-        """Subscriber for clients the lean connection does not cover (TLS, RESP3, ...)."""
+        """Subscriber for clients the lean connection does not cover (RESP3, a connection class of their own)."""
         pubsub = self._redis.pubsub()
         first = True
         try:

@@ -13,7 +13,8 @@ from collections.abc import Iterable
 
 from _pytest.mark.expression import Expression
 
-# Each job is a `-m` expression; ./scripts/test passes them as they are written here.
+# Each job is a `-m` expression; ./scripts/test passes them as they are written here
+# (`python tests/_jobs.py NAME` prints one, `python tests/_jobs.py quick` the quick set).
 JOBS = {
     "behaviour": "not serial and not failover and not tooling and not system",
     "serial": "(serial or failover) and not tooling and not system",
@@ -74,6 +75,16 @@ def marks_for(module: str, function: str) -> list[str]:
     return [mark for mark, where in MARKS.items() if module in where or f"{module}::{function}" in where]
 
 
+def misplaced(tests: Iterable[tuple[str, Iterable[str]]]) -> list[str]:
+    """For (test id, mark names) pairs: a line for each test in no job or in more than one."""
+    wrong = []
+    for test, marks in tests:
+        jobs = jobs_of(marks)
+        if len(jobs) != 1:
+            wrong.append(f"{test}: in {', '.join(jobs) or 'no job'}")
+    return wrong
+
+
 def jobs_of(marks: Iterable[str]) -> list[str]:
     """The jobs whose expression a test with these mark names matches (exactly one, in a sound layout)."""
     names = set(marks)
@@ -82,3 +93,9 @@ def jobs_of(marks: Iterable[str]) -> list[str]:
         return not kwargs and name in names
 
     return [job for job, expression in JOBS.items() if Expression.compile(expression).evaluate(matcher)]
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(" ".join(QUICK) if sys.argv[1] == "quick" else JOBS[sys.argv[1]])

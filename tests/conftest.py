@@ -19,7 +19,7 @@ import redis.asyncio as aioredis
 
 from otel_lock.cli._redis_server import RedisServer, use_server
 
-from _jobs import JOBS, jobs_of, marks_for
+from _jobs import JOBS, marks_for, misplaced
 
 SERVER = use_server()
 STARTS = 5  # a free port can be taken by another worker's server before ours binds it
@@ -32,14 +32,10 @@ def pytest_report_header(config):
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Mark each test for its job (tests/_jobs.py); refuse a test that falls in no job or in two."""
-    wrong = []
     for item in items:
-        module, function = item.path.name, getattr(item, "originalname", item.name)
-        for mark in marks_for(module, function):
+        for mark in marks_for(item.path.name, getattr(item, "originalname", item.name)):
             item.add_marker(mark)
-        jobs = jobs_of(mark.name for mark in item.iter_markers())
-        if len(jobs) != 1:
-            wrong.append(f"{item.nodeid}: in {jobs or 'no job'}")
+    wrong = misplaced((item.nodeid, [mark.name for mark in item.iter_markers()]) for item in items)
     if wrong:
         raise pytest.UsageError("each test belongs to exactly one job of ./scripts/test "
                                 f"({', '.join(JOBS)}; tests/_jobs.py):\n" + "\n".join(wrong))

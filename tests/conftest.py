@@ -51,7 +51,7 @@ def start_own_server() -> RedisServer:
             if attempt == STARTS - 1:
                 raise
             continue
-        client = redis.Redis(port=server.port)
+        client = redis.Redis(host="127.0.0.1", port=server.port)
         try:
             answering = client.info("server")["process_id"]
         finally:

@@ -47,8 +47,11 @@ MARKS: dict[str, list[str]] = {
         "test_docs_site.py",
         "test_benchmarks.py::test_deployments_benchmark_smoke_runs_every_row",
     ],
-    # Whole programs: the demo, replicas, the local stack, live Prometheus, the safety checker's runs.
+    # Whole programs: the demo, replicas, the local stack, live Prometheus, the safety checker's
+    # runs; and the runs at scale (200,000 held locks listed, 20,000 keys of telemetry).
     "system": [
+        "test_cli.py::test_locks_lists_200000_held_locks_in_bounded_memory",
+        "test_telemetry_cardinality.py::test_twenty_thousand_keys_and_random_hosts_leave_the_series_flat",
         "test_demo_replicas.py",
         "test_alerts_live.py",
         "test_dashboards_live.py",

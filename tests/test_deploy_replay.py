@@ -1,8 +1,9 @@
 """Issue 18 item 5: the compose stack builds and runs its own commands, replayed without Docker.
 
-The Dockerfile's COPY and RUN steps are replayed into a fresh virtualenv in a
-temporary directory, from a clean `git archive` of this checkout (tracked
-files, with uncommitted edits, nothing else lying around). Then each compose
+The Dockerfile's COPY and RUN steps are replayed into a fresh virtualenv from
+a clean `git archive` of this checkout (tracked files, with uncommitted edits,
+nothing else lying around), kept in a cache keyed by what the image is made of
+(tests/_deploy_image.py; ./scripts/test fills it before pytest). Then each compose
 service's own command and healthcheck run from that virtualenv against local
 processes, as `otel-lock stack` does: Redis, both replicas (OTLP to a real
 receiver standing in for the collector), the load generator, and Prometheus
@@ -14,15 +15,10 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import shlex
 import shutil
 import signal
 import subprocess
-import sys
-import tarfile
 import time
-from io import BytesIO
 from pathlib import Path
 
 import httpx
@@ -31,76 +27,23 @@ import yaml
 
 from otel_lock.cli._redis_server import free_port
 
+from _deploy_image import PIP_TIMEOUT, archive, ensure_image
 from _telemetry_helpers import OtlpReceiver
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 SERVICES = COMPOSE["services"]
-# RUN commands the replay skips, and why; any other command fails the test.
-SKIPPED = {"useradd": "creates the image's unprivileged user (needs root; nothing to install)"}
 DEADLINE = 60.0
-
-
-def archive(destination: Path) -> None:
-    """`git archive` of the working tree's tracked files (uncommitted edits included, untracked not)."""
-    tree = subprocess.run(["git", "stash", "create"], cwd=ROOT, capture_output=True, text=True, check=True)
-    ref = tree.stdout.strip() or "HEAD"
-    data = subprocess.run(["git", "archive", "--format=tar", ref], cwd=ROOT, capture_output=True, check=True).stdout
-    with tarfile.open(fileobj=BytesIO(data)) as tar:
-        tar.extractall(destination, filter="data")
-
-
-def dockerfile_steps() -> list[tuple[str, str]]:
-    """(instruction, arguments) of deploy/Dockerfile, continuation lines joined, comments dropped."""
-    text = re.sub(r"\\\n", " ", (ROOT / "deploy" / "Dockerfile").read_text())
-    steps = []
-    for line in text.splitlines():
-        if line.strip() and not line.lstrip().startswith("#"):
-            instruction, _, arguments = line.strip().partition(" ")
-            steps.append((instruction.upper(), arguments.strip()))
-    return steps
-
-
-def replay(context: Path, image: Path) -> Path:
-    """Run the Dockerfile's steps with `image` as the container's root; return the virtualenv's bin."""
-    venv = image / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    workdir, env = image, {**os.environ}
-    for instruction, arguments in dockerfile_steps():
-        if instruction == "WORKDIR":
-            workdir = image / arguments.lstrip("/")
-            workdir.mkdir(parents=True, exist_ok=True)
-        elif instruction == "ENV":
-            env.update(dict(re.findall(r'(\w+)=("[^"]*"|\S+)', arguments)))
-        elif instruction == "COPY":
-            *sources, target = shlex.split(arguments)
-            for source in sources:
-                origin, into = context / source, workdir / target
-                assert origin.exists(), f"COPY {source}: not in the build context (a clean archive)"
-                if origin.is_dir():
-                    shutil.copytree(origin, into if not target.endswith("/") else into / origin.name,
-                                    dirs_exist_ok=True)
-                else:
-                    (into if target.endswith("/") or into.is_dir() else into.parent).mkdir(parents=True, exist_ok=True)
-                    shutil.copy2(origin, into / origin.name if target.endswith("/") or into.is_dir() else into)
-        elif instruction == "RUN":
-            for command in arguments.split("&&"):
-                argv = shlex.split(command)
-                if argv[0] in SKIPPED:
-                    continue
-                assert argv[:2] == ["pip", "install"], f"RUN {command.strip()!r}: not replayed, teach this test"
-                subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", *argv[2:]],
-                               cwd=workdir, env=env, check=True, timeout=900)
-        else:
-            assert instruction in ("FROM", "USER", "EXPOSE", "CMD", "HEALTHCHECK"), instruction
-    return venv / "bin"
+# The image comes from the cache ./scripts/test fills before pytest (tests/_deploy_image.py); run
+# alone on a changed tree, the fixture replays the Dockerfile itself, pip install included.
+pytestmark = pytest.mark.timeout(PIP_TIMEOUT + 120)
 
 
 @pytest.fixture(scope="module")
 def image(tmp_path_factory):
-    context, root = tmp_path_factory.mktemp("context"), tmp_path_factory.mktemp("image")
+    context = tmp_path_factory.mktemp("context")
     archive(context)
-    return replay(context, root), context
+    return ensure_image(context), context
 
 
 def local(argv: list[str], ports: dict[str, str]) -> list[str]:

@@ -28,8 +28,9 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 # What only an extra may bring in; `import otel_lock` must load none of it.
 OPTIONAL_MODULES = ("opentelemetry.sdk", "opentelemetry.exporter", "opentelemetry.instrumentation",
                     "prometheus_client", "uvicorn", "httpx", "yaml", "fastapi", "grpc", "google.protobuf")
-# Type checkers and the wheel builder run on the newest releases only; nothing else goes unpinned.
-UNPINNED_TOOLS = {"mypy", "pyright", "types-pyyaml", "hatchling"}
+# Type checkers, the wheel builder and xdist (the behaviour job's workers) run on the newest releases
+# only; nothing else goes unpinned.
+UNPINNED_TOOLS = {"mypy", "pyright", "types-pyyaml", "hatchling", "pytest-xdist"}
 
 
 def _name(requirement: str) -> str:

@@ -756,28 +756,6 @@ def test_a_redlock_quorum_behind_the_facade(quorum):
                 assert c.exists(held.key) == 0
 
 
-# -- typed for the user -------------------------------------------------------------
-
-
-def _mypy(path: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "mypy", "--strict", "--no-incremental", path], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
-
-
-def test_user_code_of_the_facade_passes_mypy_strict():
-    pytest.importorskip("mypy")  # not in the lowest-versions venv of the core alone
-    result = _mypy("tests/typecheck/sync_usage.py")
-    assert result.returncode == 0 and "Success" in result.stdout, result.stdout + result.stderr
-
-
-@pytest.mark.xfail(not all(hasattr(RedLockManager, name) for name in ("held_locks", "force_release")),
-                   reason="RedLockManager does not satisfy the Locks protocol yet (the core's refactor)", strict=True)
-def test_a_redlock_factory_passes_mypy_strict():
-    pytest.importorskip("mypy")
-    result = _mypy("tests/typecheck/sync_usage_redlock.py")
-    assert result.returncode == 0 and "Success" in result.stdout, result.stdout + result.stderr
-
-
 # -- the README's example runs ----------------------------------------------------------
 
 

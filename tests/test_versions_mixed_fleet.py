@@ -239,7 +239,7 @@ def test_the_previous_release_is_named_by_one_commit_everywhere():
     version = re.search(r"^PREVIOUS_VERSION=([\w.]+)$", text, re.M).group(1)
     assert re.search(rf"\| {re.escape(version)} \| `{commit}` \|", (ROOT / "docs" / "versioning.md").read_text())
     script = (ROOT / "scripts" / "test").read_text()
-    assert script.index("ensure_previous_release") < script.index("\n.venv/bin/python -m pytest")
+    assert script.index("ensure_previous_release") < script.index("\nrun_job behaviour")
     shown = subprocess.run(["git", "show", f"{commit}:otel_lock/__init__.py"], cwd=ROOT, capture_output=True,
                            text=True)
     if shown.returncode != 0:

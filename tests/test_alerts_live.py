@@ -18,6 +18,7 @@ import os
 import shutil
 import signal
 import time
+from datetime import datetime
 from types import SimpleNamespace
 
 import httpx
@@ -99,6 +100,36 @@ async def query(client, expr: str) -> float:
     return sum(float(series["value"][1]) for series in result)
 
 
+# The lock names callers queue for whose acquisitions have no rate yet (their
+# counters have one sample): OtelLockStuck's two sides before they are comparable.
+UNSETTLED = ('sum by (job, lock_name) (max_over_time(otel_lock_pending[1m])) > 0 unless '
+             'sum by (job, lock_name) (rate(otel_lock_wait_duration_seconds_count{lock_outcome="acquired"}[10m])) > 0')
+
+
+async def settled(client) -> None:
+    """Wait until every queued-for lock name has an acquisition rate, then for a rule evaluation after that.
+
+    A replica's first scrape holds a pending caller before its acquisitions
+    have two samples: for that second the stuck rule's `unless` has nothing to
+    compare, an alert goes pending, and Prometheus shows it until the next
+    evaluation. That is start-up, not a stuck lock (the rule's `for: 5m`
+    keeps it from firing); what the healthy stack must show is no alert once
+    its inputs exist.
+    """
+    deadline = time.monotonic() + REACT_WITHIN
+    while (unsettled := (await client.get("/api/v1/query", params={"query": UNSETTLED})).json()["data"]["result"]):
+        assert time.monotonic() < deadline, f"acquisitions never reached Prometheus for {unsettled}"
+        await asyncio.sleep(0.5)
+    ready = time.time()
+    while True:
+        groups = (await client.get("/api/v1/rules")).json()["data"]["groups"]
+        if groups and all(datetime.fromisoformat(group["lastEvaluation"].replace("Z", "+00:00")).timestamp() > ready
+                          for group in groups):
+            return
+        assert time.monotonic() < deadline, "the rules were not evaluated again"
+        await asyncio.sleep(0.5)
+
+
 async def core_records_busy(redis_url: str) -> bool:
     """Whether the lock core records a try_lock miss as `busy` (issue 9 item 1, the lead's part)."""
     reader = InMemoryMetricReader()
@@ -129,6 +160,7 @@ async def test_a_healthy_stack_under_contended_load_pages_no_one(stack, load):
         while await query(client, 'sum(rate(otel_lock_wait_duration_seconds_count{lock_contended="true"}[15s]))') <= 0:
             assert time.monotonic() < deadline, "no contended acquisitions reached Prometheus"
             await asyncio.sleep(0.5)
+        await settled(client)
         seen: dict[str, dict] = {}
         end = time.monotonic() + HEALTHY_FOR
         while time.monotonic() < end:

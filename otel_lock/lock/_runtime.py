@@ -22,10 +22,10 @@ import asyncio
 import logging
 import os
 import weakref
-from typing import Any, AsyncIterator, Awaitable, Callable, Coroutine, Protocol
+from typing import Any, AsyncIterator, Awaitable, Callable, Coroutine
 
 from ._background import Background
-from ._held import Lease
+from ._transport import Transport
 from ._watchdog import Watchdog
 
 log = logging.getLogger("otel_lock")
@@ -35,23 +35,10 @@ log = logging.getLogger("otel_lock")
 _INHERITED: list[Runtime] = []
 
 
-class Transport(Protocol):
-    """One topology on one loop: `_scripted.ScriptTransport` or `_quorum.QuorumTransport`."""
-
-    @property
-    def records(self) -> Any: ...
-
-    async def renew(self, leases: list[Lease]) -> list[bool | BaseException]: ...
-
-    def figures(self) -> tuple[int, int]: ...
-
-    async def aclose(self) -> None: ...
-
-
 class Runtime:
     """A manager's transport, watchdog and background tasks on one event loop."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, transport: Any, watchdog: Watchdog, background: Background,
+    def __init__(self, loop: asyncio.AbstractEventLoop, transport: Transport, watchdog: Watchdog, background: Background,
                  client: Any, owns_client: bool) -> None:
         self.loop = loop
         self.transport = transport
@@ -67,7 +54,7 @@ class Runtime:
         self._closer = _on_shutdown(weakref.ref(self))
         _start(self._closer)
 
-    async def first_use(self, check: Callable[[Any], Awaitable[None]]) -> None:
+    async def first_use(self, check: Callable[[Transport], Awaitable[None]]) -> None:
         """Run `check(transport)` once for every caller that arrives before it passed; a failure is not kept."""
         if self._checking is None or (self._checking.done() and self._checking.exception() is not None):
             self._checking = asyncio.ensure_future(check(self.transport))

@@ -14,7 +14,7 @@ import logging
 import time
 from collections import Counter
 from functools import partial
-from typing import Any, AsyncIterator, Awaitable, Callable, Coroutine
+from typing import Any, AsyncGenerator, Awaitable, Callable, Coroutine, cast
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError
@@ -24,12 +24,13 @@ from . import _scripts
 from ._attempt import Attempt, Reply, Request, cancelling
 from ._background import Background
 from ._calls import Calls, batch_outcomes, record_batch
-from ._errors import RedisUnavailable
+from ._errors import LockError, RedisUnavailable
 from ._held import Lease, LockInfo
 from ._listing import held_pages
 from ._options import default_name
 from ._server_checks import ServerReport, check_server
 from ._topology import ClusterLink, LeanLink, Link, ReplicatedLink
+from ._transport import RedisClient, Send, Transport
 
 log = logging.getLogger("otel_lock")
 RELEASE_RETRY = 0.25
@@ -40,7 +41,7 @@ def lock_keys(redis_key: str) -> tuple[str, str, str, str]:
     return redis_key, redis_key + ":fence", redis_key + ":q", redis_key + ":w"
 
 
-class ScriptTransport:
+class ScriptTransport(Transport):
     """Locks on one Redis (or Sentinel, or Cluster) for one event loop."""
 
     def __init__(self, link: Link, calls: Calls, channel: str, fence_ttl_ms: int, poll_cap: float,
@@ -58,12 +59,9 @@ class ScriptTransport:
         self.polling = False  # no pub/sub rights: waiters poll (one warning)
 
     @property
-    def records(self) -> Any:
+    def records(self) -> RedisClient:
         """This loop's redis-py client (idempotency records, operator calls)."""
-        return self.link.redis
-
-    def background(self, work: Coroutine[Any, Any, Any]) -> asyncio.Future[Any]:
-        return self._background.add(work)
+        return cast(RedisClient, self.link.redis)
 
     def call(self, script: _scripts.Script, keys: tuple[str, ...], args: list[Any], operation: str,
              name: str) -> Coroutine[Any, Any, Any]:
@@ -124,6 +122,13 @@ class ScriptTransport:
         return self.link.send_now(_scripts.release, lock_keys(lease.key),
                                   [lease.owner, self.fence_ttl_ms, "1" if whole else "0"], on_orphan)
 
+    def release_answer(self, lease: Lease, seconds: float, reply: Any) -> int | LockError:
+        """The RELEASE reply of `send_release` (or the error that ended it): the depth left, or the error."""
+        if isinstance(reply, BaseException):
+            return self.calls.failed(reply, seconds, "release", lease.name, lease.key)
+        self.calls.ok(seconds, "release", lease.name)
+        return int(reply)
+
     def release_when_back(self, lease: Lease) -> None:
         """A release that Redis did not answer: retried until it does (the next caller gets in then)."""
         self.background(self._release_when_back(lease))
@@ -181,7 +186,7 @@ class ScriptTransport:
         held = await self.calls(self.link.call(_scripts.model_check, (key,), [model, ttl]), "acquire", name, lock_key)
         return None if int(held) == model else int(held)
 
-    async def servers(self) -> list[tuple[str, Callable[..., Awaitable[Any]]]]:
+    async def servers(self) -> list[tuple[str, Send]]:
         """(address, send one command) for the server, or every Cluster master: the server checks' targets."""
         link = self.link
         if isinstance(link, ClusterLink):
@@ -237,7 +242,7 @@ class ScriptTransport:
         released = await self.call(_scripts.force_release, lock_keys(redis_key), [self.fence_ttl_ms], "release", name)
         return bool(released), owner
 
-    def held_pages(self, pattern: str, page: int) -> AsyncIterator[list[LockInfo]]:
+    def held_pages(self, pattern: str, page: int) -> AsyncGenerator[list[LockInfo], None]:
         """The locks held, one SCAN batch at a time (`_listing.py`)."""
         return held_pages(self.link.redis, pattern, page)
 

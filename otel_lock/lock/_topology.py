@@ -27,7 +27,7 @@ from typing import Any, Awaitable, Callable
 from redis.asyncio.cluster import RedisCluster
 
 from . import _scripts
-from ._clients import Settings, is_plain, settings_of
+from ._clients import Settings, is_plain, lean_connection, settings_of
 from ._cluster import slot_of
 from ._connection import Connection
 from ._replicas import Replicated, check_acks, with_wait
@@ -38,11 +38,6 @@ from ._waiting import Waiting
 from ..telemetry._instruments import suppressed
 
 BATCH = 1000  # keys per renewal script call (a batch carries all calls in one round trip)
-
-
-def lean_connection(settings: Settings, **extra: Any) -> Connection:
-    """A lean connection to the server and with the credentials of `settings`."""
-    return Connection(host=settings.host, port=settings.port, path=settings.path, **settings.credentials(), **extra)
 
 
 class Link:

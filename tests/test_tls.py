@@ -315,34 +315,57 @@ async def test_a_silently_dropped_tls_subscriber_flow_is_noticed_and_subscribed_
     locks = managers(f"rediss://127.0.0.1:{proxy.port}/0", ssl_ca_certs=tls_server.ca,
                      socket_timeout=SOCKET_TIMEOUT)
     try:
-        holder = managers(tls_server.url(), ssl_ca_certs=tls_server.ca)
-        held = await holder.acquire("deaf")
-        with pytest.raises(LockTimeout):  # starts the proxied manager's subscriber
-            await locks.acquire("deaf", wait=0.05)
-        before = {c["id"] for c in _subscribers(tls_server)}
-        behind_proxy = [c for c in _subscribers(tls_server) if int(c["addr"].rsplit(":", 1)[1]) in proxy.gates]
-        assert len(behind_proxy) == 1
-        deaf = behind_proxy[0]
-        proxy.gates[int(deaf["addr"].rsplit(":", 1)[1])].clear()  # the flow stays open and carries nothing back
-
-        async def subscribed_again() -> bool:
-            now = {c["id"]: c for c in _subscribers(tls_server)}
-            return deaf["id"] not in now and len(set(now) - before) == 1
-        await until(subscribed_again, "the deaf subscriber to be noticed and replaced", timeout=DEADLINE,
-                    every=0.05)
-        channels = await asyncio.to_thread(_channels, tls_server)
-        async with aioredis.Redis(port=tls_server.server.port) as admin:
-            numsub = dict(await admin.pubsub_numsub(*channels))
-            assert list(numsub.values()) == [1]  # the waiting manager's channel, on the new flow
-            waiter = asyncio.create_task(locks.acquire("deaf", wait=DEADLINE))
-            await queued(admin, "deaf", 1)
-        assert await held.release()
-        taken = await asyncio.wait_for(waiter, DEADLINE)
-        assert taken.token > held.token
-        assert await taken.release()
+        await _a_deaf_subscriber_is_replaced(tls_server, proxy, locks, managers)
     finally:
         await locks.aclose()  # first: a subscriber reconnecting through a closing proxy would race its teardown
         await proxy.aclose()
+
+
+async def test_the_redis_py_subscriber_has_the_same_health_check(tls_server, managers):
+    """A client with a connection class of its own subscribes through redis-py, in the same loop: PINGed, replaced."""
+    class OwnConnection(aioredis.SSLConnection):
+        pass
+
+    proxy = await FlowProxy("127.0.0.1", tls_server.tls_port).start()
+    client = aioredis.Redis.from_pool(aioredis.ConnectionPool(
+        connection_class=OwnConnection, host="127.0.0.1", port=proxy.port, ssl_ca_certs=tls_server.ca,
+        socket_timeout=SOCKET_TIMEOUT))
+    locks = LockManager(client)
+    try:
+        await _a_deaf_subscriber_is_replaced(tls_server, proxy, locks, managers)
+    finally:
+        await locks.aclose()
+        await client.aclose()
+        await proxy.aclose()
+
+
+async def _a_deaf_subscriber_is_replaced(tls_server: TlsServer, proxy: FlowProxy, locks: LockManager,
+                                         managers) -> None:
+    """The waiting manager `locks` (behind `proxy`) loses its subscriber's replies without a close; it notices."""
+    holder = managers(tls_server.url(), ssl_ca_certs=tls_server.ca)
+    held = await holder.acquire("deaf")
+    with pytest.raises(LockTimeout):  # starts the proxied manager's subscriber
+        await locks.acquire("deaf", wait=0.05)
+    before = {c["id"] for c in _subscribers(tls_server)}
+    behind_proxy = [c for c in _subscribers(tls_server) if int(c["addr"].rsplit(":", 1)[1]) in proxy.gates]
+    assert len(behind_proxy) == 1
+    deaf = behind_proxy[0]
+    proxy.gates[int(deaf["addr"].rsplit(":", 1)[1])].clear()  # the flow stays open and carries nothing back
+
+    async def subscribed_again() -> bool:
+        now = {c["id"]: c for c in _subscribers(tls_server)}
+        return deaf["id"] not in now and len(set(now) - before) == 1
+    await until(subscribed_again, "the deaf subscriber to be noticed and replaced", timeout=DEADLINE, every=0.05)
+    channels = await asyncio.to_thread(_channels, tls_server)
+    async with aioredis.Redis(port=tls_server.server.port) as admin:
+        numsub = dict(await admin.pubsub_numsub(*channels))
+        assert list(numsub.values()) == [1]  # the waiting manager's channel, on the new flow
+        waiter = asyncio.create_task(locks.acquire("deaf", wait=DEADLINE))
+        await queued(admin, "deaf", 1)
+    assert await held.release()
+    taken = await asyncio.wait_for(waiter, DEADLINE)
+    assert taken.token > held.token
+    assert await taken.release()
 
 
 def _channels(server: TlsServer) -> list[bytes]:
@@ -480,7 +503,7 @@ async def test_redlock_over_tls_runs_each_master_on_one_lean_connection(tls_trio
 async def test_redlock_over_tls_with_a_wrong_ca_is_misconfigured_and_never_opens_the_breaker(tls_trio):
     other_ca = str(tls_trio[0].certs / "other-ca.crt")
     async with RedLockManager.from_urls([server.url() for server in tls_trio], ssl_ca_certs=other_ca,
-                                        breaker_failures=1) as locks:
+                                        breaker_failures=1, master_timeout=1.0) as locks:
         for _ in range(2):
             with pytest.raises(RedisMisconfigured, match="ssl_ca_certs"):
                 await locks.try_lock("quorum:ca")
@@ -496,7 +519,7 @@ async def test_a_redlock_master_with_a_connection_class_of_its_own_stays_on_redi
         connection_class=OwnConnection, host="127.0.0.1", port=server.tls_port, ssl_ca_certs=server.ca))
         for server in tls_trio]
     try:
-        async with RedLockManager(clients) as locks:
+        async with RedLockManager(clients, master_timeout=1.0) as locks:  # redis-py: a handshake per call at first
             async with locks.lock("quorum:own") as held:
                 assert held.token > 0
             masters = locks._runtimes.here().transport.masters

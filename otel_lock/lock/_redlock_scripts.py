@@ -145,6 +145,20 @@ class Masters:
         self.quorum: int = len(self.clients) // 2 + 1
         self.timeout: float = timeout
         self.calls: list[Calls] = list(calls)
+        self._connects: dict[int, asyncio.Future[None]] = {}
+
+    def _connect(self, index: int, connection: Connection) -> asyncio.Future[None]:
+        """Master `index`'s connect (a TLS handshake too), shared by its callers.
+
+        A caller gives up after `timeout` (a master_timeout shorter than a
+        handshake to a distant server); the connect goes on for the next
+        round, bounded by its own connect timeout.
+        """
+        connecting = self._connects.get(index)
+        if connecting is None or connecting.done():
+            connecting = self._connects[index] = asyncio.ensure_future(connection.connect())
+            connecting.add_done_callback(_retrieve)
+        return connecting
 
     def run(self, index: int) -> Callable[..., Awaitable[Any]]:
         """Send one command to master `index` (the server checks), on the connection its scripts use."""
@@ -176,8 +190,11 @@ class Masters:
         began = time.perf_counter()
         try:
             async with asyncio.timeout(self.timeout):
+                sender = self.senders[index]
+                if isinstance(sender, Connection) and not sender.connected:
+                    await asyncio.shield(self._connect(index, sender))
                 with suppressed():
-                    answer = await script(self.senders[index], keys, args)
+                    answer = await script(sender, keys, args)
         except (RedisError, OSError) as exc:  # asyncio's TimeoutError is an OSError
             return self.calls[index].failed(exc, time.perf_counter() - began, operation, name, keys[0])
         if record:
@@ -187,5 +204,15 @@ class Masters:
 
     async def aclose(self) -> None:
         """Close the lean connections (the clients are the runtime's to close, when it owns them)."""
+        connects, self._connects = list(self._connects.values()), {}
+        for connecting in connects:
+            connecting.cancel()
+        await asyncio.gather(*connects, return_exceptions=True)
         await asyncio.gather(*(s.aclose() for s in self.senders if isinstance(s, Connection)),
                              return_exceptions=True)
+
+
+def _retrieve(done: asyncio.Future[None]) -> None:
+    """The connect's error reaches its callers; unawaited, it is not logged as never retrieved."""
+    if not done.cancelled():
+        done.exception()

@@ -34,7 +34,7 @@ from ._replicas import Replicated, check_acks, with_wait
 from ._routed import RoutedConnections
 from ._sentinel import MasterConnection, MasterWatch
 from ._sharded import ShardedWaiting
-from ._waiting import Waiting
+from ._waiting import PubSubConnection, Waiting
 from ..telemetry._instruments import suppressed
 
 BATCH = 1000  # keys per renewal script call (a batch carries all calls in one round trip)
@@ -80,7 +80,9 @@ class Link:
         return [range(i, min(i + BATCH, len(keys))) for i in range(0, len(keys), BATCH)]
 
     def waiting(self, channel: str, on_orphan: Callable[[str, str], None]) -> Waiting:
-        return Waiting(self.redis, channel, None, on_orphan, self._idle_check())
+        # redis-py's PubSub under the one subscriber loop (its health PING, its re-subscribe)
+        return Waiting(channel, partial(PubSubConnection, self.redis, self.settings.timeout), on_orphan,
+                       self._idle_check())
 
     def _idle_check(self) -> Callable[[], Awaitable[None]] | None:
         return None
@@ -115,7 +117,7 @@ class LeanLink(Link):
         return await self.connection.execute_many(calls)
 
     def waiting(self, channel: str, on_orphan: Callable[[str, str], None]) -> Waiting:
-        return Waiting(self.redis, channel, self._make, on_orphan, self._idle_check())
+        return Waiting(channel, self._make, on_orphan, self._idle_check())
 
     def figures(self) -> tuple[int, int]:
         used, _ = super().figures()

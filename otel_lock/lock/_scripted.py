@@ -10,6 +10,7 @@ every topology.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections import Counter
@@ -24,6 +25,7 @@ from . import _scripts
 from ._attempt import Attempt, Reply, Request, cancelling
 from ._background import Background
 from ._calls import Calls, batch_outcomes, record_batch
+from ._clients import lean_connection
 from ._errors import LockError, RedisUnavailable
 from ._held import Lease, LockInfo
 from ._listing import held_pages
@@ -218,20 +220,18 @@ class ScriptTransport(Transport):
         if not isinstance(self.link, ClusterLink):
             return partial(subscribe_once, self.link.redis, False)
         if not self.link.settings.lean:
-            return None  # TLS or another connection class: the right stays as ACL DRYRUN or the probe found it
+            return None  # a connection class of the caller's own: the right stays as ACL DRYRUN or the probe found it
         host, _, port = address.rpartition(":")
         settings = self.link.settings
+        node = dataclasses.replace(settings, host=host, port=int(port), path=None, db=0,
+                                   timeout=settings.timeout or 2.0, connect_timeout=settings.connect_timeout or 2.0)
 
         async def on_node(channel: str) -> None:
-            import redis.asyncio as aioredis
-
-            node = aioredis.Redis(host=host, port=int(port), username=settings.username, password=settings.password,
-                                  socket_timeout=settings.timeout or 2.0,
-                                  socket_connect_timeout=settings.connect_timeout or 2.0)
+            connection = lean_connection(node)  # TLS and a credential provider as the node's scripts use them
             try:
-                await subscribe_once(node, True, channel)
+                await connection.execute("SSUBSCRIBE", channel)
             finally:
-                await node.aclose()
+                await connection.aclose()
         return on_node
 
     # -- operators -------------------------------------------------------------

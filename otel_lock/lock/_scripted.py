@@ -10,12 +10,10 @@ every topology.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from collections import Counter
-from functools import partial
-from typing import Any, AsyncGenerator, Awaitable, Callable, Coroutine, cast
+from typing import Any, AsyncGenerator, Callable, Coroutine, cast
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError
@@ -25,13 +23,12 @@ from . import _scripts
 from ._attempt import Attempt, Reply, Request, cancelling
 from ._background import Background
 from ._calls import Calls, batch_outcomes, record_batch
-from ._clients import lean_connection
 from ._errors import LockError, RedisUnavailable
 from ._held import Lease, LockInfo
 from ._listing import held_pages
 from ._options import default_name
 from ._server_checks import ServerReport, check_server
-from ._topology import ClusterLink, LeanLink, Link, ReplicatedLink
+from ._topology import Link
 from ._transport import RedisClient, Send, Transport
 
 log = logging.getLogger("otel_lock")
@@ -56,7 +53,7 @@ class ScriptTransport(Transport):
         self._background = background
         self.acquire_script = link.acquire_script
         # with wait_replicas, a hand-over is confirmed by an ACQUIRE that WAITs
-        self.trust_grants = not isinstance(link, ReplicatedLink)
+        self.trust_grants = link.trusts_grants
         self.waiting = link.waiting(channel, self._pass_on)
         self.polling = False  # no pub/sub rights: waiters poll (one warning)
 
@@ -190,22 +187,17 @@ class ScriptTransport(Transport):
 
     async def servers(self) -> list[tuple[str, Send]]:
         """(address, send one command) for the server, or every Cluster master: the server checks' targets."""
-        link = self.link
-        if isinstance(link, ClusterLink):
-            return await link.masters()
-        await link.prepare()
-        run = link.connection.execute if isinstance(link, LeanLink) else link.redis.execute_command
-        return [(self.calls.where, run)]
+        return await self.link.servers(self.calls.where)
 
     async def server_reports(self, namespace: str, require_noeviction: bool) -> list[ServerReport]:
         """The server checks (`_server_checks.py`) of the server, or of every Cluster master."""
-        cluster = isinstance(self.link, ClusterLink)
+        cluster = self.link.sharded
         reports = []
         for address, send in await self.servers():
             try:
                 reports.append(await check_server(send, namespace=namespace, cluster=cluster,
                                                   require_noeviction=require_noeviction, address=address,
-                                                  subscribe=self._subscriber(address)))
+                                                  subscribe=self.link.subscribe_probe(address)))
             except (OSError, RedisConnectionError, RedisTimeoutError) as exc:
                 if not cluster:
                     raise
@@ -214,25 +206,6 @@ class ScriptTransport(Transport):
                 log.warning("otel-lock: server checks skipped for Cluster master %s, unreachable: %s", address,
                             exc)
         return reports
-
-    def _subscriber(self, address: str) -> Callable[[str], Awaitable[None]] | None:
-        """Subscribe once on a connection of its own, as the waiters will (SSUBSCRIBE on a Cluster master)."""
-        if not isinstance(self.link, ClusterLink):
-            return partial(subscribe_once, self.link.redis, False)
-        if not self.link.settings.lean:
-            return None  # a connection class of the caller's own: the right stays as ACL DRYRUN or the probe found it
-        host, _, port = address.rpartition(":")
-        settings = self.link.settings
-        node = dataclasses.replace(settings, host=host, port=int(port), path=None, db=0,
-                                   timeout=settings.timeout or 2.0, connect_timeout=settings.connect_timeout or 2.0)
-
-        async def on_node(channel: str) -> None:
-            connection = lean_connection(node)  # TLS and a credential provider as the node's scripts use them
-            try:
-                await connection.execute("SSUBSCRIBE", channel)
-            finally:
-                await connection.aclose()
-        return on_node
 
     # -- operators -------------------------------------------------------------
 
@@ -252,20 +225,6 @@ class ScriptTransport(Transport):
     async def aclose(self) -> None:
         await self.waiting.aclose()
         await self.link.aclose()
-
-
-async def subscribe_once(client: Any, sharded: bool, channel: str, timeout: float = 2.0) -> None:
-    """SUBSCRIBE (SSUBSCRIBE) `channel` on a connection of `client`'s own, then leave: raises if refused."""
-    pubsub = client.pubsub()
-    try:
-        if sharded:
-            await pubsub.execute_command("SSUBSCRIBE", channel)
-            await pubsub.parse_response(block=True, timeout=timeout)
-        else:
-            await pubsub.subscribe(channel)
-            await pubsub.get_message(timeout=timeout)
-    finally:
-        await pubsub.aclose()
 
 
 def _text(value: bytes | str | None) -> str:

@@ -121,7 +121,7 @@ class PubSubConnection:
                         answer.set_result(message)
                 elif kind == "subscribe":  # redis-py reconnected and subscribed again: notices were missed
                     break
-        except (RedisError, OSError):
+        except Exception:  # noqa: BLE001  # whatever ended the reading, the loop above must hear of it
             pass
         self._end()
 

@@ -40,17 +40,17 @@ class Runtime:
 
     def __init__(self, loop: asyncio.AbstractEventLoop, transport: Transport, watchdog: Watchdog, background: Background,
                  client: Any, owns_client: bool) -> None:
-        self.loop = loop
-        self.transport = transport
-        self.watchdog = watchdog
-        self.background = background
-        self.client = client
-        self.owns_client = owns_client
-        self.closed = False
-        self.checked = False  # the first-use checks (data model, server) passed on this loop
+        self.loop: asyncio.AbstractEventLoop = loop
+        self.transport: Transport = transport
+        self.watchdog: Watchdog = watchdog
+        self.background: Background = background
+        self.client: Any = client  # a redis-py client, or a RedLock quorum's list of them
+        self.owns_client: bool = owns_client
+        self.closed: bool = False
+        self.checked: bool = False  # the first-use checks (data model, server) passed on this loop
         self._checking: asyncio.Future[None] | None = None
         self.guard: asyncio.Future[Any] | None = None  # the guard that stays awake (`_server_watch.py`)
-        self.pid = os.getpid()
+        self.pid: int = os.getpid()
         self._closer = _on_shutdown(weakref.ref(self))
         _start(self._closer)
 

@@ -302,6 +302,11 @@ async def test_openmetrics_counters_and_histograms_carry_created_and_the_text_fo
     assert all(before <= value <= after for value in [*created.values(), *waits.values()])
     errors = _samples(openmetrics, "otel_lock_errors_created")
     assert len(errors) == 12  # the manager's seeded series, each with its start
+    # prometheus-client's strict OpenMetrics parser reads it back: `_created` where the format puts it.
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families
+
+    parsed = {f.name: f for f in text_string_to_metric_families(openmetrics)}
+    assert any(s.name == "otel_lock_renewals_created" for s in parsed["otel_lock_renewals"].samples)
     assert "_created" not in text
     # The text exposition is the OpenMetrics one's samples less `_created`, in the text format's spelling.
     assert 'otel_lock_renewals_total{lock_name="stock",lock_renewal_outcome="ok"} 0.0' in text

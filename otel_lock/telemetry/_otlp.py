@@ -249,7 +249,7 @@ class OtlpPush:
         nobody holds. (OTLP's FLAG_NO_RECORDED_VALUE would say "ended" more
         precisely, but the Python SDK's NumberDataPoint has no flags and its
         encoder writes them for exponential histograms only: docs/observability.md,
-        "Hold near lease".) Age 0 over lease 0 is no ratio at all: the alert reads nothing.
+        #ended-holds.) Age 0 over lease 0 is no ratio at all: the alert reads nothing.
         """
         current = {tuple(sorted(attributes.items())) for attributes, _ in observed}
         self._showing[which] = current

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from benchmarks._otel_modes import ENDPOINT_MODES, MODES, TARGETS, env_for
 from benchmarks._report import TELEMETRY_TARGETS, render
 
@@ -58,3 +60,13 @@ def test_a_short_run_says_so_keeps_its_verdicts_and_shows_the_worker_process_row
     text = render("telemetry", short, found)
     assert "A shortened run (`--short`" in text and found
     assert "| /metrics, worker-process mode (PROMETHEUS_MULTIPROC_DIR) | 900 | 0.230 |" in text
+
+
+@pytest.mark.parametrize("argv", [["--short"], ["--short", "--only", "lock"], ["--short", "--quick", "--only", "telemetry"]])
+def test_short_is_only_for_the_telemetry_suite_and_never_quick(argv, capsys):
+    from benchmarks.run import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    assert stopped.value.code == 2
+    assert "--short is for --only telemetry" in capsys.readouterr().err

@@ -62,7 +62,8 @@ def test_a_short_run_says_so_keeps_its_verdicts_and_shows_the_worker_process_row
     assert "| /metrics, worker-process mode (PROMETHEUS_MULTIPROC_DIR) | 900 | 0.230 |" in text
 
 
-@pytest.mark.parametrize("argv", [["--short"], ["--short", "--only", "lock"], ["--short", "--quick", "--only", "telemetry"]])
+@pytest.mark.parametrize("argv", [["--short"], ["--short", "--only", "lock"],
+                                  ["--short", "--quick", "--only", "telemetry"]])
 def test_short_is_only_for_the_telemetry_suite_and_never_quick(argv, capsys):
     from benchmarks.run import main
 

@@ -39,7 +39,8 @@ from ._listing import PAGE
 from ._options import ManagerOptions, check_breaker, check_key, check_seconds, default_name, unknown_argument
 from ._periodic import once_per_period, run_every
 from ._ending import HoldEnds
-from ._runtime import Runtime, Runtimes, watch_fork
+from .._fork import watch_fork
+from ._runtime import Runtime, Runtimes
 from ._transport import Transport
 from ._scripts import MODEL, MODEL_TTL, script_refused
 from ._server_checks import ServerHealth, ServerReport

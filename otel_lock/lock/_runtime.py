@@ -185,23 +185,3 @@ class Runtimes:
         self._by_loop = {}
         if here is not None:
             await here.aclose()
-
-
-# What every manager of the process wants done after a fork (weakly: a manager's life is its user's).
-_ALL: list[weakref.WeakMethod[Callable[[], None]]] = []
-
-
-def watch_fork(forked: Callable[[], None]) -> None:
-    """Call the bound method `forked()` in the child after every fork, as long as its object lives."""
-    _ALL[:] = [ref for ref in _ALL if ref() is not None]
-    _ALL.append(weakref.WeakMethod(forked))
-
-
-def _after_fork_in_child() -> None:
-    for ref in list(_ALL):
-        forked = ref()
-        if forked is not None:
-            forked()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -35,7 +35,7 @@ from opentelemetry.sdk.metrics.export import (AggregationTemporality, Gauge, His
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 from .. import __version__
-from ..lock._runtime import watch_fork
+from .._fork import watch_fork
 from . import _counts
 from ._bounds import Limits
 from ._instruments import NEW_SERIES, Seeded

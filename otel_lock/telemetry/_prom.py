@@ -44,7 +44,7 @@ from prometheus_client.samples import Exemplar as PromExemplar
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
-from ..lock._runtime import watch_fork
+from .._fork import watch_fork
 from . import _counts, _multiproc
 from ._bounds import Limits
 from ._names import OBSERVED, RECORDED, Spec, prom_label, prom_value

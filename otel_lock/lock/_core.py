@@ -398,10 +398,12 @@ class Core:
         if recording:
             held.span = self.telemetry.start_hold_span(name, self.telemetry.redact({
                 "lock.name": name, "lock.key": redis_key, "lock.owner": held.owner, "lock.token": reply.token,
-                "lock.lease": lease}))
+                "lock.lease": lease, "lock.mode": shape.mode, **({"lock.permits": permits} if permits else {})}))
         if not planned:  # a tick's lock is held to the end of its lease on purpose: never "near its lease"
             self._counts.hold_started(held)
         self._counts.active[name] += 1
+        if permits:
+            self._counts.permit_taken(name, permits)
         runtime.watchdog.add(held)
         if shape is not PERMIT:  # every semaphore() call takes a permit of its own: nothing to re-enter
             remember((self.id, key), held)
@@ -415,13 +417,16 @@ class Core:
                                   "lock.contended": request.contended}
         if kind:
             metric["error.type"] = kind
+        if request.shape is not EXCLUSIVE:  # absent: exclusive, so the series of plain locks stay as they were
+            metric["lock.mode"] = request.shape.mode
         self.telemetry.wait_duration.record(waited, metric)
         if not span.is_recording():
             return
         self.telemetry.link_holder(span, request.holder_ctx)
         span.set_attributes(self.telemetry.redact({
             "lock.name": request.name, "lock.key": request.keys[0], "lock.owner": request.owner,
-            "lock.attempts": request.attempts, "lock.contended": request.contended, "lock.outcome": outcome}))
+            "lock.attempts": request.attempts, "lock.contended": request.contended, "lock.outcome": outcome,
+            "lock.mode": request.shape.mode}))
         if kind:
             self.telemetry.set_error(span, kind, self._topology.where())
 

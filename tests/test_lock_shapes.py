@@ -228,3 +228,41 @@ async def test_shared_owner_is_refused(locks):
         await locks.acquire("cat", shared=True, owner="me")
     with pytest.raises(TypeError, match="shared must be"):
         await locks.acquire("cat", shared="yes")
+
+
+# -- telemetry -------------------------------------------------------------------
+
+
+@pytest.fixture
+def otel():
+    from test_lock_telemetry import Telemetry
+
+    telemetry = Telemetry()
+    yield telemetry
+    telemetry.tracer_provider.shutdown()
+    telemetry.meter_provider.shutdown()
+
+
+async def test_lock_mode_and_permits_in_use_against_the_limit(redis_url, otel):
+    async with LockManager.from_url(redis_url, namespace="t", **otel.providers()) as locks:
+        with otel.tracer.start_as_current_span("request"):
+            async with locks.semaphore("export:t3", permits=2, name="export") as held:
+                assert otel.gauge("otel_lock.permits.used", "export") == 1
+                assert otel.gauge("otel_lock.permits.limit", "export") == 2
+            async with locks.lock("cat", shared=True, name="catalogue"):
+                pass
+            async with locks.lock("price", name="price"):
+                pass
+        assert otel.gauge("otel_lock.permits.used", "export") == 0
+        assert otel.gauge("otel_lock.permits.limit", "export") == 2
+        modes = {dict(p.attributes)["lock.name"]: dict(p.attributes).get("lock.mode")
+                 for _, p in otel.points("otel_lock.wait.duration") if p.count}
+        assert modes == {"export": "permit", "catalogue": "shared", "price": None}  # exclusive series unchanged
+        holds = {dict(p.attributes)["lock.name"]: dict(p.attributes).get("lock.mode")
+                 for _, p in otel.points("otel_lock.hold.duration") if p.count}
+        assert holds == modes
+        spans = {s.name: s.attributes for s in otel.spans.get_finished_spans()}
+        assert spans["lock acquire export"]["lock.mode"] == "permit"
+        assert spans["lock hold export"]["lock.permits"] == 2 and spans["lock hold export"]["lock.token"] == held.token
+        assert spans["lock acquire catalogue"]["lock.mode"] == "shared"
+        assert spans["lock acquire price"]["lock.mode"] == "exclusive"

@@ -266,3 +266,28 @@ async def test_lock_mode_and_permits_in_use_against_the_limit(redis_url, otel):
         assert spans["lock hold export"]["lock.permits"] == 2 and spans["lock hold export"]["lock.token"] == held.token
         assert spans["lock acquire catalogue"]["lock.mode"] == "shared"
         assert spans["lock acquire price"]["lock.mode"] == "exclusive"
+
+
+# -- topologies that refuse the shapes ---------------------------------------------
+
+
+async def test_redlock_refuses_shared_holds_and_permits_before_a_byte_is_sent():
+    from otel_lock import RedLockManager
+
+    locks = RedLockManager.from_urls(["redis://127.0.0.1:1", "redis://127.0.0.1:2", "redis://127.0.0.1:3"])
+    try:
+        with pytest.raises(TypeError, match="RedLockManager does not offer semaphore"):
+            await locks.acquire_permit("s", permits=2)
+        with pytest.raises(TypeError, match="does not offer lock\\(shared=True\\)"):
+            await locks.acquire("cat", shared=True)
+    finally:
+        await locks.aclose()
+
+
+async def test_wait_replicas_refuses_shared_holds_and_permits_at_their_first_use(redis_url):
+    async with LockManager.from_url(redis_url, namespace="t", wait_replicas=1,
+                                    wait_replicas_timeout=0.05) as locks:
+        with pytest.raises(LockError, match="not offered with wait_replicas"):
+            await locks.acquire_permit("s", permits=2, wait=0)
+        with pytest.raises(LockError, match="not offered with wait_replicas"):
+            await locks.acquire("cat", shared=True, wait=0)

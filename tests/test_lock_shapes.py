@@ -77,14 +77,16 @@ async def test_a_release_wakes_the_first_waiter_with_a_fresh_token(locks, other,
     assert order == ["first", "second"]
 
 
-async def test_a_waiter_is_woken_by_the_grant_notice_not_by_polling(locks, other, redis_client):
+async def test_a_waiter_is_woken_by_the_grant_notice_not_by_polling(locks, redis_url, redis_client):
     holder = await locks.acquire_permit("s", permits=1, lease=60.0)
     pubsub = redis_client.pubsub()
     await pubsub.psubscribe("*")
-    waiter = asyncio.create_task(other.acquire_permit("s", permits=1, wait=30.0))
+    # poll_cap=60 and a 60 s lease: no fallback poll can come before the bound below, only the notice
+    other = LockManager.from_url(redis_url, namespace="t", poll_cap=60.0)
+    waiter = asyncio.create_task(other.acquire_permit("s", permits=1, wait=60.0))
     await queued(redis_client, "t:{s}:permits:q", 1)
     await holder.release()
-    held = await waiter
+    held = await asyncio.wait_for(waiter, 20)
     notices = []
     while (message := await pubsub.get_message(timeout=0.5)) is not None:
         if message["type"] == "pmessage":
@@ -93,6 +95,7 @@ async def test_a_waiter_is_woken_by_the_grant_notice_not_by_polling(locks, other
     # the release published the grant to the waiter's manager; one ACQUIRE (the queued one) was all it sent
     assert any(n.startswith(f"{held.owner} {held.token} t:{{s}}:permits") for n in notices), notices
     await held.release()
+    await other.aclose()
 
 
 async def test_another_limit_for_a_key_in_use_is_refused(locks, other):

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, Coroutine
 
-from . import _scripts
 from redis.exceptions import NoScriptError, RedisError
 
 from ._errors import LockError, LockTimeout, RedisUnavailable, is_unavailable

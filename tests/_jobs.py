@@ -33,9 +33,11 @@ MARKS: dict[str, list[str]] = {
     "serial": [
         "test_lock_processes.py",
         "test_lock_safety.py",
+        "test_lock_shapes_processes.py",
         "test_lock_replies.py",
         "test_redlock.py",
         "test_sentinel.py",
+        "test_sentinel_shapes.py",
         "test_tls.py",
         "test_data_model.py",
         "test_breaker.py::test_a_holder_whose_renewals_fail_is_told_lost_by_lease_minus_drift",

@@ -14,6 +14,10 @@ Fencing tokens are seeded from Redis `TIME` in microseconds and bumped past
 the last one, so they increase strictly per key even after the fence key has
 expired, without leaving a permanent key behind per lock name.
 
+Shared holds and permits (`_shapes.py`) add keys of their own under the
+same hash tag and scripts of their own; the scripts here are unchanged by
+them, and a shared waiter's entry in `:w` carries a 7th element they ignore.
+
 The namespace itself carries the version of this layout (MODEL), so that
 two otel-lock versions with different layouts never share a namespace
 untold (a rolling deploy across a data-model change):

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, Coroutine
 
-from . import _scripts
+from . import _deadlock, _scripts
 from redis.exceptions import NoScriptError, RedisError
 
 from ._errors import LockError, LockTimeout, RedisUnavailable, is_unavailable
@@ -54,6 +54,7 @@ class Request:
     attempts: int = 0
     contended: bool = False
     holder_ctx: str = ""           # traceparent of the holder found busy
+    probe: _deadlock.Probe | None = None  # a waiter that holds locks: checked for a deadlock before it waits
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -130,6 +131,10 @@ class Attempt:
                 reply = await self._ask(queue=True)
                 if reply is not None:
                     return reply
+            probe = self.request.probe
+            if probe is not None:
+                await _deadlock.check(self.transport, probe, key, self.request.waiter_id,
+                                      self.deadline - self.loop.time(), self._waiter is not None, self.request.name)
             pending = self.transport.pending
             pending[self.request.name] += 1
             try:
@@ -142,6 +147,9 @@ class Attempt:
         finally:
             if self._waiter is not None:
                 waiting.remove(self._waiter)
+            if self.request.probe is not None and self.request.probe.recorded:
+                self.transport.background(_deadlock.over(self.transport, self.request.probe, self.request.waiter_id,
+                                                         self.request.name))
 
     async def _subscribe(self) -> bool:
         """Make sure a grant can reach this manager before a queued request names its channel.

@@ -84,12 +84,13 @@ async def crossed(one, two, first: str, second: str, wait: float) -> tuple[objec
 
     Both waits overlap whichever starts first (each holds what the other asks for until its wait ends).
     """
-    a_holds, a_waits = asyncio.Event(), asyncio.Event()
+    a_holds, a_waits, b_holds = asyncio.Event(), asyncio.Event(), asyncio.Event()
     outcomes: dict[str, object] = {}
 
     async def a() -> None:
         async with one.lock(first):
             a_holds.set()
+            await b_holds.wait()
             try:
                 a_waits.set()
                 async with one.lock(second, wait=wait) as then:
@@ -99,6 +100,7 @@ async def crossed(one, two, first: str, second: str, wait: float) -> tuple[objec
 
     async def b() -> None:
         async with two.lock(second):
+            b_holds.set()
             await a_holds.wait()
             await a_waits.wait()
             try:

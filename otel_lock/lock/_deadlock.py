@@ -1,8 +1,10 @@
 """Deadlock detection: a waiter whose wait would close a cycle of holders waiting on each other is refused.
 
 Only a waiter that already holds locks can close a cycle, so only such a
-waiter does anything, and only once its first request found the lock busy:
-an uncontended acquire, and a waiter that holds nothing, cost nothing.
+waiter does anything, and only once its first request found the lock busy
+and it has waited CHECK_AFTER (10 ms) without being handed the lock; it
+asks while it goes on waiting. An uncontended acquire, a short wait, and a
+waiter that holds nothing cost nothing.
 
 Identity: owner ids are per acquisition, so what links the locks one task
 holds to what it waits for is the record the task writes when it starts to
@@ -51,6 +53,7 @@ from ._held import _HELD, _Holds
 
 log = logging.getLogger("otel_lock")
 
+CHECK_AFTER = 0.01  # seconds a queued waiter waits before it asks: a shorter wait was no deadlock
 MAX_STEPS = 64      # a longer chain is not followed further (no refusal)
 INFINITE_TTL_MS = 3_600_000  # the record of a wait without deadline (the queue keeps its place as long)
 

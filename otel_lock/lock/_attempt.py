@@ -93,6 +93,7 @@ class Attempt:
         self._pttl = -1
         self._refusal: LockDeadlock | None = None  # the deadlock check found this wait closes a cycle
         self._check_timer: asyncio.TimerHandle | None = None
+        self._check: asyncio.Future[None] | None = None
 
     def _args(self, queue: bool) -> list[Any]:
         r = self.request
@@ -175,7 +176,8 @@ class Attempt:
 
     def _start_check(self, probe: _deadlock.Probe, key: str, waiter: Waiter) -> None:
         self._check_timer = None
-        asyncio.ensure_future(self._deadlock_check(probe, key)).add_done_callback(partial(self._checked, waiter))
+        self._check = asyncio.ensure_future(self._deadlock_check(probe, key))  # referenced while it runs
+        self._check.add_done_callback(partial(self._checked, waiter))
 
     def _checked(self, waiter: Waiter, check: asyncio.Future[None]) -> None:
         error = None if check.cancelled() else check.exception()

@@ -193,6 +193,7 @@ async def test_a_deadlock_is_counted_and_named_on_the_acquire_span(redis_url, re
     span = next((s for s in spans if s.name.startswith("lock acquire") and s.attributes.get("error.type") == "deadlock"),
                 None)
     assert span is not None, [(s.name, dict(s.attributes)) for s in spans]
+    assert span.attributes["lock.mode"] == "exclusive"
     event = next(e for e in span.events if e.name == "lock deadlock")
     assert list(event.attributes["lock.deadlock.keys"]) == ["otel-lock:{k1}", "otel-lock:{k2}"]
     points = [p for m in reader.get_metrics_data().resource_metrics[0].scope_metrics[0].metrics

@@ -33,9 +33,12 @@ from redis.exceptions import NoScriptError, RedisError
 from ._attempt import Reply, Request
 from ._background import Background
 from ._breaker import Breaker
-from ._errors import LockBusy, LockError, LockTimeout, RedisMisconfigured, RedisUnavailable, error_type, to_lock_error
+from ._deadlock import probe_for
+from ._errors import (LockBusy, LockDeadlock, LockError, LockTimeout, RedisMisconfigured, RedisUnavailable, error_type,
+                      to_lock_error)
 from ._held import NEVER, HeldLock, Lease, LockContext, LockInfo, forget, held_here, remember
 from ._listing import PAGE
+from ._multi import HeldLocks, MultiLockContext, acquire_all, canonical
 from ._options import ManagerOptions, check_breaker, check_key, check_seconds, default_name, unknown_argument
 from ._periodic import once_per_period, run_every
 from ._ending import HoldEnds
@@ -255,6 +258,31 @@ class Core:
                                 owner, name or default_name(key), cancel, bool(share_with_children),
                                 shape=SHARED if shared else EXCLUSIVE)
 
+    def lock_all(self, keys: Iterable[str], *, wait: float | None = None, lease: float | None = None,
+                 name: str | None = None, cancel_on_lost: bool | None = None, **unknown: Never) -> MultiLockContext:
+        """`async with manager.lock_all(["account:7", "account:3"]) as held:`: every key, or LockTimeout.
+
+        The keys are taken in one canonical order (by Redis key, duplicates
+        folded) whatever order they are named in, within one `wait` for all
+        of them, and released together; `held.tokens` is {key: fencing token}.
+        """
+        self._refuse(unknown, "lock_all()")
+        return MultiLockContext(partial(self.acquire_all, keys, wait=wait, lease=lease, name=name,
+                                        cancel_on_lost=cancel_on_lost))
+
+    async def acquire_all(self, keys: Iterable[str], *, wait: float | None = None, lease: float | None = None,
+                          name: str | None = None, cancel_on_lost: bool | None = None,
+                          **unknown: Never) -> HeldLocks:
+        """Acquire every key (all or nothing) and return the holds; release them with `await held.release()`."""
+        self._refuse(unknown, "acquire_all()")
+        ordered = canonical(keys)
+        for key in ordered:
+            check_key(key)
+        wait_s = self.options.wait if wait is None else check_seconds("wait", wait, allow_zero=True, allow_inf=True)
+        self.options.check_lease(lease)
+        return await acquire_all(self.acquire, ordered, wait_s, self._redis_key, lease=lease, name=name,
+                                 cancel_on_lost=cancel_on_lost)
+
     def _refuse(self, unknown: dict[str, Any], where: str) -> None:
         """Keyword arguments we do not take (redis-py's names are mapped to ours in the message)."""
         if unknown:
@@ -365,6 +393,10 @@ class Core:
         ctx = current_traceparent() if current.get_span_context().is_valid else ""
         request = Request((lock_base,), name, waiter_id, owner or waiter_id, int(lease * 1000), wait, ctx,
                           private=owner is None, shape=shape, permits=permits)
+        if wait > 0 and owner is None and shape is EXCLUSIVE:
+            # Only a waiter that holds locks can close a cycle; a shared or permit key names no one owner
+            # to follow, so those waits are not checked (docs/lock.md, "Deadlocks").
+            request.probe = probe_for(self.id, self.namespace)
         with self.telemetry.acquire_span(name) if recording else _NO_SPAN as span:
             outcome, error = "error", None  # type: str, BaseException | None
             try:
@@ -422,6 +454,13 @@ class Core:
         if request.shape is not EXCLUSIVE:  # absent: exclusive, so the series of plain locks stay as they were
             metric["lock.mode"] = request.shape.mode
         self.telemetry.wait_duration.record(waited, metric)
+        if isinstance(error, LockDeadlock):
+            self.telemetry.errors.add(1, {"lock.name": request.name, "lock.operation": "acquire",
+                                          "error.type": "deadlock"})
+            if span.is_recording():
+                span.add_event("lock deadlock", {
+                    "lock.deadlock.keys": [self._redacted_key(key) for key, _, _ in error.cycle],
+                    "lock.deadlock.holders": [holder for _, _, holder in error.cycle]})
         if not span.is_recording():
             return
         self.telemetry.link_holder(span, request.holder_ctx)
@@ -431,6 +470,10 @@ class Core:
             "lock.mode": request.shape.mode}))
         if kind:
             self.telemetry.set_error(span, kind, self._topology.where())
+
+    def _redacted_key(self, key: str) -> str:
+        """A key as spans may carry it (`lock.key` redaction: hashed, or dropped to '')."""
+        return str(self.telemetry.redact({"lock.key": key}).get("lock.key", ""))
 
     async def _first_take(self, runtime: Runtime, request: Request) -> Reply | None:
         """The first acquisition on a loop: the first-use checks, then the take (both behind the breaker)."""
@@ -593,6 +636,8 @@ _NO_SPAN = contextlib.nullcontext(trace.INVALID_SPAN)
 def _error_type(error: BaseException | None) -> str:
     if error is None:
         return ""
+    if isinstance(error, LockDeadlock):
+        return "deadlock"
     if isinstance(error, LockTimeout):
         return "timeout"
     return error_type(error)  # redis_unavailable, redis_misconfigured or redis_error

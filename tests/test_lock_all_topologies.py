@@ -1,0 +1,151 @@
+"""`lock_all` (and, where offered, deadlock detection) on Sentinel, Redis Cluster and a RedLock quorum.
+
+Sentinel: the master's scripts, as on one Redis; Cluster: keys in different
+slots (on different masters) are taken one by one in the canonical order;
+RedLock: each key is a quorum hold of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from benchmarks._cluster_set import ClusterSet
+from benchmarks._sentinel_set import SentinelSet
+from otel_lock import LockManager, LockTimeout, RedLockManager
+from otel_lock.cli._redis_server import RedisServer
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = asyncio.run(ClusterSet(masters=3).__aenter__())
+    try:
+        yield c
+    finally:
+        asyncio.run(c.__aexit__())
+
+
+@pytest.fixture
+def masters():
+    servers = [RedisServer().start() for _ in range(3)]
+    yield servers
+    for server in servers:
+        server.stop()
+
+
+async def opposite_orders(one, two, keys: list[str], rounds: int) -> list[dict[str, int]]:
+    log: list[dict[str, int]] = []
+
+    async def worker(manager, order):
+        for _ in range(rounds):
+            async with manager.lock_all(order, wait=20.0) as held:
+                log.append(dict(held.tokens))
+                await asyncio.sleep(0)
+
+    await asyncio.gather(worker(one, keys), worker(two, list(reversed(keys))))
+    return log
+
+
+def assert_tokens_increase(log: list[dict[str, int]]) -> None:
+    for key in log[0]:
+        tokens = [entry[key] for entry in log]
+        assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens)
+
+
+async def test_lock_all_over_several_cluster_masters_in_opposite_orders(cluster):
+    per_master = await cluster.keys_per_master(1)
+    keys = [k for ks in per_master.values() for k in ks]
+    assert len(keys) == 3
+    async with LockManager.from_url(cluster.url) as one, LockManager.from_url(cluster.url) as two:
+        log = await opposite_orders(one, two, keys, 40)
+        assert len(log) == 80
+        assert_tokens_increase(log)
+        async with two.lock(keys[1]):
+            with pytest.raises(LockTimeout):
+                await one.acquire_all(keys, wait=0.2)
+            assert [h.key for h in await one.held_locks()] == [f"otel-lock:{{{keys[1]}}}"]
+
+
+async def test_lock_all_on_a_redlock_quorum(masters):
+    urls = [s.url for s in masters]
+    async with RedLockManager.from_urls(urls) as one, RedLockManager.from_urls(urls) as two:
+        log = await opposite_orders(one, two, ["acct:1", "acct:2"], 20)
+        assert len(log) == 40
+        assert_tokens_increase(log)
+        async with two.lock("acct:2"):
+            with pytest.raises(LockTimeout):
+                await one.acquire_all(["acct:2", "acct:1"], wait=0.2)
+            assert [h.key for h in await one.held_locks()] == ["otel-lock:{acct:2}"]
+
+
+async def crossed(one, two, first: str, second: str, wait: float) -> tuple[object, object]:
+    """Task A holds `first` and waits for `second`; task B holds `second` and then waits for `first`.
+
+    Both waits overlap whichever starts first (each holds what the other asks for until its wait ends).
+    """
+    a_holds, a_waits, b_holds = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    outcomes: dict[str, object] = {}
+
+    async def a() -> None:
+        async with one.lock(first):
+            a_holds.set()
+            await b_holds.wait()
+            try:
+                a_waits.set()
+                async with one.lock(second, wait=wait) as then:
+                    outcomes["a"] = then.token
+            except Exception as exc:  # noqa: BLE001  (the outcome under test)
+                outcomes["a"] = exc
+
+    async def b() -> None:
+        async with two.lock(second):
+            b_holds.set()
+            await a_holds.wait()
+            await a_waits.wait()
+            try:
+                async with two.lock(first, wait=wait) as then:
+                    outcomes["b"] = then.token
+            except Exception as exc:  # noqa: BLE001
+                outcomes["b"] = exc
+
+    await asyncio.wait_for(asyncio.gather(a(), b()), 60)
+    return outcomes["a"], outcomes["b"]
+
+
+async def test_crossed_waits_on_cluster_masters_are_refused(cluster):
+    from otel_lock import LockDeadlock
+
+    per_master = await cluster.keys_per_master(1, prefix="dl")
+    first, second = [ks[0] for ks in per_master.values()][:2]
+    async with LockManager.from_url(cluster.url) as one, LockManager.from_url(cluster.url) as two:
+        a, b = await crossed(one, two, first, second, wait=30.0)
+        # the record-then-walk of a Cluster never misses the cycle; both may be refused, at least one is
+        refusals = [o for o in (a, b) if isinstance(o, LockDeadlock)]
+        assert refusals, (a, b)
+        assert all(isinstance(o, (int, LockDeadlock)) for o in (a, b)), (a, b)
+        assert {step[0] for step in refusals[0].cycle} == {f"otel-lock:{{{first}}}", f"otel-lock:{{{second}}}"}
+
+
+async def test_crossed_waits_on_redlock_are_not_detected_and_end_at_wait(masters):
+    urls = [s.url for s in masters]
+    async with RedLockManager.from_urls(urls) as one, RedLockManager.from_urls(urls) as two:
+        a, b = await crossed(one, two, "k1", "k2", wait=1.0)
+        assert isinstance(a, LockTimeout) or isinstance(b, LockTimeout), (a, b)
+
+
+async def test_lock_all_and_deadlocks_through_sentinel():
+    from otel_lock import LockDeadlock
+
+    async with SentinelSet() as servers:
+        async with LockManager.from_url(servers.url) as one, LockManager.from_url(servers.url) as two:
+            log = await opposite_orders(one, two, ["acct:1", "acct:2"], 30)
+            assert len(log) == 60
+            assert_tokens_increase(log)
+            a, b = await crossed(one, two, "k1", "k2", wait=30.0)
+            # one script on the master: exactly one of the two is refused, the other gets its lock
+            assert sorted(type(o).__name__ for o in (a, b)) == ["LockDeadlock", "int"], (a, b)
+            refusal = a if isinstance(a, LockDeadlock) else b
+            assert {step[0] for step in refusal.cycle} == {"otel-lock:{k1}", "otel-lock:{k2}"}

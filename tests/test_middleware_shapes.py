@@ -380,3 +380,108 @@ async def test_an_idempotent_transfer_replays_and_its_keys_are_documented(redis_
     responses = schema["paths"]["/transfers"]["post"]["responses"]
     assert "deadlock" in responses["409"]["description"]
     assert "more than 100 distinct lock keys" in responses["422"]["description"]
+
+
+class Gate:
+    """Requests that say they are inside, then wait to be let out: holders the test controls."""
+
+    def __init__(self) -> None:
+        self.inside: asyncio.Queue[str] = asyncio.Queue()
+        self.out = asyncio.Event()
+
+    async def hold(self, who: str) -> None:
+        await self.inside.put(who)
+        await self.out.wait()
+
+    async def entered(self, count: int) -> list[str]:
+        async with asyncio.timeout(20):
+            return [await self.inside.get() for _ in range(count)]
+
+
+def catalogue_app(manager, gate: Gate) -> FastAPI:
+    app = FastAPI()
+    prices = {"9": 100}
+
+    @app.get("/catalogue/{item}")
+    @locked("catalogue:{path.item}", shared=True, wait=5)
+    async def read(item: str, request: Request):
+        await gate.hold("read")
+        return {"price": prices[item], "token": request.state.lock.token}
+
+    @app.put("/catalogue/{item}")
+    @locked("catalogue:{path.item}", wait=0.2, retry_after=3)
+    async def write(item: str, price: int):
+        prices[item] = price
+        return {"price": price}
+
+    app.add_middleware(LockMiddleware, manager=manager)
+    return app
+
+
+async def test_reads_run_beside_each_other_and_a_write_waits_for_them(redis_url):
+    gate = Gate()
+    async with make_manager(redis_url) as manager:
+        async with client_for(catalogue_app(manager, gate)) as client:
+            reads = [asyncio.create_task(client.get("/catalogue/9")) for _ in range(3)]
+            assert await gate.entered(3) == ["read"] * 3          # three shared holders at once
+            busy = await client.put("/catalogue/9", params={"price": 120})
+            gate.out.set()
+            answers = await asyncio.gather(*reads)
+            written = await client.put("/catalogue/9", params={"price": 130})
+    assert busy.status_code == 409 and problem(busy)["type"] == "lock-timeout"
+    assert busy.headers["retry-after"] == "3"
+    assert [r.json()["price"] for r in answers] == [100] * 3
+    assert written.status_code == 200 and written.json() == {"price": 130}
+
+
+def export_app(manager, gate: Gate) -> FastAPI:
+    from otel_lock import limited
+
+    app = FastAPI()
+
+    @app.post("/exports")
+    @limited("export:{header.x-tenant}", permits=2, wait=0.2, retry_after=7)
+    async def export(request: Request):
+        await gate.hold(request.headers["x-tenant"])
+        return {"permits": request.state.lock.permits}
+
+    app.add_middleware(LockMiddleware, manager=manager)
+    return app
+
+
+async def test_a_tenant_runs_two_exports_at_once_and_the_third_is_told_429(redis_url):
+    gate = Gate()
+    async with make_manager(redis_url) as manager:
+        async with client_for(export_app(manager, gate)) as client:
+            running = [asyncio.create_task(client.post("/exports", headers={"x-tenant": "t3"})) for _ in range(2)]
+            assert await gate.entered(2) == ["t3", "t3"]
+            third = await client.post("/exports", headers={"x-tenant": "t3"})
+            other = asyncio.create_task(client.post("/exports", headers={"x-tenant": "t4"}))
+            assert await gate.entered(1) == ["t4"]               # another tenant has permits of its own
+            gate.out.set()
+            done = await asyncio.gather(*running, other)
+            later = await client.post("/exports", headers={"x-tenant": "t3"})
+            missing = await client.post("/exports")
+            schema = (await client.get("/openapi.json")).json()
+    assert third.status_code == 429, third.text
+    assert problem(third)["type"] == "concurrency-limit" and third.headers["retry-after"] == "7"
+    assert "2 at a time" in problem(third)["detail"]
+    assert [r.status_code for r in done] == [200] * 3 and done[0].json() == {"permits": 2}
+    assert later.status_code == 200
+    assert missing.status_code == 400 and problem(missing)["type"] == "lock-key-invalid"
+    responses = schema["paths"]["/exports"]["post"]["responses"]
+    assert "Retry-After" in responses["429"]["headers"] and "permit" in responses["429"]["description"]
+    assert "409" not in responses
+
+
+def test_limited_mistakes_are_refused_when_the_module_loads():
+    from otel_lock import limited
+
+    with pytest.raises(ValueError, match="permits must be a positive"):
+        limited("export:{header.x-tenant}", permits=0)
+    with pytest.raises(ValueError, match="a limit is on one key"):
+        limited("export:{json.tenants.*}", permits=2)
+    with pytest.raises(ValueError, match=re.escape("already has a @locked or @limited annotation")):
+        @limited("a:{path.x}", permits=1)
+        @locked("b:{path.x}")
+        async def both(x: str): ...

@@ -13,7 +13,7 @@ import re
 from typing import Annotated, Any
 
 import pytest
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Form, Request
 from pydantic import BaseModel, Field
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse
@@ -485,3 +485,25 @@ def test_limited_mistakes_are_refused_when_the_module_loads():
         @limited("a:{path.x}", permits=1)
         @locked("b:{path.x}")
         async def both(x: str): ...
+
+
+async def test_a_repeated_form_field_is_walked_declared_or_raw(redis_url):
+    async with make_manager(redis_url) as manager:
+        app = FastAPI()
+
+        @app.post("/tags")
+        @locked("tag:{form.tags.*}")
+        async def declared(tags: Annotated[list[str], Form()], request: Request):
+            return {"keys": list(request.state.lock.keys)}
+
+        @app.post("/raw")
+        @locked("tag:{form.tag.*}")
+        async def raw(request: Request):
+            return {"keys": list(request.state.lock.keys)}
+
+        app.add_middleware(LockMiddleware, manager=manager)
+        async with client_for(app) as client:
+            first = await client.post("/tags", data={"tags": ["b", "a", "b"]})
+            second = await client.post("/raw", data={"tag": ["z", "y"]})
+    assert first.json() == {"keys": ["tag:a", "tag:b"]}, first.text
+    assert second.json() == {"keys": ["tag:y", "tag:z"]}, second.text

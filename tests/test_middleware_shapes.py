@@ -8,12 +8,15 @@ problem (or FastAPI's own 422), never a 500.
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import re
-from typing import Annotated, Any
+from typing import Annotated, Any, Callable
 
 import pytest
 from fastapi import APIRouter, Depends, FastAPI, Form, Request
+from fastapi.responses import Response
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, Field
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse
@@ -22,9 +25,9 @@ from starlette.routing import Route
 from otel_lock import LockMiddleware, idempotent, locked
 
 try:
-    from ._middleware_helpers import client_for, make_manager, problem, run_lifespan
+    from ._middleware_helpers import client_for, lock_key, make_manager, problem, run_lifespan
 except ImportError:
-    from _middleware_helpers import client_for, make_manager, problem, run_lifespan
+    from _middleware_helpers import client_for, lock_key, make_manager, problem, run_lifespan
 
 
 class Transfer(BaseModel):
@@ -507,3 +510,74 @@ async def test_a_repeated_form_field_is_walked_declared_or_raw(redis_url):
             second = await client.post("/raw", data={"tag": ["z", "y"]})
     assert first.json() == {"keys": ["tag:a", "tag:b"]}, first.text
     assert second.json() == {"keys": ["tag:y", "tag:z"]}, second.text
+
+
+class GzipRequest(Request):
+    async def body(self) -> bytes:
+        if not hasattr(self, "_body"):
+            body = await super().body()
+            self._body = gzip.decompress(body) if "gzip" in self.headers.getlist("content-encoding") else body
+        return self._body
+
+
+class GzipRoute(APIRoute):
+    """FastAPI's docs: the handler gets another body than the bytes on the wire."""
+
+    def get_route_handler(self) -> Callable:
+        original = super().get_route_handler()
+
+        async def handler(request: Request) -> Response:
+            return await original(GzipRequest(request.scope, request.receive))
+
+        return handler
+
+
+async def test_a_route_class_that_unzips_the_cart_takes_the_keys_of_the_handlers_cart(redis_url):
+    async with make_manager(redis_url) as manager:
+        app = FastAPI()
+        router = APIRouter(route_class=GzipRoute)
+
+        @router.post("/checkout")
+        @locked("stock:{json.lines.*.sku}", wait=5)
+        async def checkout(cart: Cart, request: Request):
+            return {"held": sorted(info.key for info in await manager.held_locks())}
+
+        app.include_router(router)
+        app.add_middleware(LockMiddleware, manager=manager)
+        assert (await run_lifespan(app))[0]["type"] == "lifespan.startup.complete"
+        async with client_for(app) as client:
+            answer = await client.post("/checkout", content=gzip.compress(json.dumps(cart("b", "a")).encode()),
+                                       headers={"content-type": "application/json", "content-encoding": "gzip"})
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["held"] == [lock_key("stock:a"), lock_key("stock:b")]
+
+
+async def test_a_route_class_with_several_keys_and_a_def_handler_fails_the_start_up(redis_url):
+    async with make_manager(redis_url) as manager:
+        app = FastAPI()
+        router = APIRouter(route_class=GzipRoute)
+
+        @router.post("/checkout")
+        @locked("stock:{json.lines.*.sku}")
+        def checkout(cart: Cart):
+            return {}
+
+        app.include_router(router)
+        app.add_middleware(LockMiddleware, manager=manager)
+        assert "make it async def" in await startup_failure(app)
+
+
+async def test_rules_and_hash_parts_work_with_several_keys(redis_url):
+    async with make_manager(redis_url) as manager:
+        async def checkout(request: Request):
+            return JSONResponse({"keys": list(request.state.lock.keys)})
+
+        app = Starlette(routes=[Route("/checkout", checkout, methods=["POST"])])
+        app.add_middleware(LockMiddleware, manager=manager, rules={
+            "POST /checkout": locked("stock:{json.items.*}", "user:{header.x-user}", hash_parts=True)})
+        async with client_for(app) as client:
+            answer = await post_json(client, "/checkout", {"items": ["alice@example.com", "b"]},
+                                     headers={"x-user": "alice@example.com"})
+    keys = answer.json()["keys"]
+    assert answer.status_code == 200 and len(keys) == 3, answer.text
+    assert all("alice" not in k and "%k" in k for k in keys)

@@ -581,3 +581,49 @@ async def test_rules_and_hash_parts_work_with_several_keys(redis_url):
     keys = answer.json()["keys"]
     assert answer.status_code == 200 and len(keys) == 3, answer.text
     assert all("alice" not in k and "%k" in k for k in keys)
+
+
+async def queued(redis_client, name: str, count: int) -> None:
+    """Until `count` callers wait in the lock's Redis queue."""
+    async with asyncio.timeout(20):
+        while await redis_client.zcard(lock_key(name) + ":q") != count:
+            await asyncio.sleep(0.005)
+
+
+async def test_a_wait_that_would_close_a_cycle_is_a_409_lock_deadlock_at_once(redis_url, redis_client):
+    inside, go, job_holds = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    async with make_manager(redis_url) as manager, make_manager(redis_url) as other:
+        app = FastAPI()
+
+        @app.post("/orders/{order_id}/ship")
+        @locked("order:{path.order_id}", wait=5)
+        async def ship(order_id: int):
+            inside.set()
+            await go.wait()
+            async with manager.lock("stock:x", wait=30):   # taken by hand, while the route holds order:1
+                return {"shipped": order_id}
+
+        async def job() -> int:
+            """Another program that stacks lock() calls in the other order."""
+            async with other.lock("stock:x"):
+                job_holds.set()
+                async with other.lock("order:1", wait=30) as held:
+                    return held.token
+
+        app.add_middleware(LockMiddleware, manager=manager)
+        async with client_for(app) as client:
+            request = asyncio.create_task(client.post("/orders/1/ship"))
+            await inside.wait()
+            stacked = asyncio.create_task(job())
+            await job_holds.wait()
+            await queued(redis_client, "order:1", 1)     # the job waits for the request's order:1
+            go.set()                                     # the request now waits for the job's stock:x
+            async with asyncio.timeout(20):
+                answer = await request
+                token = await stacked                    # refused at once, the request let order:1 go
+    assert answer.status_code == 409, answer.text
+    body = problem(answer)
+    assert body["type"] == "lock-deadlock" and answer.headers["retry-after"] == "1"
+    assert "order:1" not in body["detail"] and "stock:x" not in body["detail"]
+    assert body["detail"].count("h:") == 2               # the cycle's two keys, hashed
+    assert isinstance(token, int)

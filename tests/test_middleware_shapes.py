@@ -627,3 +627,27 @@ async def test_a_wait_that_would_close_a_cycle_is_a_409_lock_deadlock_at_once(re
     assert "order:1" not in body["detail"] and "stock:x" not in body["detail"]
     assert body["detail"].count("h:") == 2               # the cycle's two keys, hashed
     assert isinstance(token, int)
+
+
+@pytest.mark.parametrize("annotation", [
+    lambda: locked("catalogue:{path.item}", shared=True),
+    lambda: __import__("otel_lock").limited("catalogue:{path.item}", permits=2),
+], ids=["shared", "limited"])
+async def test_a_redlock_manager_refuses_shared_locks_and_permits_at_start_up(annotation):
+    from otel_lock import RedLockManager
+
+    # Never contacted: the start-up refuses the route before any request.
+    manager = RedLockManager.from_urls([f"redis://127.0.0.1:{port}/0" for port in (1, 2, 3)], namespace="mwtest")
+    try:
+        app = FastAPI()
+
+        @app.get("/catalogue/{item}")
+        @annotation()
+        async def read(item: str):
+            return {}
+
+        app.add_middleware(LockMiddleware, manager=manager)
+        message = await startup_failure(app)
+    finally:
+        await manager.aclose()
+    assert "RedLockManager does not offer" in message and "use a LockManager" in message, message

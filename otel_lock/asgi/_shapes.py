@@ -35,11 +35,20 @@ def method_of(rule: Locked) -> str:
 def missing_method(manager: Locks | None, rule: Locked) -> str | None:
     """Why `manager` cannot hold this rule's keys (a start-up error), or None."""
     method = method_of(rule)
-    if manager is None or callable(getattr(manager, method, None)):
+    if manager is None:
         return None
-    return (f"{rule.annotation}({rule.template.template!r}) needs the lock manager's {method}(), which "
-            f"{type(manager).__name__} does not have: use otel_lock's LockManager (or RedLockManager) of a "
-            f"version with it")
+    if not callable(getattr(manager, method, None)):
+        return (f"{rule.annotation}({rule.template.template!r}) needs the lock manager's {method}(), which "
+                f"{type(manager).__name__} does not have: use otel_lock's LockManager (or RedLockManager) of a "
+                f"version with it")
+    # A quorum of masters (RedLockManager) holds one exclusive owner per round: no shared holds, no permits.
+    # Its calls would refuse each request; the start-up refuses the route instead.
+    if rule.mode != "exclusive" and not getattr(getattr(manager, "_topology", None), "shapes", True):
+        what = "semaphore()" if rule.mode == "permit" else "lock(shared=True)"
+        return (f"{rule.annotation}({rule.template.template!r}) needs the lock manager's {what}, which "
+                f"{type(manager).__name__} does not offer (a quorum holds one exclusive owner per round): use a "
+                f"LockManager for this app, or an exclusive @locked")
+    return None
 
 
 def holding(manager: Locks, rule: Locked, keys: tuple[str, ...], *,

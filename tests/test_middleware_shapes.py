@@ -654,6 +654,19 @@ async def test_a_redlock_manager_refuses_shared_locks_and_permits_at_start_up(an
     assert "RedLockManager does not offer" in message and "use a LockManager" in message, message
 
 
+async def test_a_manager_with_wait_replicas_refuses_shared_locks_at_start_up(redis_url):
+    async with make_manager(redis_url, wait_replicas=1) as manager:
+        app = FastAPI()
+
+        @app.get("/catalogue/{item}")
+        @locked("catalogue:{path.item}", shared=True)
+        async def read(item: str):
+            return {}
+
+        app.add_middleware(LockMiddleware, manager=manager)
+        assert "wait_replicas" in await startup_failure(app)
+
+
 async def test_a_header_named_by_any_template_is_part_of_the_idempotency_fingerprint(redis_url):
     async with make_manager(redis_url) as manager:
         app = FastAPI()

@@ -708,3 +708,20 @@ async def test_several_keys_are_taken_after_the_security_dependency(redis_url):
                                      {"authorization": "Bearer t"})
     assert anonymous.status_code in (401, 403) and bank.balances == {1: 11, 2: 9}
     assert signed.json() == {"keys": ["account:1", "account:2"]}
+
+
+async def test_two_templates_may_walk_the_same_list(redis_url):
+    async with make_manager(redis_url) as manager:
+        app = FastAPI()
+
+        @app.post("/reserve")
+        @locked("stock:{json.lines.*.sku}", "shelf:{json.lines.*.sku}", max_keys=4)
+        async def reserve(cart: Cart, request: Request):
+            return {"keys": list(request.state.lock.keys)}
+
+        app.add_middleware(LockMiddleware, manager=manager)
+        async with client_for(app) as client:
+            two = await post_json(client, "/reserve", cart("b", "a", "b"))
+            three = await post_json(client, "/reserve", cart("a", "b", "c"))
+    assert two.json() == {"keys": ["shelf:a", "shelf:b", "stock:a", "stock:b"]}, two.text
+    assert three.status_code == 422 and problem(three)["type"] == "lock-keys-too-many"

@@ -36,6 +36,7 @@ from ._breaker import Breaker
 from ._errors import LockBusy, LockError, LockTimeout, RedisMisconfigured, RedisUnavailable, error_type, to_lock_error
 from ._held import NEVER, HeldLock, Lease, LockContext, LockInfo, forget, held_here, remember
 from ._listing import PAGE
+from ._multi import HeldLocks, MultiLockContext, acquire_all, canonical
 from ._options import ManagerOptions, check_breaker, check_key, check_seconds, default_name, unknown_argument
 from ._periodic import once_per_period, run_every
 from ._ending import HoldEnds
@@ -191,6 +192,31 @@ class Core:
         cancel = self.options.cancel_on_lost if cancel_on_lost is None else bool(cancel_on_lost)
         return await self._take(key, wait_s, lease_s, self.options.renew_interval if lease is None else NEVER,
                                 owner, name or default_name(key), cancel, bool(share_with_children))
+
+    def lock_all(self, keys: Iterable[str], *, wait: float | None = None, lease: float | None = None,
+                 name: str | None = None, cancel_on_lost: bool | None = None, **unknown: Never) -> MultiLockContext:
+        """`async with manager.lock_all(["account:7", "account:3"]) as held:`: every key, or LockTimeout.
+
+        The keys are taken in one canonical order (by Redis key, duplicates
+        folded) whatever order they are named in, within one `wait` for all
+        of them, and released together; `held.tokens` is {key: fencing token}.
+        """
+        self._refuse(unknown, "lock_all()")
+        return MultiLockContext(partial(self.acquire_all, keys, wait=wait, lease=lease, name=name,
+                                        cancel_on_lost=cancel_on_lost))
+
+    async def acquire_all(self, keys: Iterable[str], *, wait: float | None = None, lease: float | None = None,
+                          name: str | None = None, cancel_on_lost: bool | None = None,
+                          **unknown: Never) -> HeldLocks:
+        """Acquire every key (all or nothing) and return the holds; release them with `await held.release()`."""
+        self._refuse(unknown, "acquire_all()")
+        ordered = canonical(keys)
+        for key in ordered:
+            check_key(key)
+        wait_s = self.options.wait if wait is None else check_seconds("wait", wait, allow_zero=True, allow_inf=True)
+        self.options.check_lease(lease)
+        return await acquire_all(self.acquire, ordered, wait_s, self._redis_key, lease=lease, name=name,
+                                 cancel_on_lost=cancel_on_lost)
 
     def _refuse(self, unknown: dict[str, Any], where: str) -> None:
         """Keyword arguments we do not take (redis-py's names are mapped to ours in the message)."""
@@ -356,7 +382,8 @@ class Core:
         self.telemetry.link_holder(span, request.holder_ctx)
         span.set_attributes(self.telemetry.redact({
             "lock.name": request.name, "lock.key": request.keys[0], "lock.owner": request.owner,
-            "lock.attempts": request.attempts, "lock.contended": request.contended, "lock.outcome": outcome}))
+            "lock.attempts": request.attempts, "lock.contended": request.contended, "lock.outcome": outcome,
+            "lock.mode": "exclusive"}))
         if kind:
             self.telemetry.set_error(span, kind, self._topology.where())
 
@@ -475,7 +502,7 @@ class Core:
                     span.set_attributes(self.telemetry.redact({
                         "lock.name": lease.name, "lock.key": lease.key, "lock.owner": lease.owner,
                         "lock.token": lease.token, "lock.depth": depth, "lock.attempts": 1,
-                        "lock.contended": False, "lock.outcome": "acquired"}))
+                        "lock.contended": False, "lock.outcome": "acquired", "lock.mode": "exclusive"}))
                 self.telemetry.wait_duration.record(0.0, {"lock.name": lease.name, "lock.outcome": "acquired",
                                                           "lock.contended": False})
         finally:

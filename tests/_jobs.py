@@ -33,6 +33,7 @@ MARKS: dict[str, list[str]] = {
     "serial": [
         "test_lock_processes.py",
         "test_lock_safety.py",
+        "test_lock_shapes_processes.py",
         "test_lock_replies.py",
         "test_redlock.py",
         "test_sentinel.py",

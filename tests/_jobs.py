@@ -51,6 +51,7 @@ MARKS: dict[str, list[str]] = {
         "test_deploy_replay.py",
         "test_docs_site.py",
         "test_benchmarks.py::test_deployments_benchmark_smoke_runs_every_row",
+        "test_benchmarks.py::test_shapes_benchmark_smoke_runs_every_row",
     ],
     # Whole programs: the demo, replicas, the local stack, live Prometheus, the safety checker's
     # runs; and the runs at scale (200,000 held locks listed, 20,000 keys of telemetry).

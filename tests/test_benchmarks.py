@@ -111,4 +111,4 @@ def test_shapes_benchmark_smoke_runs_every_row(redis_url):
         assert row["overlaps"] == 0 and row["handoffs"] > 0, row
     data["machine"] = {**machine(), "quick": False, "seconds": 0.0, "loadavg_at_end": 0.0}
     table = render("shapes", data)
-    assert "deadlock check" in table and table.count("**met**") + table.count("**missed**") == 3
+    assert "deadlock check" in table and table.count("**met**") + table.count("**missed**") == 4

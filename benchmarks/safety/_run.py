@@ -56,8 +56,10 @@ def shape_keys(shape: str, keys: list[str]) -> list[str]:
 def holds_of(proc: int, event: dict, end: float, **recorded) -> list[Hold]:
     """The Holds of one `hold` (or still open `start`) event: one per key it held."""
     parts = event.get("parts") or [[event.get("key", ""), event["token"], "exclusive"]]
+    # lock_all's parts come in the order they were taken: only the first was waited for from the request on
     return [Hold(proc, event["task"], event["start"], end, token, key=key, mode=mode,
-                 requested=event.get("req"), **recorded) for key, token, mode in parts]
+                 requested=event.get("req") if i == 0 else None, **recorded)
+            for i, (key, token, mode) in enumerate(parts)]
 
 
 class Meter:

@@ -88,9 +88,9 @@ def test_a_lock_all_event_is_one_hold_per_key_with_its_own_token():
              "parts": [["a", 7, "exclusive"], ["c", 3, "exclusive"]]}
     held = holds_of(4, event, 2.0, release=True)
     assert [(h.key, h.token, h.start, h.end, h.requested, h.proc, h.task) for h in held] == [
-        ("a", 7, 1.0, 2.0, 0.5, 4, 2), ("c", 3, 1.0, 2.0, None, 4, 2)]  # c was waited for from when a was held
+        ("a", 7, 1.0, 2.0, None, 4, 2), ("c", 3, 1.0, 2.0, None, 4, 2)]  # no key's own wait is known
     plain = holds_of(1, {"task": 0, "key": "safety", "req": 0.0, "start": 0.1, "token": 9}, 0.2)
-    assert [(h.key, h.token, h.mode) for h in plain] == [("safety", 9, "exclusive")]
+    assert [(h.key, h.token, h.mode, h.requested) for h in plain] == [("safety", 9, "exclusive", 0.0)]
 
 
 def test_lock_all_runs_over_a_small_key_set_of_their_own():

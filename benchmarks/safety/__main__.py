@@ -77,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unknown shape {shape!r}; choose from {', '.join(SHAPES)}")
     if args.permits < 1:
         parser.error(f"--permits must be at least 1, not {args.permits}")
+    if args.deployment in ("redlock", "all") and {"rw", "permits"} & set(shapes):
+        parser.error("RedLockManager offers no shared holds or permits (one exclusive owner per quorum round): "
+                     "on redlock choose from exclusive, lock_all")
     shaped = shapes != ["exclusive"]
 
     if args.render:

@@ -56,10 +56,11 @@ def shape_keys(shape: str, keys: list[str]) -> list[str]:
 def holds_of(proc: int, event: dict, end: float, **recorded) -> list[Hold]:
     """The Holds of one `hold` (or still open `start`) event: one per key it held."""
     parts = event.get("parts") or [[event.get("key", ""), event["token"], "exclusive"]]
-    # lock_all's parts come in the order they were taken: only the first was waited for from the request on
-    return [Hold(proc, event["task"], event["start"], end, token, key=key, mode=mode,
-                 requested=event.get("req") if i == 0 else None, **recorded)
-            for i, (key, token, mode) in enumerate(parts)]
+    # A lock_all hold starts when its last key is held, its first ones earlier, each after a wait of its own:
+    # none of its keys has a request time to measure idle by (max_idle leaves them out)
+    requested = event.get("req") if len(parts) == 1 else None
+    return [Hold(proc, event["task"], event["start"], end, token, key=key, mode=mode, requested=requested,
+                 **recorded) for key, token, mode in parts]
 
 
 class Meter:

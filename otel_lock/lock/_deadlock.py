@@ -1,8 +1,10 @@
 """Deadlock detection: a waiter whose wait would close a cycle of holders waiting on each other is refused.
 
 Only a waiter that already holds locks can close a cycle, so only such a
-waiter does anything, and only once its first request found the lock busy:
-an uncontended acquire, and a waiter that holds nothing, cost nothing.
+waiter does anything, and only once its first request found the lock busy
+and it has waited CHECK_AFTER (10 ms) without being handed the lock; it
+asks while it goes on waiting. An uncontended acquire, a short wait, and a
+waiter that holds nothing cost nothing.
 
 Identity: owner ids are per acquisition, so what links the locks one task
 holds to what it waits for is the record the task writes when it starts to
@@ -25,6 +27,10 @@ may both be refused, and a walk is read across moments (it is read twice
 before it refuses). Not on RedLock (its transport has no queue and no single
 server to walk): waits there end at `wait` as before.
 
+The blocking facade (`otel_lock.sync`) takes each lock in a task of its
+own; it names the calling thread's holds in `THREAD_HOLDS`, so a thread is
+one holder, as a task is.
+
 Holds with an explicit `owner=` (shared by cooperating holders) and the
 holds a task inherits from its spawner (`share_with_children`) are left out:
 they do not say which task will release them.
@@ -37,47 +43,68 @@ import json
 import logging
 import math
 import os
-from typing import Any
+from contextvars import ContextVar
+from functools import partial
+from typing import Any, Callable
 
 from . import _scripts
-from ._errors import LockDeadlock, LockError, RedisUnavailable
+from ._errors import LockDeadlock
 from ._held import _HELD, _Holds
 
 log = logging.getLogger("otel_lock")
 
+CHECK_AFTER = 0.01  # seconds a queued waiter waits before it asks: a shorter wait was no deadlock
 MAX_STEPS = 64      # a longer chain is not followed further (no refusal)
 INFINITE_TTL_MS = 3_600_000  # the record of a wait without deadline (the queue keeps its place as long)
 
 
 class Probe:
-    """What a waiter that holds locks brings to its wait: its holds in this manager, and who it is."""
+    """What a waiter that holds locks brings to its wait: the owners of its holds in this manager, and who it is."""
 
-    __slots__ = ("holds", "manager_id", "namespace", "owners", "recorded")
+    __slots__ = ("_owners", "_who", "namespace", "owners", "recorded")
 
-    def __init__(self, holds: _Holds, manager_id: str, namespace: str) -> None:
-        self.holds, self.manager_id, self.namespace = holds, manager_id, namespace
+    def __init__(self, owners: Callable[[], list[str]], who: Callable[[], str], namespace: str) -> None:
+        self._owners, self._who, self.namespace = owners, who, namespace
         self.owners: list[str] = []
         self.recorded = False
 
     def own_owners(self) -> list[str]:
-        """The owner ids of the locks the task holds in this manager (its own, not shared by `owner=`)."""
-        return [lease.owner for (manager, _), lease in list(self.holds.by_key.items())
-                if manager == self.manager_id and not lease.ended and not lease.explicit_owner]
+        """The owner ids of the locks the waiter holds in this manager (its own, not shared by `owner=`)."""
+        return self._owners()
 
     def holder(self) -> str:
-        task = self.holds.task
-        return f"{task.get_name() if task is not None else 'task'}@{os.getpid()}/{self.manager_id}"
+        return self._who()
 
     def record_key(self, owner: str) -> str:
         return f"{self.namespace}:waits:{owner}"
 
 
-def held_by_this_task(manager_id: str) -> _Holds | None:
-    """The current task's own holds, if it has any (cheap: no walk over them)."""
+# The blocking facade takes each lock in a task of its own: it names the holds of the calling thread here.
+THREAD_HOLDS: ContextVar[tuple[Callable[[], list[str]], str] | None] = ContextVar("otel_lock_thread_holds",
+                                                                                 default=None)
+
+
+def probe_for(manager_id: str, namespace: str) -> Probe | None:
+    """A probe if the current task (or the facade's thread) holds locks; else None, after one or two looks."""
     view = _HELD.get()
-    if view is None or view.holds.task is not asyncio.current_task() or not view.holds.by_key:
-        return None
-    return view.holds
+    if view is not None and view.holds.task is asyncio.current_task() and view.holds.by_key:
+        holds = view.holds
+        return Probe(partial(_task_owners, holds, manager_id), partial(_label, holds, manager_id), namespace)
+    thread = THREAD_HOLDS.get()
+    if thread is not None:
+        owners, name = thread
+        return Probe(owners, partial(str, f"{name}@{os.getpid()}/{manager_id}"), namespace)
+    return None
+
+
+def _task_owners(holds: _Holds, manager_id: str) -> list[str]:
+    return [lease.owner for (manager, _), lease in list(holds.by_key.items())
+            if manager == manager_id and not lease.ended and not lease.explicit_owner]
+
+
+def _label(holds: _Holds, manager_id: str) -> str:
+    task = holds.task
+    return f"{task.get_name() if task is not None else 'task'}@{os.getpid()}/{manager_id}"
 
 
 def ttl_ms(wait_left: float) -> int:
@@ -98,7 +125,8 @@ def _cycle(flat: list[Any]) -> tuple[tuple[str, str, str], ...]:
 
 async def check(transport: Any, probe: Probe, want: str, waiter_id: str, wait_left: float, queued: bool,
                 name: str) -> None:
-    """Refuse (LockDeadlock) or record the wait. A check Redis cannot answer is skipped, with a warning."""
+    """Refuse (LockDeadlock) or record the wait. A check that fails (Redis down, a refused command) is skipped,
+    with a warning: the wait goes on without it, as it would have before."""
     probe.owners = probe.own_owners()
     if not probe.owners:
         return
@@ -114,9 +142,7 @@ async def check(transport: Any, probe: Probe, want: str, waiter_id: str, wait_le
                                            name, want)
             probe.recorded = answer[0] == 0
             cycle = () if probe.recorded else _cycle(answer[1:])
-    except RedisUnavailable:
-        raise  # the wait itself rides that out, or fails, as any other call
-    except LockError as error:
+    except Exception as error:  # noqa: BLE001  the wait goes on without the check; it rides out Redis errors itself
         log.warning("otel-lock: deadlock check of %s skipped, waiting without it: %s", want, error)
         return
     if cycle:

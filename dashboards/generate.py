@@ -419,6 +419,11 @@ def one_lock() -> dict:
         timeseries("Held and waiting, by replica", "Active holds and queued callers per replica (instance).",
                    [target(f"sum by (instance) (otel_lock_active{one})", "held {{instance}}"),
                     target(f"sum by (instance) (otel_lock_pending{one})", "waiting {{instance}}", "B")]),
+        timeseries("Permits in use against the limit",
+                   "A semaphore's permits held now, summed over replicas, beside its limit (permits=n); "
+                   "empty for a plain lock. At the limit, new callers wait.",
+                   [target(f"sum(otel_lock_permits_used{one})", "in use"),
+                    target(f"max(otel_lock_permits_limit{one})", "limit", "B")]),
         timeseries("Held for and lease, by replica", "Age of the oldest current hold and the lease it runs on.",
                    [target(f"max by (instance) (otel_lock_hold_age_seconds{one})", "held for {{instance}}"),
                     target(f"max by (instance) (otel_lock_lease_seconds{one})", "lease {{instance}}", "B")], "s"),

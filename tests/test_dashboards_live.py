@@ -105,6 +105,7 @@ async def _cause_rare_events(redis_url: str, meter_provider) -> None:
     counts = LockCounts(meter_provider)
     counts.hold_started(SimpleNamespace(name=STOCK_LOCK, acquired_at=time.monotonic() - 5, lease_seconds=30))
     counts.watch_connections(lambda: (1, 0), pool_name="faults")
+    counts.permit_taken(STOCK_LOCK, 2)  # a semaphore's permit, for the permits panel
     _KEEP.append(counts)
 
     dead = RedisServer().start()

@@ -106,9 +106,10 @@ def test_shapes_benchmark_smoke_runs_every_row(redis_url):
     assert [r["lib"] for r in data["uncontended"]] == [lib for lib in bench_shapes.UNCONTENDED if available(lib)]
     for row in data["uncontended"]:
         assert row["cycles"] > 0 and row["p50_ms"] > 0, row["lib"]
-    assert sorted(r["hold_other"] for r in data["contended"]) == [False, True]
-    for row in data["contended"]:
-        assert row["overlaps"] == 0 and row["handoffs"] > 0, row
+    for table in ("contended", "side_by_side"):
+        assert sorted(r["hold_other"] for r in data[table]) == [False, True], table
+        for row in data[table]:
+            assert row["overlaps"] == 0 and row["handoffs"] > 0, (table, row)
     data["machine"] = {**machine(), "quick": False, "seconds": 0.0, "loadavg_at_end": 0.0}
     table = render("shapes", data)
     assert "deadlock check" in table and table.count("**met**") + table.count("**missed**") == 4

@@ -3,11 +3,11 @@
 Task A holds k1 (shared, or a permit of it) and waits for k2; task B holds
 k2 and then waits for k1, which A's hold keeps from it: a cycle of holders
 waiting on each other, which `LockDeadlock` promises to refuse at once
-(issue 27) instead of both waiting out `wait`. Through an exclusive hold of
+instead of both waiting out `wait`. Through an exclusive hold of
 k1 it is refused (the first case, the reference); through a shared hold or
 a permit both waited out their whole `wait` when these tests were written
 (the walk reads k1's owner from the lock's hash, which says "(shared)", and
-a permit has no hash at all): found by the proof27 helper.
+a permit has no hash at all).
 """
 
 from __future__ import annotations
@@ -76,13 +76,13 @@ async def test_an_exclusive_holder_waited_for_by_a_shared_request_is_in_the_cycl
     refused_once(await crossed(*managers, lambda m: m.lock("k1"), lambda m: m.lock("k1", shared=True, wait=WAIT)))
 
 
-@pytest.mark.xfail(reason="a cycle through a shared hold is not seen: both wait out `wait` (proof27 report)",
+@pytest.mark.xfail(reason="a cycle through a shared hold is not seen: both wait out `wait` ",
                    strict=True)
 async def test_a_shared_holder_waited_for_by_an_exclusive_request_is_in_the_cycle(managers):
     refused_once(await crossed(*managers, lambda m: m.lock("k1", shared=True), lambda m: m.lock("k1", wait=WAIT)))
 
 
-@pytest.mark.xfail(reason="a cycle through a permit is not seen: both wait out `wait` (proof27 report)", strict=True)
+@pytest.mark.xfail(reason="a cycle through a permit is not seen: both wait out `wait`", strict=True)
 async def test_a_permit_holder_waited_for_by_a_permit_request_is_in_the_cycle(managers):
     refused_once(await crossed(*managers, lambda m: m.semaphore("k1", permits=1),
                                lambda m: m.semaphore("k1", permits=1, wait=WAIT)))

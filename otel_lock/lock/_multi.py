@@ -58,6 +58,12 @@ class AnyLost(asyncio.Event):
             if lease.lost_reason:
                 self.set()
 
+    def detach(self) -> None:
+        """The holds ended: stop listening (a long-held lease re-entered by many lock_all calls keeps no list)."""
+        for lease in self._leases:
+            if self.set in lease.on_lost:
+                lease.on_lost.remove(self.set)
+
     def is_set(self) -> bool:
         if not super().is_set() and any(lease.lost.is_set() for lease in self._leases):
             self.set()  # a look past a lease's local validity counts (`_held.LostEvent`)
@@ -86,7 +92,11 @@ class HeldLocks:
 
     async def release(self) -> bool:
         """Release every hold, in reverse order; False if any lock was no longer ours. Idempotent, safe to cancel."""
-        return await release_all(self.holds)
+        try:
+            return await release_all(self.holds)
+        finally:
+            if isinstance(self.lost, AnyLost):
+                self.lost.detach()
 
     def __repr__(self) -> str:
         return f"<HeldLocks {', '.join(f'{k}={t}' for k, t in self.tokens.items())}>"

@@ -54,6 +54,34 @@ class OtelRedLock(OtelLock):
         self.manager = RedLockManager.from_urls(self.url.split(), namespace="bench", **self.options)
 
 
+class OtelLockShared(OtelLock):
+    """otel-lock's shared hold: `lock(key, shared=True)`."""
+
+    name = "otel-lock `lock(key, shared=True)`"
+
+    def lock(self, key: str, wait: float):
+        return self.manager.lock(key, wait=wait, lease=self.lease, name="bench", shared=True)
+
+
+class OtelLockPermit(OtelLock):
+    """otel-lock's permits: `semaphore(key, permits=PERMITS)`."""
+
+    name = "otel-lock `semaphore(key, permits=4)`"
+    permits = 4
+
+    def lock(self, key: str, wait: float):
+        return self.manager.semaphore(key, permits=self.permits, wait=wait, lease=self.lease, name="bench")
+
+
+class OtelLockAllTwo(OtelLock):
+    """otel-lock's `lock_all` of two keys: the key given and one beside it."""
+
+    name = "otel-lock `lock_all` of 2 keys"
+
+    def lock(self, key: str, wait: float):
+        return self.manager.lock_all([key, key + ":2"], wait=wait, lease=self.lease, name="bench")
+
+
 class OtelLockFixedLease(OtelLock):
     name = "otel-lock (lease=30)"
 
@@ -155,6 +183,9 @@ ADAPTERS = {
     "otel-lock": OtelLock,
     "otel-lock-lease": OtelLockFixedLease,
     "otel-lock-redlock": OtelRedLock,
+    "otel-lock-shared": OtelLockShared,
+    "otel-lock-permit": OtelLockPermit,
+    "otel-lock-all2": OtelLockAllTwo,
     "redis-py": RedisPy,
     "redis-py-1ms": RedisPyFast,
     "python-redis-lock": PythonRedisLock,

@@ -66,7 +66,7 @@ def render(name: str, data: dict, collect: list | None = None) -> str:
 def render_summary(results: Path, quick: bool) -> str:
     """Every target of every suite, from the latest results/<suite>[-quick].json files."""
     rows = []
-    for name in ("lock", "middleware", "telemetry"):
+    for name in ("lock", "middleware", "telemetry", "shapes"):
         path = results / f"{name}{'-quick' if quick else ''}.json"
         if not path.exists():
             continue
@@ -416,5 +416,78 @@ def render_deployments(data: dict, collect: list | None = None) -> str:
     return "\n".join(out) + "\n"
 
 
+def render_shapes(data: dict, collect: list | None = None) -> str:
+    """Issue 27: the shapes beyond the mutex beside the exclusive lock, from benchmarks/bench_shapes.py."""
+    from .bench_shapes import CONTENDED_PROCESSES, DEADLOCK_CHECK, TARGETS
+
+    out = _machine(data)
+    out += ["**The machine is shared and was loaded during this run** (load averages above, on 2 CPUs): the "
+            "absolute numbers are low and noisy; the ratios between rows of the same run are what the targets "
+            "judge. Rows were interleaved over the rounds and the best round of each is kept.", ""]
+    a = data["uncontended"]
+    base = _row(a, "otel-lock")
+    out += ["Uncontended acquire + release: one worker process, one key (`lock_all`: that key and one beside it), "
+            "`async with` around nothing, in a loop; redis-py's Lock and python-redis-lock as reference rows. "
+            "Best round by p50 (every round's p50 in the last column).", ""]
+    out.append(_table(
+        ["lock", "cycles/s", "p50 ms", "p99 ms", "p50 vs exclusive", "Redis cmds/cycle", "client CPU µs/cycle",
+         "p50 of each round"],
+        [[label(r["lib"]), _f(r["cycles_per_s"], 0), _f(r["p50_ms"], 3), _f(r["p99_ms"], 3),
+          f"{r['p50_ms'] / base['p50_ms']:.2f}x" if base else "n/a", _f(r["redis_commands_per_cycle"], 1),
+          _f(r["client_cpu_per_cycle_us"], 0), " / ".join(f"{v:.3f}" for v in r["rounds"])] for r in a]))
+    def who(r: dict) -> str:
+        return "holds another lock (deadlock check engaged)" if r["hold_other"] else "holds nothing else (no check)"
+
+    both, c = data.get("side_by_side", []), data["contended"]
+    out += ["", f"A contended acquire: {CONTENDED_PROCESSES} processes with one waiter each on one key, critical "
+            "section = a local increment. otel-lock looks for a deadlock only when the waiter holds another lock: "
+            "in the second row of each table every waiter holds a key of its own through the run, so every wait "
+            "may run the check. First both rows at once, each on its own key, so that the machine's other load "
+            "falls on both alike (hand-overs/s averaged over the rounds, each round's in the last column; waits "
+            "of the median round):", ""]
+    out.append(_table(
+        ["waiter", "hand-overs/s", "wait p50 ms", "wait p99 ms", "overlaps", "client CPU ms/hand-over", "rounds"],
+        [[who(r), _f(r["handoffs_per_s"], 0), _f(r["wait_p50_ms"], 2), _f(r["wait_p99_ms"], 2), r["overlaps"],
+          _f(r["client_cpu_ms_per_handoff"], 2), " / ".join(f"{v:,}" for v in r.get("rounds", []))]
+         for r in sorted(both, key=lambda r: r["hold_other"])]))
+    out += ["", "Then each alone on the server, once, for what Redis does per hand-over:", ""]
+    out.append(_table(
+        ["waiter", "hand-overs/s", "Redis cmds/hand-over", "Redis CPU ms/hand-over", "client CPU ms/hand-over",
+         "overlaps"],
+        [[who(r), _f(r["handoffs_per_s"], 0), _f(r["redis_commands_per_handoff"], 1),
+          _f(r.get("redis_cpu_ms_per_handoff"), 3), _f(r["client_cpu_ms_per_handoff"], 2), r["overlaps"]]
+         for r in sorted(c, key=lambda r: r["hold_other"])]))
+    targets = []
+    for what, lib, against, bound in TARGETS:
+        ours, other = _row(a, lib), _row(a, against)
+        ratio = _ratio(ours and ours["p50_ms"], other and other["p50_ms"])
+        targets.append((f"{what} <= {bound}x", ratio, ratio is not None and ratio <= bound))
+    permit = _row(a, "otel-lock-permit")
+    ratio = _ratio(permit and permit["p50_ms"], base and base["p50_ms"])
+    targets.append(("uncontended `semaphore` acquire + release, p50 vs exclusive (reported, no target)", ratio, None))
+    plain = next((r for r in both if not r["hold_other"]), None)
+    checked = next((r for r in both if r["hold_other"]), None)
+    ratio = _ratio(plain and plain["handoffs_per_s"], checked and checked["handoffs_per_s"])
+    targets.append((f"contended acquire with the deadlock check: time per hand-over vs without, side by side "
+                    f"<= {DEADLOCK_CHECK}x", ratio, ratio is not None and ratio <= DEADLOCK_CHECK))
+
+    def cpu(row: dict | None) -> float | None:
+        return None if row is None else row["client_cpu_ms_per_handoff"] + row.get("redis_cpu_ms_per_handoff", 0.0)
+
+    ratio = _ratio(cpu(next((r for r in c if r["hold_other"]), None)),
+                   cpu(next((r for r in c if not r["hold_other"]), None)))
+    targets.append((f"contended acquire with the deadlock check: CPU (client + Redis) per hand-over vs without, "
+                    f"each alone <= {DEADLOCK_CHECK}x", ratio, ratio is not None and ratio <= DEADLOCK_CHECK))
+    out += ["", "Targets (this run):", ""]
+    shown = [[t, _f(v, 2), ok] for t, v, ok in targets]
+    out.append(_table(["target", "measured", "verdict"], [[t, v, _verdict(ok)] for t, v, ok in shown]))
+    if collect is not None:
+        collect += shown
+    if data.get("failures"):
+        out += ["", "Failed runs (no row above):", ""]
+        out += [f"- {f['what']}: `{f['error']}`" for f in data["failures"]]
+    return "\n".join(out) + "\n"
+
+
 RENDERERS.update(lock=render_lock, middleware=render_middleware, telemetry=render_telemetry,
-                 deployments=render_deployments)
+                 deployments=render_deployments, shapes=render_shapes)

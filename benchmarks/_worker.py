@@ -10,6 +10,7 @@ hold intervals recorded in different processes can be compared directly).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import cProfile
 import itertools
 import json
@@ -101,15 +102,22 @@ def _warm_keys(keys: list[str], wid: int) -> list[str]:
 # by all workers over time; a record is (worker, requested, entered, left, key index).
 
 async def _contend_async(adapter, keys: list[str], wid: int, warmed: list, go: asyncio.Event, window: dict,
-                         out: list) -> None:
+                         out: list, hold_other: bool = False) -> None:
     # warm-up on private keys first, so connections are open before the clock starts
     for warm in _warm_keys(keys, wid):
         async with adapter.lock(warm, 5.0):
             pass
-    warmed[0] -= 1
-    if warmed[0] == 0:
-        warmed[1].set()
-    await go.wait()
+    # `hold_other`: hold a key of its own through the run, so that every wait is a wait by a holder
+    # (otel-lock's deadlock check runs for those only)
+    async with adapter.lock(f"bench:own:{wid}", 5.0) if hold_other else contextlib.nullcontext():
+        warmed[0] -= 1
+        if warmed[0] == 0:
+            warmed[1].set()
+        await go.wait()
+        await _contend_loop(adapter, keys, wid, window, out)
+
+
+async def _contend_loop(adapter, keys: list[str], wid: int, window: dict, out: list) -> None:
     stop = window["stop"]
     mono = time.monotonic
     counter = 0
@@ -172,7 +180,7 @@ async def _run_async(spec: dict) -> dict:
         base, n = spec["worker_base"], spec["tasks"]
         warmed = [n, asyncio.Event()]
         waiters = asyncio.gather(*(_contend_async(adapter, spec.get("keys") or [key], base + i, warmed, go,
-                                                  shared, records)
+                                                  shared, records, bool(spec.get("hold_other")))
                                    for i in range(n)))
         await warmed[1].wait()
     loop = asyncio.get_running_loop()

@@ -5,6 +5,7 @@
                                                    # results in a temporary directory (no tracked file changes)
     .venv/bin/python -m benchmarks.run --only lock --profile
     .venv/bin/python -m benchmarks.run --only deployments    # issue 11: single, Sentinel, Cluster, RedLock(3)
+    .venv/bin/python -m benchmarks.run --only shapes         # issue 27: shared, lock_all, permits, deadlock check
     .venv/bin/python -m benchmarks.run --only telemetry --short   # every mode, fewer rounds: < 2 minutes
 
 Every suite starts its own redis-server on a free loopback port (never the
@@ -194,8 +195,17 @@ def deployments_suite(url: str, quick: bool, profile_dir: Path | None) -> dict:
     return bench_deployments.run(url, "quick" if quick else "full")
 
 
+def shapes_suite(url: str, quick: bool, profile_dir: Path | None) -> dict:
+    from . import bench_shapes
+
+    if not available("otel-lock"):
+        return {"uncontended": [], "contended": [], "skipped": "otel_lock not importable"}
+    # issue 27: shared, lock_all, permits and the deadlock check beside the exclusive lock, one run
+    return bench_shapes.run(url, quick, say=_say)
+
+
 SUITES = {"lock": lock_suite, "middleware": middleware_suite, "telemetry": telemetry_suite,
-          "deployments": deployments_suite}
+          "deployments": deployments_suite, "shapes": shapes_suite}
 
 
 def _say(text: str) -> None:

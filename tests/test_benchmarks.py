@@ -2,14 +2,14 @@
 
 The benchmarks measure; these tests only check that what they compute from
 the records is right, so a table can be trusted, and (one smoke test on real
-servers) that the deployments benchmark runs every row. No timing.
+servers) that the deployments and shapes benchmarks run every row. No timing.
 """
 
 from __future__ import annotations
 
 import math
 
-from benchmarks import bench_deployments
+from benchmarks import bench_deployments, bench_shapes
 from benchmarks._adapters import available
 from benchmarks._counting import bursts
 from benchmarks._report import render, update_docs
@@ -97,3 +97,19 @@ def test_deployments_benchmark_smoke_runs_every_row(redis_url):
     data["machine"] = {**machine(), "quick": True, "seconds": 0.0, "loadavg_at_end": 0.0}
     table = render("deployments", data)
     assert table.count("\n| ") == len(expected) + 1  # header and one line per row
+
+
+def test_shapes_benchmark_smoke_runs_every_row(redis_url):
+    # issue 27's side-by-side run at its smallest: every uncontended row, the contended pair, one table
+    data = bench_shapes.run(redis_url, "smoke", say=lambda _: None)
+    assert data["failures"] == []
+    assert [r["lib"] for r in data["uncontended"]] == [lib for lib in bench_shapes.UNCONTENDED if available(lib)]
+    for row in data["uncontended"]:
+        assert row["cycles"] > 0 and row["p50_ms"] > 0, row["lib"]
+    for table in ("contended", "side_by_side"):
+        assert sorted(r["hold_other"] for r in data[table]) == [False, True], table
+        for row in data[table]:
+            assert row["overlaps"] == 0 and row["handoffs"] > 0, (table, row)
+    data["machine"] = {**machine(), "quick": False, "seconds": 0.0, "loadavg_at_end": 0.0}
+    table = render("shapes", data)
+    assert "deadlock check" in table and table.count("**met**") + table.count("**missed**") == 4

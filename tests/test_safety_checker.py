@@ -15,12 +15,6 @@ that can lose a grant (an asynchronous replica) may give overlaps at all.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 from benchmarks.safety import FAULTS, QUICK, QUICK_SET, QUICK_SETS
@@ -28,7 +22,7 @@ from benchmarks.safety._overlaps import (Hold, handoffs, max_idle, overlaps, pau
                                          told_by_next_await, wait_overrun)
 from benchmarks.safety._report import FLAT, ROUND_TRIP, SOCKET_TIMEOUT
 
-ROOT = Path(__file__).resolve().parent.parent
+from _safety_run import run_checker
 
 
 def hold(proc, start, end, token=None, lost_at=None, task=0, **kw) -> Hold:
@@ -148,20 +142,6 @@ KNOWN: dict[tuple[str, str], str] = {}
 def cases(check: str, faults) -> list:
     return [pytest.param(f, marks=pytest.mark.xfail(reason=KNOWN[check, f], strict=False))
             if (check, f) in KNOWN else f for f in faults]
-
-
-def run_checker(out: Path, *args: str) -> tuple[int, list[dict]]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    try:
-        proc = subprocess.run([sys.executable, "-m", "benchmarks.safety", "--quick", "--json", str(out), *args],
-                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
-    except subprocess.TimeoutExpired as timeout:
-        said = [(part.decode(errors="replace") if isinstance(part, bytes) else part or "")[-3000:]
-                for part in (timeout.stdout, timeout.stderr)]
-        pytest.fail("the checker did not finish within 400 s; it printed:\n" + "\n".join(said))
-    if not out.exists():
-        pytest.fail(f"the checker failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return proc.returncode, json.loads(out.read_text())["rows"]
 
 
 @pytest.fixture(scope="module")

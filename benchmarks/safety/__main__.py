@@ -2,6 +2,9 @@
 
 `--full` on a single Redis (the default) rewrites docs/safety.md's peer
 comparison; `--full --deployment all` rewrites its per-deployment table.
+`--shape lock_all,rw,permits` runs the shapes beyond the mutex instead of
+the exclusive lock (otel-lock, and its controls `unlocked` and
+`otel-lock-loose`); with `--full` it rewrites docs/safety.md's shapes table.
 """
 
 from __future__ import annotations
@@ -17,9 +20,9 @@ from pathlib import Path
 from benchmarks._report import update_docs
 from otel_lock.cli._redis_server import use_server
 
-from . import DEPLOYMENTS, FAULTS, FULL, FULL_SETS, QUICK, QUICK_SETS, check
+from . import DEPLOYMENTS, FAULTS, FULL, FULL_SETS, PERMITS, QUICK, QUICK_SETS, SHAPES, check
 from ._faults import FAILOVER_LEASE, FAILOVER_WINDOW, LONG, SHORT
-from ._libs import ANY_DEPLOYMENT, COMPARED, LIBS
+from ._libs import ANY_DEPLOYMENT, COMPARED, LIBS, SHAPED
 from ._report import judge, markdown
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "safety.md"
@@ -63,8 +66,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
     parser.add_argument("--block", default="safety",
                         help="the docs/safety.md block --render writes (default: safety; "
-                             "safety-deployments: the per-deployment table)")
+                             "safety-deployments: the per-deployment table; safety-shapes: the shapes' table)")
+    parser.add_argument("--shape", default="exclusive",
+                        help=f"comma-separated, of {', '.join(SHAPES)} (default: exclusive, the mutex)")
+    parser.add_argument("--permits", type=int, default=PERMITS, help=f"the limit of a permits run (default {PERMITS})")
     args = parser.parse_args(argv)
+    shapes = args.shape.split(",")
+    for shape in shapes:
+        if shape not in SHAPES:
+            parser.error(f"unknown shape {shape!r}; choose from {', '.join(SHAPES)}")
+    if args.permits < 1:
+        parser.error(f"--permits must be at least 1, not {args.permits}")
+    if args.deployment in ("redlock", "all") and {"rw", "permits"} & set(shapes):
+        parser.error("RedLockManager offers no shared holds or permits (one exclusive owner per quorum round): "
+                     "on redlock choose from exclusive, lock_all")
+    shaped = shapes != ["exclusive"]
 
     if args.render:
         run = json.loads(args.render.read_text())
@@ -76,10 +92,12 @@ def main(argv: list[str] | None = None) -> int:
     profile = FULL if args.full else QUICK
     deployments = list(DEPLOYMENTS) if args.deployment == "all" else [args.deployment]
     peers = args.full and deployments == ["single"]
-    libs = args.libs.split(",") if args.libs else (COMPARED if peers else ["otel-lock"])
+    libs = args.libs.split(",") if args.libs else (COMPARED if peers and not shaped else ["otel-lock"])
     for name in libs:
         if name not in LIBS:
             parser.error(f"unknown library {name!r}; choose from {', '.join(LIBS)}")
+        if shaped and name not in SHAPED:
+            parser.error(f"{name!r} has no shapes beyond the mutex; with --shape choose from {', '.join(SHAPED)}")
         if deployments != ["single"] and name not in ANY_DEPLOYMENT:
             parser.error(f"{name!r} runs on a single Redis only; on {args.deployment} choose from "
                          f"{', '.join(ANY_DEPLOYMENT)}")
@@ -100,7 +118,9 @@ def main(argv: list[str] | None = None) -> int:
            "profile": profile.__dict__, "stalls": {"short": list(SHORT), "long": list(LONG)}, "rows": []}
     for deployment in deployments:
         faults = [f for f in given if deployment in FAULTS[f].where] if given else sets[deployment]
-        run["rows"] += asyncio.run(check(libs, faults, profile, deployment=deployment))
+        for shape in shapes:
+            run["rows"] += asyncio.run(check(libs, faults, profile, deployment=deployment, shape=shape,
+                                             permits=args.permits))
     several = deployments != ["single"]
     print()
     print(markdown(run["rows"], deployments=several))
@@ -108,7 +128,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{profile.tasks} tasks, lease {profile.lease} s, wait {profile.wait} s, {profile.window} s per run)")
     if args.json:
         args.json.write_text(json.dumps(run, indent=1))
-    if args.full and not (args.libs or args.faults) and args.deployment in ("single", "all"):
+    if args.full and shaped and args.deployment == "single":
+        write_docs(run, "safety-shapes")
+    elif args.full and not (args.libs or args.faults) and args.deployment in ("single", "all"):
         write_docs(run, "safety" if args.deployment == "single" else "safety-deployments")
     unsafe = sum(r["unsafe"] for r in run["rows"] if r["library"] == "otel-lock")
     return 1 if unsafe else 0

@@ -11,6 +11,13 @@ None and every overlap they show is untold and unfenced.
 Redis URL (`redis://`, `redis+sentinel://`, `redis+cluster://`), or a list of
 them for a RedLock quorum, which only otel-lock takes. `options` are the
 fault's manager options (e.g. `wait_replicas`).
+
+The shapes beyond the mutex (`--shape`) are otel-lock's only: `acquire_shared`,
+`acquire_permit` and `acquire_all` beside `acquire`. `otel-lock-loose` is
+otel-lock with each shape deliberately weakened (an exclusive request taken
+shared, one permit more than the limit the checker judges by, only the
+first of lock_all's keys taken): the control that shows the checker sees a
+broken shape, as `unlocked` shows it sees no lock at all.
 """
 
 from __future__ import annotations
@@ -21,12 +28,12 @@ KEY = "safety"  # the contended key of one-key runs; a Cluster run spreads sever
 
 
 class Held:
-    """What a worker keeps of one acquisition."""
+    """What a worker keeps of one acquisition; `parts`: (key, token, mode) per key it holds, when not one key."""
 
-    __slots__ = ("token", "lost", "native")
+    __slots__ = ("token", "lost", "native", "parts")
 
-    def __init__(self, native, token: int | None = None, lost=None) -> None:
-        self.native, self.token, self.lost = native, token, lost
+    def __init__(self, native, token: int | None = None, lost=None, parts: list | None = None) -> None:
+        self.native, self.token, self.lost, self.parts = native, token, lost, parts
 
 
 class OtelLock:
@@ -49,11 +56,50 @@ class OtelLock:
             return None
         return Held(held, held.token, held.lost)
 
+    async def acquire_shared(self, wait: float, key: str) -> Held | None:
+        try:
+            held = await self.manager.acquire(key, wait=wait, name="safety", shared=True)
+        except self.timeout:
+            return None
+        return Held(held, held.token, held.lost)
+
+    async def acquire_permit(self, wait: float, key: str, permits: int) -> Held | None:
+        try:
+            held = await self.manager.acquire_permit(key, permits=permits, wait=wait, name="safety")
+        except self.timeout:
+            return None
+        return Held(held, held.token, held.lost)
+
+    async def acquire_all(self, wait: float, keys: list[str]) -> Held | None:
+        try:
+            held = await self.manager.acquire_all(keys, wait=wait, name="safety")
+        except self.timeout:
+            return None
+        return Held(held, None, held.lost, [(key, held.tokens[key], "exclusive") for key in held.keys])
+
     async def release(self, held: Held) -> bool:
         return await held.native.release()
 
     async def close(self) -> None:
         await self.manager.aclose()
+
+
+class LooseOtelLock(OtelLock):
+    """otel-lock with every shape weakened on purpose: the checker must find what this lets through."""
+
+    name = "otel-lock-loose"
+
+    async def acquire(self, wait: float, key: str = KEY) -> Held | None:
+        return await self.acquire_shared(wait, key)  # asked exclusive, taken shared
+
+    async def acquire_permit(self, wait: float, key: str, permits: int) -> Held | None:
+        return await super().acquire_permit(wait, key, permits + 1)
+
+    async def acquire_all(self, wait: float, keys: list[str]) -> Held | None:
+        held = await OtelLock.acquire(self, wait, keys[0])  # the first key named, the others not at all
+        if held is not None:
+            held.parts = [(keys[0], held.token, "exclusive")] + [(key, None, "exclusive") for key in keys[1:]]
+        return held
 
 
 class RedisPy:
@@ -129,6 +175,15 @@ class Unlocked:
     async def acquire(self, wait: float, key: str = KEY) -> Held:
         return Held(None)
 
+    async def acquire_shared(self, wait: float, key: str) -> Held:
+        return Held(None)
+
+    async def acquire_permit(self, wait: float, key: str, permits: int) -> Held:
+        return Held(None)
+
+    async def acquire_all(self, wait: float, keys: list[str]) -> Held:
+        return Held(None, parts=[(key, None, "exclusive") for key in keys])
+
     async def release(self, held: Held) -> bool:
         return True
 
@@ -136,6 +191,8 @@ class Unlocked:
         pass
 
 
-LIBS = {"otel-lock": OtelLock, "redis-py": RedisPy, "python-redis-lock": PythonRedisLock, "unlocked": Unlocked}
+LIBS = {"otel-lock": OtelLock, "redis-py": RedisPy, "python-redis-lock": PythonRedisLock, "unlocked": Unlocked,
+        "otel-lock-loose": LooseOtelLock}
 COMPARED = ["otel-lock", "redis-py", "python-redis-lock"]  # what --full runs on a single Redis
-ANY_DEPLOYMENT = ["otel-lock", "unlocked"]  # the peers run on a single Redis only
+ANY_DEPLOYMENT = ["otel-lock", "unlocked", "otel-lock-loose"]  # the peers run on a single Redis only
+SHAPED = ["otel-lock", "unlocked", "otel-lock-loose"]  # what runs the shapes beyond the mutex (--shape)

@@ -16,10 +16,20 @@ started first. The overlap begins when the newer holder starts. It is
   resource that checks the token rejects the stale writer).
 
 An overlap that is neither is the one that corrupts data: `untold & unfenced`.
+
+The shapes beyond the mutex (`python -m benchmarks.safety --shape ...`) give
+each hold a `mode`. Two `shared` holds of a key may overlap, and so may two
+`permit` holds: neither pair is an overlap here. A `permit` hold is instead
+counted against the key's limit (`permit_peak`, `permit_over`; and
+`permit_over_untold`, not counting holders told their lease was lost,
+which a stall past the lease may let in as it lets an exclusive overlap in). An
+`exclusive` hold overlaps nobody, shared or exclusive. A `lock_all` hold is
+one Hold per key, all with the hold's start and end.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass, field
 
 
@@ -38,6 +48,7 @@ class Hold:
     stall: float = 0.0  # seconds the body blocked its loop right after acquiring
     requested: float | None = None  # when its acquire was called
     key: str = ""  # which contended key (one per run, except where the deployment spreads them)
+    mode: str = "exclusive"  # exclusive, shared (lock(shared=True)) or permit (semaphore())
 
     @property
     def who(self) -> tuple[int, int]:
@@ -81,17 +92,77 @@ def _granted_first(a: Hold, b: Hold) -> tuple[Hold, Hold]:
     return (a, b) if (a.start, a.end) <= (b.start, b.end) else (b, a)
 
 
+TOGETHER = ("shared", "permit")  # modes whose holds of one key may overlap each other
+
+
+def may_share(a: Hold, b: Hold) -> bool:
+    """Two shared holds, or two permits, may hold a key at once; anything beside an exclusive hold may not."""
+    return a.mode == b.mode and a.mode in TOGETHER
+
+
 def overlaps(holds: list[Hold]) -> list[Overlap]:
-    """Every pair of holds whose [start, end] intervals intersect (touching ends do not)."""
+    """Every pair of holds of one key whose [start, end] intervals intersect and that may not (touching ends do not)."""
     found = []
     active: list[Hold] = []
     for hold in sorted(holds, key=lambda h: h.start):
         active = [h for h in active if h.end > hold.start]
         for other in active:
-            if other.who != hold.who and other.key == hold.key and hold.end > hold.start:
+            if other.who != hold.who and other.key == hold.key and hold.end > hold.start \
+                    and not may_share(other, hold):
                 found.append(Overlap(*_granted_first(other, hold)))
         active.append(hold)
     return found
+
+
+def shared_together(holds: list[Hold]) -> int:
+    """Pairs of shared holds of one key that did overlap: proof that readers were let in together."""
+    count = 0
+    for group in _by_key([h for h in holds if h.mode == "shared"]):
+        active: list[Hold] = []
+        for hold in sorted(group, key=lambda h: h.start):
+            active = [h for h in active if h.end > hold.start]
+            count += sum(other.who != hold.who for other in active)
+            active.append(hold)
+    return count
+
+
+def peak_holders(holds: list[Hold]) -> int:
+    """The most permit holds of one key at one instant (the largest over the keys); 0 without permits.
+
+    A worker records a hold from acquire's return to release's call, inside
+    the hold Redis granted, so this never exceeds what Redis let in.
+    """
+    peak = 0
+    for group in _by_key([h for h in holds if h.mode == "permit"]):
+        # at one instant an end is counted before a start: touching holds are not together
+        events = sorted([(h.start, 1) for h in group] + [(h.end, -1) for h in group])
+        now = 0
+        for _, step in events:
+            now += step
+            peak = max(peak, now)
+    return peak
+
+
+def _stale(hold: Hold) -> bool:
+    """A holder told its lease was lost (a stall past the lease): Redis may have let another in meanwhile."""
+    return hold.lost_at is not None or hold.release is False
+
+
+def over_limit(holds: list[Hold], permits: int, stale_count: bool = True) -> int:
+    """Permit holds that began while `permits` others of their key already held (each one too many).
+
+    `stale_count=False`: holders told their lease was lost do not count among
+    the others (as an overlap with a stale holder is told, not unsafe).
+    """
+    over = 0
+    for group in _by_key([h for h in holds if h.mode == "permit"]):
+        active: list[Hold] = []
+        for hold in sorted(group, key=lambda h: h.start):
+            active = [h for h in active if h.end > hold.start]
+            if sum(stale_count or not _stale(h) for h in active) >= permits:
+                over += 1
+            active.append(hold)
+    return over
 
 
 def told_by_next_await(overlap: Overlap) -> bool:
@@ -116,19 +187,40 @@ def _by_key(holds: list[Hold]) -> list[list[Hold]]:
     return list(keys.values())
 
 
+class _Ended:
+    """Holds by end time, with the largest token of those ended by any instant."""
+
+    def __init__(self, holds: list[Hold]) -> None:
+        ended = sorted(holds, key=lambda h: h.end)
+        self.ends = [h.end for h in ended]
+        self.best: list[int] = []
+        for h in ended:
+            self.best.append(h.token if not self.best else max(self.best[-1], h.token))
+
+    def max_by(self, t: float) -> int | None:
+        n = bisect_right(self.ends, t)
+        return self.best[n - 1] if n else None
+
+
 def token_regressions(holds: list[Hold]) -> int:
-    """Holds, in order of start, whose token is not larger than an earlier, non-overlapping hold's of its key."""
+    """Holds whose token is not larger than that of a hold of its key that ended before it was granted.
+
+    "Before it was granted" is before it started, except between two holds
+    that may hold the key together (two shared holds, two permits): one
+    of those may have been granted first and read its reply late, after the
+    other had come and gone, so there it is before it was *requested*.
+    """
     if len({h.key for h in holds}) > 1:
         return sum(token_regressions(group) for group in _by_key(holds))
+    fenced = [h for h in holds if h.token is not None]
+    ended = {mode: _Ended([h for h in fenced if h.mode == mode]) for mode in {h.mode for h in fenced}}
     regressions = 0
-    done_max = None  # the largest token of holds that ended before this one started
-    ended = sorted((h for h in holds if h.token is not None), key=lambda h: h.end)
-    i = 0
-    for hold in sorted((h for h in holds if h.token is not None), key=lambda h: h.start):
-        while i < len(ended) and ended[i].end <= hold.start:
-            done_max = ended[i].token if done_max is None else max(done_max, ended[i].token)
-            i += 1
-        if done_max is not None and hold.token <= done_max:
+    for hold in fenced:
+        cuts = {mode: hold.start for mode in ended}
+        if hold.mode in TOGETHER and hold.requested is not None:
+            cuts[hold.mode] = min(hold.start, hold.requested)
+        before = [t for t in (ended[mode].max_by(cut) for mode, cut in cuts.items()) if t is not None]
+        if before and hold.token <= max(before):
             regressions += 1
     return regressions
 
@@ -177,7 +269,7 @@ def wait_overrun(requested: float, returned: float, wait: float, pauses: list[tu
     return max(0.0, returned - requested - wait - paused(pauses, requested, returned))
 
 
-def summarise(holds: list[Hold]) -> dict:
+def summarise(holds: list[Hold], permits: int | None = None) -> dict:
     found = overlaps(holds)
     stale = {}
     for o in found:
@@ -199,4 +291,8 @@ def summarise(holds: list[Hold]) -> dict:
                                for os in stale.values() if os[0].stale.lost_at is not None), default=0.0),
         "max_idle": max_idle(holds),
         "token_regressions": token_regressions(holds),
+        "shared_together": shared_together(holds),
+        "permit_peak": peak_holders(holds),
+        "permit_over": over_limit(holds, permits) if permits else 0,
+        "permit_over_untold": over_limit(holds, permits, stale_count=False) if permits else 0,
     }

@@ -20,8 +20,13 @@ COLUMNS = [
 ]
 
 
+SHAPE_COLUMNS = [("shape", "shape"), ("shared_together", "shared holds together"),
+                 ("permits_seen", "permit holders at most / limit")]
+
+
 def row(run) -> dict:
-    summary = summarise(run.holds)
+    shape = getattr(run, "shape", "exclusive")
+    summary = summarise(run.holds, run.permits if shape == "permits" else None)
     deployment = run.deployment.name
     overruns = [wait_overrun(a["req"], a["ret"], a["wait"], run.pauses.get(a["proc"], [])) for a in run.attempts]
     timeouts = sum(a["outcome"] == "timeout" for a in run.attempts)
@@ -42,6 +47,9 @@ def row(run) -> dict:
         "injected": run.injected,
         "processes": len({h.proc for h in run.holds}),  # processes that held the lock at least once
         "release_false": sum(h.release is False for h in run.holds),
+        "shape": shape,
+        "permits": run.permits if shape == "permits" else None,
+        "permits_seen": f"{summary['permit_peak']} / {run.permits}" if shape == "permits" else None,
     }
 
 
@@ -65,13 +73,18 @@ def misses(row: dict, fault, baseline: dict | None) -> list[str]:
         missed.append("commands")
     if row["hung"]:
         missed.append("hung")
+    if row.get("permit_over_untold") or (row.get("permit_over") and not fault.may_overlap):
+        missed.append("permits")
+    if row.get("shape", "exclusive") != "exclusive" and row.get("token_regressions") and not fault.forgets:
+        missed.append("tokens")
     return missed
 
 
 def judge(rows: list[dict], faults: dict) -> None:
-    """Fill in each row's `misses`, against the same library's no-fault row on its deployment when there is one."""
-    def where(r: dict) -> tuple[str, str]:
-        return r.get("deployment", "single"), r["library"]
+    """Fill in each row's `misses`, against the same library's no-fault row on its deployment (and shape) when there
+    is one."""
+    def where(r: dict) -> tuple[str, str, str]:
+        return r.get("deployment", "single"), r["library"], r.get("shape", "exclusive")
 
     baselines = {where(r): r for r in rows if r["fault"] == "none"}
     for r in rows:
@@ -79,8 +92,11 @@ def judge(rows: list[dict], faults: dict) -> None:
 
 
 def markdown(rows: list[dict], deployments: bool = False) -> str:
-    """The table; with `deployments`, a first column names each row's deployment."""
-    columns = [("deployment", "deployment")] * deployments + COLUMNS
+    """The table; with `deployments`, a first column names each row's deployment; shape columns when any row has one."""
+    shaped = any(r.get("shape", "exclusive") != "exclusive" for r in rows)
+    columns = [("deployment", "deployment")] * deployments + COLUMNS[:2] + SHAPE_COLUMNS[:1] * shaped + COLUMNS[2:]
+    if shaped:
+        columns[-1:-1] = SHAPE_COLUMNS[1:] + [("token_regressions", "token regressions")]
     lines = ["| " + " | ".join(title for _, title in columns) + " |",
              "|" + "---|" * len(columns)]
     for r in rows:

@@ -41,6 +41,27 @@ class Profile:
 QUICK = Profile("quick", procs=3, tasks=3, lease=1.0, wait=2.0, window=3.0)
 FULL = Profile("full", procs=4, tasks=4, lease=2.0, wait=3.0, window=8.0)
 
+SHAPES = ("exclusive", "lock_all", "rw", "permits")  # what each attempt takes (benchmarks/safety/_worker.py)
+PERMITS = 2  # the limit of a `permits` run
+LOCK_ALL_KEYS = 4  # a lock_all run's small key set: every attempt takes 2 or 3 of them
+
+
+def shape_keys(shape: str, keys: list[str]) -> list[str]:
+    """The keys a shape's workers contend for: lock_all's small set, else the deployment's keys."""
+    if shape != "lock_all" or len(keys) >= LOCK_ALL_KEYS:
+        return keys
+    return [f"{keys[0]}-{i}" for i in range(LOCK_ALL_KEYS)]
+
+
+def holds_of(proc: int, event: dict, end: float, **recorded) -> list[Hold]:
+    """The Holds of one `hold` (or still open `start`) event: one per key it held."""
+    parts = event.get("parts") or [[event.get("key", ""), event["token"], "exclusive"]]
+    # A lock_all hold starts when its last key is held, its first ones earlier, each after a wait of its own:
+    # none of its keys has a request time to measure idle by (max_idle leaves them out)
+    requested = event.get("req") if len(parts) == 1 else None
+    return [Hold(proc, event["task"], event["start"], end, token, key=key, mode=mode, requested=requested,
+                 **recorded) for key, token, mode in parts]
+
 
 class Meter:
     """Redis commands over the run from INFO commandstats of every master, summed over restarts and failovers.
@@ -105,8 +126,10 @@ class WorkerProc:
 class Run:
     """The state one fault injector acts on, and the records the workers send."""
 
-    def __init__(self, lib: str, profile: Profile, fault, deployment: str = "single") -> None:
+    def __init__(self, lib: str, profile: Profile, fault, deployment: str = "single", shape: str = "exclusive",
+                 permits: int = PERMITS) -> None:
         self.lib, self.profile, self.fault = lib, profile, fault
+        self.shape, self.permits = shape, permits
         self.deployment = DEPLOYMENTS[deployment](fault)
         # a failover must fit in the window, with time to work on after it
         self.window = max(profile.window, fault.min_window)
@@ -159,7 +182,8 @@ class Run:
         index = self._spawned
         self._spawned += 1
         proxy = await Proxy("127.0.0.1", self.server.port).start() if self.fault.proxy else None
-        config = {"lib": self.lib, "url": proxy.url if proxy else self.deployment.url, "keys": self.deployment.keys,
+        config = {"lib": self.lib, "url": proxy.url if proxy else self.deployment.url,
+                  "keys": shape_keys(self.shape, self.deployment.keys), "shape": self.shape, "permits": self.permits,
                   "tasks": self.profile.tasks, "lease": self.lease, "wait": self.profile.wait,
                   "options": self.fault.options or {}, **self.fault.worker(self.lease)}
         stderr = tempfile.TemporaryFile()  # the libraries log every lost lease; shown only if a worker crashes
@@ -194,9 +218,9 @@ class Run:
         elif kind == "hold":
             worker.holding.discard(event["task"])
             worker.open.pop(event["task"], None)
-            self.holds.append(Hold(worker.index, event["task"], event["start"], event["end"], event["token"],
-                                   event["lost_at"], event["release"], [tuple(m) for m in event["marks"]],
-                                   event["stall"], event["req"], event.get("key", "")))
+            self.holds += holds_of(worker.index, event, event["end"], lost_at=event["lost_at"],
+                                   release=event["release"], marks=[tuple(m) for m in event["marks"]],
+                                   stall=event["stall"])
             self.attempts.append({"proc": worker.index, "req": event["req"], "ret": event["start"],
                                   "wait": self.profile.wait, "outcome": "acquired"})
         elif kind == "attempt":
@@ -210,9 +234,8 @@ class Run:
         """A killed holder held until it died: its hold ends at the kill, untold."""
         for worker in self.workers:
             end = worker.killed_at or time.monotonic()
-            for task, start in worker.open.items():
-                self.holds.append(Hold(worker.index, task, start["start"], end, start["token"], None, "killed",
-                                       requested=start.get("req"), key=start.get("key", "")))
+            for start in worker.open.values():
+                self.holds += holds_of(worker.index, start, end, release="killed")
             worker.open.clear()
 
     # -- the run -------------------------------------------------------------------

@@ -9,6 +9,12 @@ parent knows who holds, to stop or kill it), `hold` when the hold is over,
 interval in which this process blocked its own event loop (the parent does not
 count those against the wait bound). Times are time.monotonic(): one clock for
 every process on a Linux machine.
+
+`shape` (otel-lock only) says what an attempt takes: `exclusive` (one key,
+the default), `lock_all` (2 or 3 of the keys, named in a random order),
+`rw` (one key, shared 70% of the time, else exclusive) or `permits` (a
+permit of one key, at most `permits` at once). Then `start` and `hold` carry
+`parts`: [key, token, mode] for each key held.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ BODY_STEPS = 3  # awaits in a hold's body, each a little "database call"
 STEP = (0.001, 0.003)
 LONG_STEP = (0.005, 0.015)  # a long hold: slow async work (never blocking), awaits of 5-15 ms
 RETRY_AFTER_ERROR = 0.05
+SHARED_SHARE = 0.7  # rw: the share of attempts that ask for a shared hold
 
 _out = threading.Lock()
 
@@ -50,6 +57,19 @@ class Worker:
     def pick_key(self) -> str:
         """The key of this attempt: the run's one key, or one of the keys a Cluster run spreads over its nodes."""
         return self.rng.choice(self.config["keys"])
+
+    async def take(self, wait: float):
+        """One attempt of the run's shape: (held or None, the keys asked for, the mode asked for)."""
+        shape = self.config.get("shape", "exclusive")
+        if shape == "lock_all":
+            keys = self.rng.sample(self.config["keys"], min(len(self.config["keys"]), self.rng.choice((2, 3))))
+            return await self.lib.acquire_all(wait, keys), keys, "exclusive"
+        key = self.pick_key()
+        if shape == "rw" and self.rng.random() < SHARED_SHARE:
+            return await self.lib.acquire_shared(wait, key), [key], "shared"
+        if shape == "permits":
+            return await self.lib.acquire_permit(wait, key, self.config["permits"]), [key], "permit"
+        return await self.lib.acquire(wait, key), [key], "exclusive"
 
     def stall_after_acquire(self) -> float:
         stall = self.config.get("hold_stall")  # [probability, shortest, longest]
@@ -88,11 +108,11 @@ class Worker:
 
     async def contend_async(self, task: int) -> None:
         wait = self.config["wait"]
+        shaped = self.config.get("shape", "exclusive") != "exclusive"
         while time.monotonic() < self.stop:
-            key = self.pick_key()
             req = time.monotonic()
             try:
-                held = await self.lib.acquire(wait, key)
+                held, keys, mode = await self.take(wait)
             except Exception as exc:  # noqa: BLE001 - every failure is a recorded outcome
                 emit("attempt", task=task, req=req, ret=time.monotonic(), wait=wait, outcome=type(exc).__name__)
                 await asyncio.sleep(RETRY_AFTER_ERROR)
@@ -101,13 +121,15 @@ class Worker:
             if held is None:
                 emit("attempt", task=task, req=req, ret=ret, wait=wait, outcome="timeout")
                 continue
-            await self.hold_async(task, key, held, req, ret)
+            parts = (held.parts or [[key, held.token, mode] for key in keys]) if shaped else None
+            await self.hold_async(task, keys[0], held, req, ret, parts)
 
-    async def hold_async(self, task: int, key: str, held, req: float, start: float) -> None:
+    async def hold_async(self, task: int, key: str, held, req: float, start: float, parts: list | None) -> None:
         self.holding += 1
         steps = self.body_steps()
+        shape = {"parts": parts} if parts is not None else {}
         # `plan`: how long the body will run, so that a fault can wait for a hold that will outlast it
-        emit("start", task=task, key=key, req=req, start=start, token=held.token, plan=sum(steps))
+        emit("start", task=task, key=key, req=req, start=start, token=held.token, plan=sum(steps), **shape)
         lost_at: list[float] = []
         watcher = None
         if held.lost is not None:
@@ -131,7 +153,7 @@ class Worker:
                 await asyncio.sleep(0)  # let the watcher note the time it saw the loss
             watcher.cancel()
         emit("hold", task=task, key=key, req=req, start=start, end=end, token=held.token,
-             lost_at=lost_at[0] if lost_at else None, release=release, marks=marks, stall=stall)
+             lost_at=lost_at[0] if lost_at else None, release=release, marks=marks, stall=stall, **shape)
 
     async def stall_while_waiting(self) -> None:
         """Block the loop now and then while this process's tasks wait (and none holds)."""

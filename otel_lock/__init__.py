@@ -2,12 +2,13 @@
 
 __version__ = "0.1.0"
 
-from .lock import (HeldLock, LockBusy, LockError, LockInfo, LockLost, LockManager, Locks, LockTimeout, RedisMisconfigured,
-                   RedisUnavailable, RedLockManager)
-from .asgi import LockMiddleware, idempotent, locked
+from .lock import (HeldLock, HeldLocks, LockBusy, LockError, LockInfo, LockLost, LockManager, Locks, LockTimeout,
+                   RedisMisconfigured, RedisUnavailable, RedLockManager)
+from .asgi import LockMiddleware, idempotent, limited, locked
 
 __all__ = [
     "HeldLock",
+    "HeldLocks",
     "LockBusy",
     "LockError",
     "LockInfo",
@@ -21,5 +22,6 @@ __all__ = [
     "RedisUnavailable",
     "__version__",
     "idempotent",
+    "limited",
     "locked",
 ]

@@ -37,16 +37,20 @@ import logging
 import os
 import signal
 import threading
+import time
 from functools import partial
 from types import TracebackType
-from typing import Any, Awaitable, Callable, Coroutine, Generic, Mapping, TypeVar
+from typing import Any, Awaitable, Callable, Coroutine, Generic, Iterable, Mapping, TypeVar
 
 from opentelemetry.metrics import MeterProvider
 from opentelemetry.trace import TracerProvider
 
-from .lock import HeldLock, LockInfo, LockLost, LockManager, Locks, RedisUnavailable
+from .lock import HeldLock, LockBusy, LockError, LockInfo, LockLost, LockManager, Locks, LockTimeout, RedisUnavailable
+from .lock._multi import canonical
+from .lock._options import check_key, check_seconds
 
-__all__ = ["RunningLoopError", "SyncHeldLock", "SyncLockContext", "SyncLockManager"]
+__all__ = ["RunningLoopError", "SyncHeldLock", "SyncHeldLocks", "SyncLockContext", "SyncLockManager",
+           "SyncMultiLockContext"]
 
 log: logging.Logger = logging.getLogger("otel_lock")
 T = TypeVar("T")
@@ -75,7 +79,7 @@ def _refuse_in_loop(call: str) -> None:
         asyncio.get_running_loop()
     except RuntimeError:
         return
-    same = call if call in ("acquire", "try_lock", "held_locks", "force_release") else "lock"
+    same = call if call in ("acquire", "try_lock", "held_locks", "force_release", "acquire_all", "lock_all") else "lock"
     raise RunningLoopError(
         f"SyncLockManager.{call}() blocks its thread, and this thread runs an event loop: every task on it "
         f"would stop for the whole wait. In async code use the async API instead: `async with "
@@ -298,6 +302,7 @@ class _Hold:
         self.reenter: Callable[..., Awaitable[HeldLock]] | None = getattr(runtime.manager, "_reenter", None)
         self.depth: int = 0
         self.lost: threading.Event = _LostEvent(runtime, held)
+        self.also_lost: list[threading.Event] = []  # a lock_all's `lost`, told of this hold's loss too
         self._watch = asyncio.ensure_future(self._tell_lost())
         with runtime.mutex:
             self.depth = 1
@@ -306,6 +311,8 @@ class _Hold:
     async def _tell_lost(self) -> None:
         await self.held.lost.wait()
         threading.Event.set(self.lost)
+        for event in self.also_lost:
+            event.set()
 
     def forget(self) -> bool:
         """One release by the thread: True if it was the last, which takes the key out of its map."""
@@ -410,6 +417,90 @@ class SyncLockContext:
             log.warning("otel-lock: could not release %s, it will expire by itself: %s", held.key, error)
         if exc_type is None and held._hold.cancel_on_lost and held.lost.is_set():
             raise LockLost(f"lease of {held.key} was lost while the block ran", key=held.key,
+                           reason="lost while held")
+
+
+class _AnyLost(threading.Event):
+    """`held.lost` of a lock_all: set once the lease of any of its keys is known lost."""
+
+    def __init__(self, holds: list[SyncHeldLock]) -> None:
+        super().__init__()
+        self._holds = holds
+        for held in holds:
+            held._hold.also_lost.append(self)
+        if any(threading.Event.is_set(held._hold.lost) for held in holds):
+            self.set()
+
+    def is_set(self) -> bool:
+        if not super().is_set() and any(held.lost.is_set() for held in self._holds):
+            self.set()
+        return super().is_set()
+
+
+class SyncHeldLocks:
+    """What `lock_all()` gives a thread: one `SyncHeldLock` per key, in the canonical order."""
+
+    __slots__ = ("keys", "holds", "tokens", "lost", "_released")
+
+    def __init__(self, keys: list[str], holds: list[SyncHeldLock]) -> None:
+        self.keys: tuple[str, ...] = tuple(keys)
+        """The keys as the caller named them (duplicates folded), in the order they were taken."""
+        self.holds: tuple[SyncHeldLock, ...] = tuple(holds)
+        """One hold per key, same order (`.key` is the full Redis key)."""
+        self.tokens: dict[str, int] = {key: held.token for key, held in zip(keys, holds)}
+        """Fencing token per key."""
+        self.lost: threading.Event = _AnyLost(holds)
+        """Set once the lease of any one key is known lost."""
+        self._released: bool | None = None
+
+    def release(self) -> bool:
+        """Release every hold, the last taken first; False if any was lost. Idempotent."""
+        if self._released is None:
+            self._released = _release_each(self.holds)
+        return self._released
+
+    def __repr__(self) -> str:
+        return f"<SyncHeldLocks {', '.join(f'{k}={t}' for k, t in self.tokens.items())}>"
+
+
+def _release_each(holds: Iterable[SyncHeldLock]) -> bool:
+    """Release in reverse order, every one even if one fails; the first error after that."""
+    ok, error = True, None
+    for held in reversed(list(holds)):
+        try:
+            ok = held.release() and ok
+        except LockError as exc:
+            error = error or exc
+    if error is not None:
+        raise error
+    return ok
+
+
+class SyncMultiLockContext:
+    """`with locks.lock_all([...]) as held:`: every key on enter, all released on exit."""
+
+    __slots__ = ("_acquire", "_held")
+
+    def __init__(self, acquire: Callable[[], SyncHeldLocks]) -> None:
+        self._acquire = acquire
+        self._held: SyncHeldLocks | None = None
+
+    def __enter__(self) -> SyncHeldLocks:
+        self._held = self._acquire()
+        return self._held
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        held, self._held = self._held, None
+        assert held is not None, "__exit__ without __enter__"
+        try:
+            held.release()
+        except RedisUnavailable as error:
+            log.warning("otel-lock: could not release every lock of %s, they will expire by themselves: %s",
+                        ", ".join(held.keys), error)
+        lost = [h for h in held.holds if h._hold.cancel_on_lost and h.lost.is_set()]
+        if exc_type is None and lost:
+            raise LockLost(f"lease of {lost[0].key} was lost while the block ran", key=lost[0].key,
                            reason="lost while held")
 
 
@@ -522,6 +613,46 @@ class SyncLockManager:
             return nested
         return self._take(key, lambda manager: manager.try_lock(key, lease=lease, name=name, cancel_on_lost=False),
                           cancel_on_lost)
+
+    def lock_all(self, keys: Iterable[str], *, wait: float | None = None, lease: float | None = None,
+                 name: str | None = None, cancel_on_lost: bool | None = None) -> SyncMultiLockContext:
+        """`with locks.lock_all(["account:7", "account:3"], wait=5.0) as held:`; every key, or LockTimeout.
+
+        As `LockManager.lock_all`: one canonical order, one `wait` for all,
+        nothing left held on failure or interruption; keys this thread holds
+        are re-entered.
+        """
+        _refuse_in_loop("lock_all")
+        return SyncMultiLockContext(partial(self.acquire_all, keys, wait=wait, lease=lease, name=name,
+                                            cancel_on_lost=cancel_on_lost))
+
+    def acquire_all(self, keys: Iterable[str], *, wait: float | None = None, lease: float | None = None,
+                    name: str | None = None, cancel_on_lost: bool | None = None) -> SyncHeldLocks:
+        """Block until every key is held (all or nothing); release them with `held.release()`."""
+        _refuse_in_loop("acquire_all")
+        ordered = canonical(keys)
+        for key in ordered:
+            check_key(key)
+        if wait is None:
+            wait_s = float(getattr(self._current().manager, "wait", 5.0))
+        else:
+            wait_s = check_seconds("wait", wait, allow_zero=True, allow_inf=True)
+        start = time.monotonic()
+        taken: list[SyncHeldLock] = []
+        try:
+            for key in ordered:
+                remaining = wait_s if wait_s == float("inf") else max(0.0, start + wait_s - time.monotonic())
+                try:
+                    taken.append(self.acquire(key, wait=remaining, lease=lease, name=name,
+                                              cancel_on_lost=cancel_on_lost))
+                except LockTimeout as exc:
+                    kind = LockBusy if wait_s == 0 else LockTimeout
+                    raise kind(f"locks {', '.join(ordered)} were not all acquired within {wait_s} s: {exc.key} "
+                               f"was held by another owner", key=exc.key, waited=time.monotonic() - start) from exc
+        except BaseException:
+            _release_each(taken)
+            raise
+        return SyncHeldLocks(ordered, taken)
 
     def held_locks(self) -> list[LockInfo]:
         """Every lock held in the namespace (see `LockManager.held_locks`)."""

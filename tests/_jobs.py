@@ -33,11 +33,13 @@ MARKS: dict[str, list[str]] = {
     "serial": [
         "test_lock_processes.py",
         "test_lock_safety.py",
+        "test_lock_shapes_processes.py",
         "test_lock_replies.py",
         "test_redlock.py",
         "test_sentinel.py",
         "test_tls.py",
         "test_data_model.py",
+        "test_lock_all_topologies.py",
         "test_breaker.py::test_a_holder_whose_renewals_fail_is_told_lost_by_lease_minus_drift",
     ],
     # Checks of the tree rather than of behaviour: type checkers, the wheel, the image, the docs site.

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.responses import Response
 
 from ..lock import HeldLock, LockError, LockLost, LockTimeout, Locks, RedisMisconfigured, RedisUnavailable
+from ..telemetry._redact import _hash
 from ._problem import CONTENT_TYPE, problem_body, retry_after_value, send_problem
 from ._types import Send
 
@@ -59,6 +60,13 @@ def redis_answer(error: LockError, service: str, retry_after: float) -> Answer:
 
 def lock_answer(error: LockError, rule: Locked) -> Answer:
     """What a route's lock that was not taken (or was lost) answers."""
+    if _is_deadlock(error):
+        return Answer(409, "lock-deadlock", f"the wait for lock {rule.lock_name!r} would close a cycle of requests "
+                      f"waiting on each other ({_cycle_text(error)}); it was refused at once: retry",
+                      retry_after(rule))
+    if isinstance(error, LockTimeout) and rule.mode == "permit":
+        return Answer(rule.status, "concurrency-limit", f"too many requests run at once (limit {rule.lock_name!r}: "
+                      f"{rule.permits} at a time); no permit came within the wait", retry_after(rule))
     if isinstance(error, LockTimeout):
         return Answer(rule.status, "lock-timeout",
                       f"the resource is busy (lock {rule.lock_name!r} not acquired within the wait)",
@@ -69,6 +77,22 @@ def lock_answer(error: LockError, rule: Locked) -> Answer:
     if not isinstance(error, RedisUnavailable):
         log.error("otel-lock: %s", error)
     return redis_answer(error, "the lock service", retry_after(rule))
+
+
+def _is_deadlock(error: LockError) -> bool:
+    return any(cls.__name__ == "LockDeadlock" for cls in type(error).__mro__)
+
+
+def _cycle_text(error: LockError) -> str:
+    """The cycle's keys as the client may see them: hashed (they are other requests' keys), in its order."""
+    keys: list[str] = []
+    for link in getattr(error, "cycle", None) or ():
+        key = link if isinstance(link, str) else getattr(link, "key", None)
+        if key is None and isinstance(link, tuple) and link:
+            key = link[0]
+        if key is not None:
+            keys.append(_hash(str(key)))
+    return "keys " + " -> ".join(keys) if keys else "its keys are in the server's telemetry"
 
 
 def runs_unlocked(error: LockError, rule: Locked, manager: Locks) -> bool:
@@ -94,9 +118,15 @@ def count_fail_open(manager: Locks, rule: Locked) -> None:
     log.warning("otel-lock: Redis unavailable, running %s without its lock (fail_open)", rule.lock_name)
 
 
-async def release_quietly(held: HeldLock) -> None:
-    """Release after the response: a Redis that is gone now only delays the lock's expiry."""
+async def release_quietly(held: HeldLock | Any) -> None:
+    """Release after the response: a Redis that is gone now only delays the lock's expiry.
+
+    `held` is whatever the route's shape holds (a HeldLock, lock_all()'s holds, a permit) or None (no keys).
+    """
+    if held is None:
+        return
     try:
         await held.release()
     except RedisUnavailable as error:
-        log.warning("otel-lock: could not release %s, it will expire by itself: %s", held.key, error)
+        log.warning("otel-lock: could not release %s, it will expire by itself: %s", getattr(held, "key", held),
+                    error)

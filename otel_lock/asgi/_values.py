@@ -17,7 +17,8 @@ from urllib.parse import parse_qsl
 from ._canonical import NotCanonical, loads, scalar_text
 from ._declared import FILE_ATTRS, MISSING, model_field
 
-from ._keys import PRINCIPAL, Part, TemplateValueError, json_value
+from ._keys import PRINCIPAL, WILDCARD, Part, TemplateValueError, json_value, json_values
+from ._keyset import Value
 from ._types import Message, Scope
 
 # The caller of the request being protected (`{principal}`), set once it is resolved; None: nobody.
@@ -52,6 +53,37 @@ def render(value: Any, part: Part) -> str | None:
         return scalar_text(value)
     except NotCanonical:
         raise TemplateValueError(f"{part.text} must be a string or a number, not {type(value).__name__}") from None
+
+
+def render_each(values: list[Any], part: Part) -> tuple[str | None, ...]:
+    """The texts of a `*` placeholder's values, one per element."""
+    return tuple(render(value, part) for value in values)
+
+
+def walk_each(node: Any, steps: tuple[str, ...], part: Part) -> list[Any]:
+    """The values at a path with `*` steps: every element's, flattened (a set's in any order: keys are sorted).
+
+    An absent or null list is no values for an optional placeholder; anything
+    but a list where `*` stands is a TemplateValueError (400) naming it.
+    """
+    nodes = [node]
+    for i, step in enumerate(steps):
+        if step != WILDCARD:
+            nodes = [_step(n, step) for n in nodes]
+            continue
+        elements: list[Any] = []
+        for found in nodes:
+            if found is MISSING or found is None:
+                if part.optional:
+                    continue
+                raise TemplateValueError(f"{part.text}: the list before '*' is missing or null")
+            if isinstance(found, (list, tuple, set, frozenset)):
+                elements.extend(found)
+            else:
+                raise TemplateValueError(f"{part.text}: '*' walks a list, but the request has a "
+                                         f"{type(found).__name__} there")
+        nodes = elements
+    return nodes
 
 
 def walk(node: Any, steps: tuple[str, ...]) -> Any:
@@ -91,7 +123,11 @@ class RawValues:
         self._json: Any = MISSING
         self._form: Any = MISSING
 
-    async def value(self, part: Part) -> str | None:
+    async def value(self, part: Part) -> Value:
+        if part.many:
+            if part.source == "json":
+                return json_values(self._document(), part)
+            return render_each(walk_each(await self._form_values(part), part.json_path[1:], part), part)
         if part.source == PRINCIPAL:
             return principal_value(part)
         if part.source == "cookie":
@@ -123,7 +159,8 @@ class RawValues:
                 raise TemplateValueError("the request body is not valid JSON") from None
         return self._json
 
-    async def _form_value(self, part: Part) -> str | None:
+    async def _form_values(self, part: Part) -> list[Any]:
+        """Every value sent for the form field `part` names first."""
         if self._form is MISSING:
             try:
                 form = await parse_form(self.scope, self.body)
@@ -133,8 +170,11 @@ class RawValues:
                 self._form = [(key, detach(value)) for key, value in form.multi_items()]
             finally:
                 await form.close()
+        return [v for k, v in self._form if k == part.json_path[0]]
+
+    async def _form_value(self, part: Part) -> str | None:
         steps = part.json_path
-        values = [v for k, v in self._form if k == steps[0]]
+        values = await self._form_values(part)
         return render(walk(_single(values, f"form field {steps[0]!r}", part), steps[1:]), part)
 
 

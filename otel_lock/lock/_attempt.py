@@ -26,6 +26,7 @@ from . import _scripts
 from redis.exceptions import NoScriptError, RedisError
 
 from ._errors import LockError, LockTimeout, RedisUnavailable, is_unavailable
+from ._shapes import EXCLUSIVE, Shape
 from ._waiting import PROMOTED, Grant, Waiter
 
 if TYPE_CHECKING:
@@ -55,6 +56,8 @@ class Request:
     contended: bool = False
     holder_ctx: str = ""           # traceparent of the holder found busy
     extra: dict[str, Any] = field(default_factory=dict)
+    shape: Shape = EXCLUSIVE       # exclusive, shared or permit: its scripts and keys (`_shapes.py`)
+    permits: int = 0               # a permit's limit (ACQUIRE's ARGV[10])
 
 
 class Reply:
@@ -100,8 +103,11 @@ class Attempt:
         else:
             budget = str(max(1, int((self.deadline - self.loop.time()) * 1000)))
         waiting = self.transport.waiting
-        return [r.owner, r.waiter_id, r.lease_ms, "0" if r.private else "1", budget, r.ctx,
+        args = [r.owner, r.waiter_id, r.lease_ms, "0" if r.private else "1", budget, r.ctx,
                 self.transport.fence_ttl_ms, waiting.channel_for(r.keys[0]), "1" if waiting.sharded else "0"]
+        if r.permits:
+            args.append(r.permits)
+        return args
 
     async def try_once(self) -> Reply | None:
         """One ACQUIRE without queueing: the Reply, or None when the lock is busy."""
@@ -213,8 +219,10 @@ class Attempt:
         left by it (a long wait, a late read), the grant is confirmed with one
         ACQUIRE instead, which times the lease from its own send.
         """
-        if self._queued_at is None or not self.transport.trust_grants:
-            return None  # with wait_replicas, a hand-over is confirmed by an ACQUIRE that WAITs
+        if self._queued_at is None or not self.transport.trust_grants or not self.request.shape.trust_grants:
+            # with wait_replicas, a hand-over is confirmed by an ACQUIRE that WAITs; a shared one always
+            # is (a plain RELEASE hands it over as if exclusive: the ACQUIRE turns it shared)
+            return None
         left = self._queued_at + validity(self.request.lease_ms) - self.loop.time()
         return Reply(grant.token, 1, self._queued_at) if left >= self.request.lease_ms / 2000 else None
 
@@ -225,6 +233,10 @@ class Attempt:
             self._queued_at = sent_at
         answer = await self._acquire_call(self._args(queue))
         r.attempts += 1
+        if answer[0] == -2:
+            raise ValueError(f"semaphore {r.keys[0]} is in use with permits={int(answer[1])}, not "
+                             f"permits={r.permits}: every holder of one key must name the same limit "
+                             "(it may change once no permit is held)")
         if answer[0] == 1:
             if self.loop.time() < sent_at + validity(r.lease_ms):
                 return Reply(int(answer[1]), int(answer[2]), sent_at)
@@ -240,7 +252,7 @@ class Attempt:
 
     def _release(self) -> Coroutine[Any, Any, Any]:
         r, t = self.request, self.transport
-        return t.call(_scripts.release, r.keys, [r.owner, t.fence_ttl_ms, "1" if r.private else "0"], "release",
+        return t.call(r.shape.release, r.keys, [r.owner, t.fence_ttl_ms, "1" if r.private else "0"], "release",
                       r.name)
 
     async def _acquire_call(self, args: list[Any]) -> Any:
@@ -251,7 +263,7 @@ class Attempt:
         forgot the script, a task makes the call.
         """
         t, r = self.transport, self.request
-        reply = t.link.send_now(t.acquire_script, r.keys, args, on_orphan=partial(self._undo_raw_reply, args))
+        reply = t.link.send_now(t.acquire_for(r.shape), r.keys, args, on_orphan=partial(self._undo_raw_reply, args))
         if reply is None:
             return await self._acquire_task(args)
         began = time.perf_counter()
@@ -280,7 +292,8 @@ class Attempt:
 
     async def _acquire_task(self, args: list[Any]) -> Any:
         t = self.transport
-        call = asyncio.ensure_future(t.call(t.acquire_script, self.request.keys, args, "acquire", self.request.name))
+        call = asyncio.ensure_future(t.call(t.acquire_for(self.request.shape), self.request.keys, args, "acquire",
+                                            self.request.name))
         try:
             return await asyncio.shield(call)
         except asyncio.CancelledError:
@@ -307,7 +320,7 @@ class Attempt:
 
     def _leave(self) -> Coroutine[Any, Any, Any]:
         r, t = self.request, self.transport
-        return t.call(_scripts.leave, r.keys, [r.waiter_id, t.fence_ttl_ms], "leave", r.name)
+        return t.call(r.shape.leave, r.keys, [r.waiter_id, t.fence_ttl_ms], "leave", r.name)
 
     async def _give_up_soon(self) -> None:
         """Clean up, waiting at most GIVE_UP_WAIT: behind a stalled reply the rest runs in the background."""
@@ -335,7 +348,7 @@ class Attempt:
         while True:
             try:
                 if self.request.private:
-                    await self.transport.call(_scripts.release, self.request.keys,
+                    await self.transport.call(self.request.shape.release, self.request.keys,
                                               [self.request.owner, self.transport.fence_ttl_ms, "1"], "release",
                                               self.request.name)
                 await self._leave()

@@ -36,6 +36,7 @@ from ._breaker import Breaker
 from ._errors import LockBusy, LockError, LockTimeout, RedisMisconfigured, RedisUnavailable, error_type, to_lock_error
 from ._held import NEVER, HeldLock, Lease, LockContext, LockInfo, forget, held_here, remember
 from ._listing import PAGE
+from ._multi import HeldLocks, MultiLockContext, acquire_all, canonical
 from ._options import ManagerOptions, check_breaker, check_key, check_seconds, default_name, unknown_argument
 from ._periodic import once_per_period, run_every
 from ._ending import HoldEnds
@@ -43,6 +44,7 @@ from ._runtime import Runtime, Runtimes, watch_fork
 from ._scripts import MODEL, MODEL_TTL, script_refused
 from ._server_checks import ServerHealth, ServerReport
 from ._server_watch import period, stay_awake
+from ._shapes import EXCLUSIVE, PERMIT, SHARED, Shape
 from ._watchdog import Watchdog
 from opentelemetry.metrics import MeterProvider
 
@@ -56,6 +58,7 @@ class Topology:
     """What a manager's constructor chose: how to open a transport on a new loop."""
 
     owners = True        # an explicit `owner=` is offered
+    shapes = True        # shared holds and permits are offered (`_shapes.py`)
     counts_depth = True  # nested holds are counted in Redis too (explicit owners share the depth)
 
     def open(self, identity: str, next_owner: Callable[[], str], index: int,
@@ -147,35 +150,89 @@ class Core:
 
     def lock(self, key: str, *, wait: float | None = None, lease: float | None = None, name: str | None = None,
              cancel_on_lost: bool | None = None, share_with_children: bool = False, owner: str | None = None,
-             **unknown: Never) -> LockContext:
-        """`async with manager.lock("stock:1") as held:`; LockTimeout after `wait` seconds."""
+             shared: bool = False, **unknown: Never) -> LockContext:
+        """`async with manager.lock("stock:1") as held:`; LockTimeout after `wait` seconds.
+
+        `shared=True`: any number of shared holders at once, or one exclusive
+        holder; a shared request queues behind a waiting exclusive one.
+        """
         self._refuse(unknown, "lock()")
         return LockContext(partial(self.acquire, key, wait=wait, lease=lease, name=name, cancel_on_lost=cancel_on_lost,
-                                   share_with_children=share_with_children, owner=owner))
+                                   share_with_children=share_with_children, owner=owner, shared=shared))
 
     async def try_lock(self, key: str, *, lease: float | None = None, name: str | None = None,
                        cancel_on_lost: bool | None = None, share_with_children: bool = False,
-                       owner: str | None = None, **unknown: Never) -> HeldLock | None:
+                       owner: str | None = None, shared: bool = False, **unknown: Never) -> HeldLock | None:
         """Take the lock if it is free right now, else None (no waiting; counted as `busy`)."""
         self._refuse(unknown, "try_lock()")
         try:
             return await self.acquire(key, wait=0, lease=lease, name=name, cancel_on_lost=cancel_on_lost,
-                                      share_with_children=share_with_children, owner=owner)
+                                      share_with_children=share_with_children, owner=owner, shared=shared)
         except LockBusy:
             return None
 
+    def semaphore(self, key: str, *, permits: int, wait: float | None = None, lease: float | None = None,
+                  name: str | None = None, cancel_on_lost: bool | None = None, **unknown: Never) -> LockContext:
+        """`async with manager.semaphore("export:t3", permits=2) as held:` at most `permits` holders at once.
+
+        Each holder has its own lease (renewed by the watchdog with `lease=None`);
+        a crashed holder's permit comes back when its lease runs out. Waiters
+        are served in arrival order, woken when a permit is released.
+        LockTimeout after `wait`; ValueError when the key is in use with
+        another `permits`. Every call takes a permit of its own (no re-entry).
+        """
+        self._refuse(unknown, "semaphore()")
+        return LockContext(partial(self.acquire_permit, key, permits=permits, wait=wait, lease=lease, name=name,
+                                   cancel_on_lost=cancel_on_lost))
+
+    async def acquire_permit(self, key: str, *, permits: int, wait: float | None = None, lease: float | None = None,
+                             name: str | None = None, cancel_on_lost: bool | None = None,
+                             **unknown: Never) -> HeldLock:
+        """A permit of `key` (at most `permits` at once); release it with `await held.release()`."""
+        self._refuse(unknown, "acquire_permit()")
+        check_key(key)
+        if isinstance(permits, bool) or not isinstance(permits, int) or permits < 1:
+            raise ValueError(f"permits must be a whole number >= 1, not {permits!r}")
+        self._check_shapes("semaphore()")
+        wait_s, lease_s, cancel = self._check_common(wait, lease, name, cancel_on_lost)
+        return await self._take(key, wait_s, lease_s, self.options.renew_interval if lease is None else NEVER,
+                                None, name or default_name(key), cancel, False, shape=PERMIT, permits=permits)
+
+    def _check_shapes(self, what: str) -> None:
+        if not self._topology.shapes:
+            raise TypeError(f"{type(self).__name__} does not offer {what}: a quorum of masters holds one exclusive "
+                            "owner per round (docs/lock.md, \"Shared locks and permits\"); use a LockManager")
+
+    def _check_common(self, wait: float | None, lease: float | None, name: str | None,
+                      cancel_on_lost: bool | None) -> tuple[float, float, bool]:
+        wait_s = self.options.wait if wait is None else check_seconds("wait", wait, allow_zero=True, allow_inf=True)
+        lease_s = self.options.check_lease(lease)
+        if name is not None and (not isinstance(name, str) or not name):
+            raise ValueError(f"name must be a non-empty string, not {name!r}")
+        return wait_s, lease_s, self.options.cancel_on_lost if cancel_on_lost is None else bool(cancel_on_lost)
+
     async def acquire(self, key: str, *, wait: float | None = None, lease: float | None = None,
                       name: str | None = None, cancel_on_lost: bool | None = None,
-                      share_with_children: bool = False, owner: str | None = None,
+                      share_with_children: bool = False, owner: str | None = None, shared: bool = False,
                       **unknown: Never) -> HeldLock:
         """Acquire and return the hold; release it with `await held.release()`.
 
         `owner=`: an explicit owner id shared by cooperating holders (LockManager
-        only); by default every acquisition has its own.
+        only); by default every acquisition has its own. `shared=True`: a
+        shared hold (see `lock()`); inside the task's own exclusive hold of
+        the key it re-enters that, inside its own shared hold it nests, and
+        an exclusive request inside the task's shared hold is refused
+        (LockError: it would wait for itself).
         """
         self._refuse(unknown, "acquire()")
         check_key(key)
         self._check_owner(owner)
+        if not isinstance(shared, bool):
+            raise TypeError(f"shared must be True or False, not {shared!r}")
+        if shared:
+            self._check_shapes("lock(shared=True)")
+            if owner is not None:
+                raise TypeError("owner= is not offered with shared=True: every shared holder has its own lease")
         wait_s = self.options.wait if wait is None else check_seconds("wait", wait, allow_zero=True, allow_inf=True)
         lease_s = self.options.check_lease(lease)
         if name is not None and (not isinstance(name, str) or not name):
@@ -183,14 +240,44 @@ class Core:
         if owner is None:
             held = held_here((self.id, key))
             if held is not None and not held.ended:
-                if held.task is asyncio.current_task():
+                mine = held.task is asyncio.current_task()
+                if (mine or held.share_with_children) and held.shape is SHARED and not shared:
+                    raise LockError(f"lock {held.key} is held shared by this task: an exclusive hold of it would "
+                                    "wait for itself (release the shared hold first)", key=held.key)
+                if mine:
                     return await self._reenter(held, child=False)
                 if held.share_with_children:
                     return await self._reenter(held, child=True)
                 # a task spawned by the holder: another caller, it waits its turn
         cancel = self.options.cancel_on_lost if cancel_on_lost is None else bool(cancel_on_lost)
         return await self._take(key, wait_s, lease_s, self.options.renew_interval if lease is None else NEVER,
-                                owner, name or default_name(key), cancel, bool(share_with_children))
+                                owner, name or default_name(key), cancel, bool(share_with_children),
+                                shape=SHARED if shared else EXCLUSIVE)
+
+    def lock_all(self, keys: Iterable[str], *, wait: float | None = None, lease: float | None = None,
+                 name: str | None = None, cancel_on_lost: bool | None = None, **unknown: Never) -> MultiLockContext:
+        """`async with manager.lock_all(["account:7", "account:3"]) as held:`: every key, or LockTimeout.
+
+        The keys are taken in one canonical order (by Redis key, duplicates
+        folded) whatever order they are named in, within one `wait` for all
+        of them, and released together; `held.tokens` is {key: fencing token}.
+        """
+        self._refuse(unknown, "lock_all()")
+        return MultiLockContext(partial(self.acquire_all, keys, wait=wait, lease=lease, name=name,
+                                        cancel_on_lost=cancel_on_lost))
+
+    async def acquire_all(self, keys: Iterable[str], *, wait: float | None = None, lease: float | None = None,
+                          name: str | None = None, cancel_on_lost: bool | None = None,
+                          **unknown: Never) -> HeldLocks:
+        """Acquire every key (all or nothing) and return the holds; release them with `await held.release()`."""
+        self._refuse(unknown, "acquire_all()")
+        ordered = canonical(keys)
+        for key in ordered:
+            check_key(key)
+        wait_s = self.options.wait if wait is None else check_seconds("wait", wait, allow_zero=True, allow_inf=True)
+        self.options.check_lease(lease)
+        return await acquire_all(self.acquire, ordered, wait_s, self._redis_key, lease=lease, name=name,
+                                 cancel_on_lost=cancel_on_lost)
 
     def _refuse(self, unknown: dict[str, Any], where: str) -> None:
         """Keyword arguments we do not take (redis-py's names are mapped to ours in the message)."""
@@ -289,17 +376,19 @@ class Core:
         return f"{self.namespace}:{{{key}}}"
 
     async def _take(self, key: str, wait: float, lease: float, renew_every: float, owner: str | None, name: str,
-                    cancel_on_lost: bool, share_with_children: bool, planned: bool = False) -> HeldLock:
+                    cancel_on_lost: bool, share_with_children: bool, planned: bool = False,
+                    shape: Shape = EXCLUSIVE, permits: int = 0) -> HeldLock:
         runtime = self._runtimes.here()
         loop = runtime.loop
         start = loop.time()
-        redis_key = self._redis_key(key)
+        lock_base = self._redis_key(key)
+        redis_key = shape.main_key(lock_base)
         waiter_id = self._next_owner()
         current = trace.get_current_span()
         recording = current.is_recording()  # no trace (a job, a benchmark): no span work at all
         ctx = current_traceparent() if current.get_span_context().is_valid else ""
-        request = Request((redis_key,), name, waiter_id, owner or waiter_id, int(lease * 1000), wait, ctx,
-                          private=owner is None)
+        request = Request((lock_base,), name, waiter_id, owner or waiter_id, int(lease * 1000), wait, ctx,
+                          private=owner is None, shape=shape, permits=permits)
         with self.telemetry.acquire_span(name) if recording else _NO_SPAN as span:
             outcome, error = "error", None  # type: str, BaseException | None
             try:
@@ -327,7 +416,8 @@ class Core:
                 span.set_attributes({"lock.token": reply.token, "lock.depth": reply.depth})
         held = Lease(self._ends, key, redis_key, name, reply.owner or request.owner, reply.token, lease, renew_every,
                      cancel_on_lost, reply.sent_at, now, explicit_owner=owner is not None,
-                     share_with_children=share_with_children, planned=planned)
+                     share_with_children=share_with_children, planned=planned, shape=shape, lock_base=lock_base,
+                     permits=permits or None)
         held.runtime = runtime
         if reply.depth > 1:  # an explicit owner that already held it
             held.depth = reply.depth
@@ -339,7 +429,8 @@ class Core:
             self._counts.hold_started(held)
         self._counts.active[name] += 1
         runtime.watchdog.add(held)
-        remember((self.id, key), held)
+        if shape is not PERMIT:  # every semaphore() call takes a permit of its own: nothing to re-enter
+            remember((self.id, key), held)
         return HeldLock(held, reply.depth, outer=True)
 
     def _acquired(self, span: trace.Span, request: Request, outcome: str, error: BaseException | None,
@@ -356,7 +447,8 @@ class Core:
         self.telemetry.link_holder(span, request.holder_ctx)
         span.set_attributes(self.telemetry.redact({
             "lock.name": request.name, "lock.key": request.keys[0], "lock.owner": request.owner,
-            "lock.attempts": request.attempts, "lock.contended": request.contended, "lock.outcome": outcome}))
+            "lock.attempts": request.attempts, "lock.contended": request.contended, "lock.outcome": outcome,
+            "lock.mode": "exclusive"}))
         if kind:
             self.telemetry.set_error(span, kind, self._topology.where())
 
@@ -475,7 +567,7 @@ class Core:
                     span.set_attributes(self.telemetry.redact({
                         "lock.name": lease.name, "lock.key": lease.key, "lock.owner": lease.owner,
                         "lock.token": lease.token, "lock.depth": depth, "lock.attempts": 1,
-                        "lock.contended": False, "lock.outcome": "acquired"}))
+                        "lock.contended": False, "lock.outcome": "acquired", "lock.mode": "exclusive"}))
                 self.telemetry.wait_duration.record(0.0, {"lock.name": lease.name, "lock.outcome": "acquired",
                                                           "lock.contended": False})
         finally:

@@ -73,7 +73,7 @@ class HoldEnds:
         if not child:
             lease.depth -= 1
         final = lease.depth <= 0
-        if not final and not self.counts_depth:
+        if not final and (not self.counts_depth or lease.shape.mode != "exclusive"):  # nested locally
             return not lease.lost.is_set()
         if final:
             lease.closing = True

@@ -25,6 +25,7 @@ from typing import Any, Awaitable, Callable, Protocol
 from opentelemetry import trace
 
 from ._errors import LockError, LockLost, RedisUnavailable
+from ._shapes import EXCLUSIVE, Shape
 
 log = logging.getLogger("otel_lock")
 
@@ -132,8 +133,12 @@ class Lease:
 
     def __init__(self, ends: Ends, key: str, redis_key: str, name: str, owner: str, token: int, lease: float,
                  renew_every: float, cancel_on_lost: bool, valid_from: float, acquired_at: float, *,
-                 explicit_owner: bool = False, share_with_children: bool = False, planned: bool = False) -> None:
+                 explicit_owner: bool = False, share_with_children: bool = False, planned: bool = False,
+                 shape: Shape = EXCLUSIVE, lock_base: str | None = None, permits: int | None = None) -> None:
         self.ends: Ends = ends
+        self.shape: Shape = shape            # exclusive, shared or permit (`_shapes.py`)
+        self.lock_base: str = lock_base or redis_key  # `S:{N}`: what the shape's keys are made from
+        self.permits: int | None = permits   # a permit's limit
         self.name: str = name
         self.owner: str = owner
         self.token: int = token
@@ -252,6 +257,16 @@ class HeldLock:
     def lost(self) -> asyncio.Event:
         """Set once the lease is known lost."""
         return self._lease.lost
+
+    @property
+    def mode(self) -> str:
+        """`exclusive`, `shared` (`lock(key, shared=True)`) or `permit` (`semaphore()`): `lock.mode` in telemetry."""
+        return self._lease.shape.mode
+
+    @property
+    def permits(self) -> int | None:
+        """The key's limit, for a `semaphore()` hold; None for a lock."""
+        return self._lease.permits
 
     async def release(self) -> bool:
         """Release this hold; False if the lock was no longer ours. Idempotent, safe to cancel."""

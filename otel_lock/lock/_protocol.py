@@ -7,14 +7,15 @@ clean under `mypy --strict`.
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Iterable, Protocol, runtime_checkable
 
 from ._held import HeldLock, LockContext, LockInfo
+from ._multi import HeldLocks, MultiLockContext
 
 
 @runtime_checkable
 class Locks(Protocol):
-    """A lock manager: `lock()`, `try_lock()`, `acquire()`, the operator calls, `aclose()`."""
+    """A lock manager: `lock()`, `try_lock()`, `acquire()`, `lock_all()`, the operator calls, `aclose()`."""
 
     @property
     def namespace(self) -> str:
@@ -35,6 +36,16 @@ class Locks(Protocol):
                       name: str | None = None, cancel_on_lost: bool | None = None,
                       share_with_children: bool = False) -> HeldLock:
         """Acquire and return the hold; release it with `await held.release()`."""
+        ...
+
+    def lock_all(self, keys: Iterable[str], *, wait: float | None = None, lease: float | None = None,
+                 name: str | None = None, cancel_on_lost: bool | None = None) -> MultiLockContext:
+        """`async with locks.lock_all(["a", "b"]) as held:`: every key in the canonical order, or LockTimeout."""
+        ...
+
+    async def acquire_all(self, keys: Iterable[str], *, wait: float | None = None, lease: float | None = None,
+                          name: str | None = None, cancel_on_lost: bool | None = None) -> HeldLocks:
+        """Acquire every key (all or nothing); release them with `await held.release()`."""
         ...
 
     async def held_locks(self) -> list[LockInfo]:

@@ -46,6 +46,7 @@ class Quorum(Topology):
     """N masters: the given clients on their first loop, twins (or clients from the URLs) elsewhere."""
 
     owners = False
+    shapes = False  # shared holds and permits: one exclusive owner per quorum round only
     counts_depth = False
 
     def __init__(self, clients: list[Any], urls: list[str] | None, url_options: dict[str, Any], owns: bool,

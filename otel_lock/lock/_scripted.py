@@ -24,11 +24,12 @@ from . import _scripts
 from ._attempt import Attempt, Reply, Request, cancelling
 from ._background import Background
 from ._calls import Calls, batch_outcomes, record_batch
-from ._errors import RedisUnavailable
+from ._errors import LockError, RedisUnavailable
 from ._held import Lease, LockInfo
 from ._listing import held_pages
 from ._options import default_name
 from ._server_checks import ServerReport, check_server
+from ._shapes import EXCLUSIVE, SHARED, SHARED_OWNER, Shape, force_release_shared, renew_members, shape_of_key
 from ._topology import ClusterLink, LeanLink, Link, ReplicatedLink
 
 log = logging.getLogger("otel_lock")
@@ -89,14 +90,27 @@ class ScriptTransport:
 
     # -- taking, re-entering, releasing --------------------------------------
 
+    def acquire_for(self, shape: Shape) -> _scripts.Script:
+        """The ACQUIRE of `shape` on this link (the exclusive one WAITs for replicas with wait_replicas)."""
+        return self.acquire_script if shape is EXCLUSIVE else shape.acquire
+
     async def take(self, request: Request) -> Reply | None:
         """The lock within `request.wait` (LockTimeout), or at once (None when busy) with wait=0."""
-        request.keys = lock_keys(request.keys[0])
+        if request.shape is not EXCLUSIVE and isinstance(self.link, ReplicatedLink):
+            raise LockError(f"{request.shape.mode} holds are not offered with wait_replicas (each grant would "
+                            "need its own WAIT): use a manager without wait_replicas for "
+                            f"{request.keys[0]}", key=request.keys[0])
+        request.keys = request.shape.keys(request.keys[0])
         attempt = Attempt(self, request)
         return await (attempt.run() if request.wait > 0 else attempt.try_once())
 
     async def reenter(self, lease: Lease) -> int | None:
-        """One more level in Redis (counted there for holders that share an explicit owner); None: lost."""
+        """One more level in Redis (counted there for holders that share an explicit owner); None: lost.
+
+        A shared hold nests locally: its lease in Redis is one, however deep.
+        """
+        if lease.shape is not EXCLUSIVE:
+            return None if lease.lost.is_set() else lease.depth
         keys = lock_keys(lease.key)
         args = [lease.owner, "-", lease.renew_ms, "1", "-1", "", self.fence_ttl_ms, ""]
         call = asyncio.ensure_future(self.call(self.acquire_script, keys, args, "acquire", lease.name))
@@ -113,15 +127,17 @@ class ScriptTransport:
 
     async def release(self, lease: Lease, *, whole: bool) -> int:
         """-1 when the lock was no longer this owner's, else the depth left in Redis (0: released)."""
-        answer = await self.call(_scripts.release, lock_keys(lease.key), [lease.owner, self.fence_ttl_ms,
-                                                                          "1" if whole else "0"],
+        shape = lease.shape
+        answer = await self.call(shape.release, shape.keys(lease.lock_base), [lease.owner, self.fence_ttl_ms,
+                                                                              "1" if whole else "0"],
                                  "release", lease.name)
         return int(answer)
 
     def send_release(self, lease: Lease, *, whole: bool,
                      on_orphan: Callable[[Any], None] | None = None) -> asyncio.Future[Any] | None:
         """RELEASE on the wire now (the lean connection), its raw reply's future; None: use `release()`."""
-        return self.link.send_now(_scripts.release, lock_keys(lease.key),
+        shape = lease.shape
+        return self.link.send_now(shape.release, shape.keys(lease.lock_base),
                                   [lease.owner, self.fence_ttl_ms, "1" if whole else "0"], on_orphan)
 
     def release_when_back(self, lease: Lease) -> None:
@@ -145,30 +161,48 @@ class ScriptTransport:
 
     def _pass_on(self, waiter_id: str, redis_key: str) -> None:
         """A hand-over to a waiter this manager no longer has: pass it on now, not after its lease."""
-        name = default_name(redis_key.partition("{")[2].rpartition("}")[0])
-        self.background(self.call(_scripts.leave, lock_keys(redis_key), [waiter_id, self.fence_ttl_ms], "leave",
-                                  name))
+        shape, base = shape_of_key(redis_key)
+        name = default_name(base.partition("{")[2].rpartition("}")[0])
+        self.background(self.call(shape.leave, shape.keys(base), [waiter_id, self.fence_ttl_ms], "leave", name))
 
     # -- the watchdog's batch --------------------------------------------------
 
     async def renew(self, leases: list[Lease]) -> list[bool | BaseException]:
-        """Renew every lease (owner-checked) in one round trip per node: True, False (lost) or the error."""
+        """Renew every lease (owner-checked) in one round trip per node: True, False (lost) or the error.
+
+        Exclusive leases go by RENEW, shared and permit leases by RENEW_MEMBERS, in the same batch.
+        """
         keys = [lease.key for lease in leases]
-        groups = self.link.groups(keys)
-        calls = [("EVALSHA", _scripts.renew.sha, len(group), *(keys[i] for i in group),
-                  *(a for i in group for a in (leases[i].owner, leases[i].renew_ms))) for group in groups]
+        groups: list[list[int]] = []
+        calls: list[tuple[Any, ...]] = []
+        scripts: list[_scripts.Script] = []
+        plain = [i for i, lease in enumerate(leases) if lease.shape is EXCLUSIVE]
+        members = [i for i, lease in enumerate(leases) if lease.shape is not EXCLUSIVE]
+        for indexes, script in ((plain, _scripts.renew), (members, renew_members)):
+            for group in self.link.groups([keys[i] for i in indexes]) if indexes else ():
+                chosen = [indexes[n] for n in group]
+                groups.append(chosen)
+                scripts.append(script)
+                if script is _scripts.renew:
+                    call_keys: list[str] = [keys[i] for i in chosen]
+                else:
+                    call_keys = [k for i in chosen for k in leases[i].shape.renew_keys(keys[i])]
+                calls.append(("EVALSHA", script.sha, len(call_keys), *call_keys,
+                              *(a for i in chosen for a in (leases[i].owner, leases[i].renew_ms))))
         began = time.perf_counter()
         try:
             results = await self.link.batch(calls)
             if any(isinstance(r, NoScriptError) for r in results):
-                if not await _scripts.load(self.link.client, _scripts.renew):
-                    calls = [_scripts.eval_instead(call, _scripts.renew) for call in calls]
+                for script in set(scripts):
+                    if not await _scripts.load(self.link.client, script):
+                        calls = [_scripts.eval_instead(call, script) if used is script else call
+                                 for call, used in zip(calls, scripts)]
                 results = await self.link.batch(calls)
         except (RedisError, OSError) as exc:
             results = [exc] * len(calls)
         out: list[bool | BaseException] = [False] * len(leases)
-        for group, answers in zip(groups, results):
-            for n, i in enumerate(group):
+        for chosen, answers in zip(groups, results):
+            for n, i in enumerate(chosen):
                 if isinstance(answers, BaseException):
                     out[i] = self.calls.error(answers, f"renew of {keys[i]}", keys[i])
                 else:
@@ -234,6 +268,10 @@ class ScriptTransport:
     async def force_release(self, redis_key: str, name: str) -> tuple[bool, str]:
         """(released, the owner it had)."""
         owner = _text(await self.link.redis.hget(redis_key, "owner"))
+        if owner == SHARED_OWNER:
+            released = await self.call(force_release_shared, SHARED.keys(redis_key), [self.fence_ttl_ms], "release",
+                                       name)
+            return bool(released), owner
         released = await self.call(_scripts.force_release, lock_keys(redis_key), [self.fence_ttl_ms], "release", name)
         return bool(released), owner
 

@@ -1,0 +1,180 @@
+"""Several keys at once (`lock_all`): one canonical order, all or nothing within one wait, released together.
+
+Two callers that name the same keys in different orders (a transfer from 7
+to 3 and one from 3 to 7) take them in the same order here, sorted by Redis
+key with duplicates folded, so they cannot wait on each other in a circle.
+Each key is one ordinary hold (`Core.acquire`): its own lease, watchdog
+renewal, fencing token, wake-on-release queue, re-entry and telemetry; the
+keys share one `wait` budget. Whatever was taken is released (in reverse
+order) when a later key times out, fails, or the caller is cancelled, so a
+failed `lock_all` leaves nothing held.
+
+The order is the same on every topology (Cluster keys in different slots,
+RedLock), which is what keeps `lock_all` users deadlock-free there;
+`LockDeadlock` (`_deadlock.py`) catches the callers that stack `lock()`
+calls by hand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from types import TracebackType
+from typing import Any, Awaitable, Callable, Iterable
+
+from ._errors import LockBusy, LockError, LockTimeout
+from ._held import HeldLock, Lease
+
+log = logging.getLogger("otel_lock")
+
+
+def canonical(keys: Iterable[str]) -> list[str]:
+    """The keys in the order every caller takes them: by Redis key (`ns:{key}`), duplicates folded.
+
+    TypeError for a lone string or a non-str key, ValueError for an empty list;
+    each key is checked as `lock()` checks it by the caller.
+    """
+    if isinstance(keys, (str, bytes)) or not isinstance(keys, Iterable):
+        raise TypeError(f"lock_all takes a list of keys, not {keys!r}")
+    listed = list(keys)
+    if not listed:
+        raise ValueError("lock_all needs at least one key, got an empty list")
+    for key in listed:
+        if not isinstance(key, str):
+            raise TypeError(f"lock_all keys must be strings, not {key!r} ({type(key).__name__})")
+    # `ns:{key}` compares as `key + "}"` within one namespace: the Redis key's order, not the bare key's
+    return sorted(set(listed), key=lambda key: key + "}")
+
+
+class AnyLost(asyncio.Event):
+    """`held.lost` of several holds: set as soon as any one of their leases is known lost."""
+
+    def __init__(self, leases: list[Lease]) -> None:
+        super().__init__()
+        self._leases = leases
+        for lease in leases:
+            lease.on_lost.append(self.set)
+            if lease.lost_reason:
+                self.set()
+
+    def is_set(self) -> bool:
+        if not super().is_set() and any(lease.lost.is_set() for lease in self._leases):
+            self.set()  # a look past a lease's local validity counts (`_held.LostEvent`)
+        return super().is_set()
+
+
+class HeldLocks:
+    """What `lock_all()` yields: one hold per key, in the canonical order."""
+
+    __slots__ = ("keys", "holds", "tokens", "lost", "_release")
+
+    keys: tuple[str, ...]
+    """The keys as the caller named them (duplicates folded), in the order they were taken."""
+    holds: tuple[HeldLock, ...]
+    """One `HeldLock` per key, same order (`.key` is the full Redis key)."""
+    tokens: dict[str, int]
+    """Fencing token per key (the caller's key, as in `keys`)."""
+    lost: asyncio.Event
+    """Set as soon as the lease of any one key is known lost."""
+
+    def __init__(self, keys: list[str], holds: list[HeldLock]) -> None:
+        self.keys = tuple(keys)
+        self.holds = tuple(holds)
+        self.tokens = {key: held.token for key, held in zip(keys, holds)}
+        self.lost = AnyLost([held._lease for held in holds])
+        self._release: asyncio.Future[bool] | None = None
+
+    async def release(self) -> bool:
+        """Release every hold, in reverse order; False if any lock was no longer ours. Idempotent, safe to cancel."""
+        if self._release is None:
+            self._release = asyncio.ensure_future(release_all(self.holds))
+        return await asyncio.shield(self._release)
+
+    def __repr__(self) -> str:
+        return f"<HeldLocks {', '.join(f'{k}={t}' for k, t in self.tokens.items())}>"
+
+
+async def release_all(holds: Iterable[HeldLock]) -> bool:
+    """Release the holds together, the last taken first on the wire; the first error after all were tried."""
+    results = await asyncio.gather(*(held.release() for held in reversed(list(holds))), return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return all(results)
+
+
+async def acquire_all(acquire: Callable[..., Awaitable[HeldLock]], keys: list[str], wait: float,
+                      redis_key: Callable[[str], str], **options: Any) -> HeldLocks:
+    """Take `keys` (already canonical) one after the other within one `wait`; all of them, or none."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    deadline = start + wait
+    taken: list[HeldLock] = []
+    try:
+        for key in keys:
+            remaining = math.inf if math.isinf(wait) else max(0.0, deadline - loop.time())
+            try:
+                taken.append(await acquire(key, wait=remaining, **options))
+            except LockTimeout as exc:
+                waited = loop.time() - start
+                kind = LockBusy if wait == 0 else LockTimeout
+                raise kind(f"locks {', '.join(keys)} were not all acquired within {wait} s: {redis_key(key)} "
+                           f"was held by another owner", key=redis_key(key), waited=waited) from exc
+    except BaseException:
+        if taken:
+            # Run to its end even if the caller is cancelled again meanwhile: nothing may stay held.
+            letting_go = asyncio.ensure_future(release_all(taken))
+            letting_go.add_done_callback(_log_failure)
+            await asyncio.wait({letting_go})
+        raise
+    return HeldLocks(keys, taken)
+
+
+def _log_failure(task: asyncio.Future[bool]) -> None:
+    if not task.cancelled() and isinstance(task.exception(), LockError):
+        log.warning("otel-lock: could not release a partly taken lock_all, it will expire by itself: %s",
+                    task.exception())
+
+
+class MultiLockContext:
+    """`async with manager.lock_all([...])`: acquire on enter, release on exit, LockLost on loss."""
+
+    __slots__ = ("_acquire", "_held")
+
+    def __init__(self, acquire: Callable[[], Awaitable[HeldLocks]]) -> None:
+        self._acquire = acquire
+        self._held: HeldLocks | None = None
+
+    async def __aenter__(self) -> HeldLocks:
+        held: HeldLocks = await self._acquire()
+        self._held = held
+        return held
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        held, self._held = self._held, None
+        assert held is not None, "__aexit__ without __aenter__"
+        try:
+            await held.release()
+        except LockError as error:
+            log.warning("otel-lock: could not release every lock of %s, they will expire by themselves: %s",
+                        ", ".join(held.keys), error)
+        except asyncio.CancelledError as cancelled:
+            _raise_lost(held, cancelled)
+            raise
+        if exc_type is not None and issubclass(exc_type, asyncio.CancelledError):
+            _raise_lost(held, exc)
+
+
+def _raise_lost(held: HeldLocks, cancelled: BaseException | None) -> None:
+    """The holder was cancelled by lost leases (`cancel_on_lost`), nothing else: LockLost instead."""
+    ours = [h._lease for h in held.holds if h._lease.cancelled_by_us]
+    task = asyncio.current_task()
+    if not ours or task is None:
+        return
+    left = task.cancelling()
+    for _ in ours:
+        left = task.uncancel()
+    if left == 0:
+        raise ours[0].lost_error(cancelled)

@@ -1,0 +1,92 @@
+"""`SyncLockManager.lock_all`: the blocking facade takes several keys as the async manager does."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import redis
+
+from otel_lock import LockBusy, LockLost, LockTimeout
+from otel_lock.sync import SyncHeldLocks, SyncLockManager
+
+NS = "s"
+
+
+@pytest.fixture
+def client(redis_url):
+    with redis.Redis.from_url(redis_url) as c:
+        yield c
+
+
+@pytest.fixture
+def sync_locks(redis_url):
+    with SyncLockManager.from_url(redis_url, namespace=NS) as locks:
+        yield locks
+
+
+@pytest.fixture
+def other(redis_url):
+    with SyncLockManager.from_url(redis_url, namespace=NS) as locks:
+        yield locks
+
+
+def held(client) -> list[bytes]:
+    return sorted(k for k in client.keys(f"{NS}:{{*}}") if b"}:" not in k)
+
+
+def test_sync_lock_all_holds_every_key_and_releases_them(sync_locks, client):
+    with sync_locks.lock_all(["account:7", "account:3"], wait=5.0) as locked:
+        assert isinstance(locked, SyncHeldLocks)
+        assert locked.keys == ("account:3", "account:7")
+        assert held(client) == [b"s:{account:3}", b"s:{account:7}"]
+        assert locked.tokens == {"account:3": locked.holds[0].token, "account:7": locked.holds[1].token}
+        assert not locked.lost.is_set()
+    assert held(client) == []
+
+
+def test_sync_lock_all_is_all_or_nothing(sync_locks, other, client):
+    with other.lock("b"):
+        with pytest.raises(LockTimeout) as caught:
+            sync_locks.acquire_all(["c", "b", "a"], wait=0.2)
+        assert caught.value.key == "s:{b}"
+        with pytest.raises(LockBusy):
+            sync_locks.acquire_all(["a", "b"], wait=0)
+        assert held(client) == [b"s:{b}"]
+
+
+def test_sync_lock_all_re_enters_what_the_thread_holds(sync_locks, client):
+    with sync_locks.lock("a") as outer:
+        with sync_locks.lock_all(["b", "a"]) as locked:
+            assert locked.holds[0].depth == 2 and locked.holds[0].token == outer.token
+        assert held(client) == [b"s:{a}"]
+    assert held(client) == []
+
+
+def test_sync_opposite_orders_in_two_threads_never_time_out(sync_locks, other):
+    errors: list[BaseException] = []
+
+    def transfer(locks, keys):
+        try:
+            for _ in range(30):
+                with locks.lock_all(keys, wait=10.0):
+                    pass
+        except BaseException as exc:  # noqa: BLE001  (reported below)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=transfer, args=(sync_locks, ["x", "y"])),
+               threading.Thread(target=transfer, args=(other, ["y", "x"]))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert errors == []
+
+
+def test_sync_lock_all_tells_a_lost_lease(redis_url, client):
+    with SyncLockManager.from_url(redis_url, namespace=NS, lease=0.3) as locks:
+        with pytest.raises(LockLost):
+            with locks.lock_all(["a", "b"], cancel_on_lost=True) as locked:
+                client.hset("s:{b}", "owner", "thief")
+                assert locked.lost.wait(10)
+        assert held(client) == [b"s:{b}"]

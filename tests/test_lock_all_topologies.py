@@ -1,0 +1,79 @@
+"""`lock_all` (and, where offered, deadlock detection) on Redis Cluster and on a RedLock quorum.
+
+Cluster: keys in different slots (on different masters) are taken one by one
+in the canonical order; RedLock: each key is a quorum hold of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from benchmarks._cluster_set import ClusterSet
+from otel_lock import LockManager, LockTimeout, RedLockManager
+from otel_lock.cli._redis_server import RedisServer
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = asyncio.run(ClusterSet(masters=3).__aenter__())
+    try:
+        yield c
+    finally:
+        asyncio.run(c.__aexit__())
+
+
+@pytest.fixture
+def masters():
+    servers = [RedisServer().start() for _ in range(3)]
+    yield servers
+    for server in servers:
+        server.stop()
+
+
+async def opposite_orders(one, two, keys: list[str], rounds: int) -> list[dict[str, int]]:
+    log: list[dict[str, int]] = []
+
+    async def worker(manager, order):
+        for _ in range(rounds):
+            async with manager.lock_all(order, wait=20.0) as held:
+                log.append(dict(held.tokens))
+                await asyncio.sleep(0)
+
+    await asyncio.gather(worker(one, keys), worker(two, list(reversed(keys))))
+    return log
+
+
+def assert_tokens_increase(log: list[dict[str, int]]) -> None:
+    for key in log[0]:
+        tokens = [entry[key] for entry in log]
+        assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens)
+
+
+async def test_lock_all_over_several_cluster_masters_in_opposite_orders(cluster):
+    per_master = await cluster.keys_per_master(1)
+    keys = [k for ks in per_master.values() for k in ks]
+    assert len(keys) == 3
+    async with LockManager.from_url(cluster.url) as one, LockManager.from_url(cluster.url) as two:
+        log = await opposite_orders(one, two, keys, 40)
+        assert len(log) == 80
+        assert_tokens_increase(log)
+        async with two.lock(keys[1]):
+            with pytest.raises(LockTimeout):
+                await one.acquire_all(keys, wait=0.2)
+            assert [h.key for h in await one.held_locks()] == [f"otel-lock:{{{keys[1]}}}"]
+
+
+async def test_lock_all_on_a_redlock_quorum(masters):
+    urls = [s.url for s in masters]
+    async with RedLockManager.from_urls(urls) as one, RedLockManager.from_urls(urls) as two:
+        log = await opposite_orders(one, two, ["acct:1", "acct:2"], 20)
+        assert len(log) == 40
+        assert_tokens_increase(log)
+        async with two.lock("acct:2"):
+            with pytest.raises(LockTimeout):
+                await one.acquire_all(["acct:2", "acct:1"], wait=0.2)
+            assert [h.key for h in await one.held_locks()] == ["otel-lock:{acct:2}"]

@@ -1,0 +1,230 @@
+"""Permits (`semaphore()`) and shared holds (`lock(shared=True)`) in one process, against a real redis-server."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from otel_lock import LockError, LockLost, LockManager, LockTimeout
+
+
+@pytest.fixture
+async def locks(redis_url):
+    manager = LockManager.from_url(redis_url, namespace="t", wait=5.0)
+    yield manager
+    await manager.aclose()
+
+
+@pytest.fixture
+async def other(redis_url):
+    manager = LockManager.from_url(redis_url, namespace="t", wait=5.0)
+    yield manager
+    await manager.aclose()
+
+
+async def until(predicate, deadline: float = 10.0) -> None:
+    """Poll Redis state until `predicate()` holds; fail instead of hanging."""
+    async with asyncio.timeout(deadline):
+        while not await predicate():
+            await asyncio.sleep(0.01)
+
+
+async def queued(client, queue: str, n: int) -> None:
+    async def check() -> bool:
+        return await client.zcard(queue) == n
+    await until(check)
+
+
+# -- permits -------------------------------------------------------------------
+
+
+async def test_semaphore_lets_in_permits_holders_and_tells_the_limit(locks, other, redis_client):
+    async with locks.semaphore("export:t3", permits=2) as one, other.semaphore("export:t3", permits=2) as two:
+        assert one.key == two.key == "t:{export:t3}:permits"
+        assert one.permits == two.permits == 2 and one.mode == "permit"
+        assert two.token > one.token
+        assert await redis_client.zcard(one.key) == 2
+        assert await locks.try_lock("export:t3") is not None  # a lock of the same name is another key family
+        with pytest.raises(LockTimeout):
+            await other.acquire_permit("export:t3", permits=2, wait=0)
+    assert await redis_client.exists("t:{export:t3}:permits", "t:{export:t3}:permits:t") == 0
+
+
+async def test_each_semaphore_call_takes_a_permit_of_its_own(locks):
+    async with locks.semaphore("s", permits=2) as one:
+        async with locks.semaphore("s", permits=2) as two:
+            assert one.owner != two.owner and two.depth == 1
+            with pytest.raises(LockTimeout):
+                await locks.acquire_permit("s", permits=2, wait=0)
+
+
+async def test_a_release_wakes_the_first_waiter_with_a_fresh_token(locks, other, redis_client):
+    holder = await locks.acquire_permit("s", permits=1)
+    order: list[str] = []
+
+    async def wait_for(name: str) -> None:
+        async with other.semaphore("s", permits=1, wait=10.0) as held:
+            order.append(name)
+            assert held.token > holder.token
+
+    first = asyncio.create_task(wait_for("first"))
+    await queued(redis_client, "t:{s}:permits:q", 1)
+    second = asyncio.create_task(wait_for("second"))
+    await queued(redis_client, "t:{s}:permits:q", 2)
+    assert await holder.release() is True
+    await asyncio.gather(first, second)
+    assert order == ["first", "second"]
+
+
+async def test_a_waiter_is_woken_by_the_grant_notice_not_by_polling(locks, other, redis_client):
+    holder = await locks.acquire_permit("s", permits=1, lease=60.0)
+    pubsub = redis_client.pubsub()
+    await pubsub.psubscribe("*")
+    waiter = asyncio.create_task(other.acquire_permit("s", permits=1, wait=30.0))
+    await queued(redis_client, "t:{s}:permits:q", 1)
+    await holder.release()
+    held = await waiter
+    notices = []
+    while (message := await pubsub.get_message(timeout=0.5)) is not None:
+        if message["type"] == "pmessage":
+            notices.append(message["data"].decode())
+    await pubsub.aclose()
+    # the release published the grant to the waiter's manager; one ACQUIRE (the queued one) was all it sent
+    assert any(n.startswith(f"{held.owner} {held.token} t:{{s}}:permits") for n in notices), notices
+    await held.release()
+
+
+async def test_another_limit_for_a_key_in_use_is_refused(locks, other):
+    async with locks.semaphore("s", permits=2):
+        with pytest.raises(ValueError, match="permits=2"):
+            await other.acquire_permit("s", permits=3, wait=0)
+    async with other.semaphore("s", permits=3) as held:  # once idle, the limit may change
+        assert held.permits == 3
+
+
+@pytest.mark.parametrize("permits", [0, -1, 1.5, "2", True, None], ids=repr)
+async def test_bad_permits_are_refused_before_redis(locks, permits):
+    with pytest.raises(ValueError, match="permits must be a whole number"):
+        await locks.acquire_permit("s", permits=permits)
+
+
+async def test_a_crashed_holders_permit_returns_at_its_lease(locks, other, redis_client):
+    # a holder that never releases and is never renewed (its manager gone): its permit comes back with its lease
+    await locks.acquire_permit("s", permits=1, lease=0.5, cancel_on_lost=False)
+    await locks.aclose()
+    async with other.semaphore("s", permits=1, wait=10.0) as held:
+        assert await redis_client.zcard(held.key) == 1
+
+
+async def test_the_watchdog_renews_every_permit(redis_url, redis_client):
+    async with LockManager.from_url(redis_url, namespace="t", lease=0.6) as locks:
+        async with locks.semaphore("s", permits=3) as one, locks.semaphore("s", permits=3) as two:
+            await asyncio.sleep(1.5)  # several leases long: renewals keep both
+            assert not one.lost.is_set() and not two.lost.is_set()
+            assert await redis_client.zcard(one.key) == 2
+
+
+async def test_a_lost_permit_cancels_its_holder(redis_url, redis_client):
+    async with LockManager.from_url(redis_url, namespace="t", lease=1.5) as locks:
+        async def body() -> None:
+            async with locks.semaphore("s", permits=1, cancel_on_lost=True) as held:
+                await redis_client.zrem(held.key, held.owner)  # taken from it (an operator, a flush)
+                await asyncio.sleep(60)
+
+        with pytest.raises(LockLost):
+            await asyncio.wait_for(asyncio.create_task(body()), 30)
+
+
+# -- shared --------------------------------------------------------------------
+
+
+async def test_shared_holders_overlap_and_exclude_an_exclusive_one(locks, other, redis_client):
+    async with locks.lock("cat", shared=True) as one, other.lock("cat", shared=True) as two:
+        assert one.mode == two.mode == "shared" and one.key == "t:{cat}"
+        assert two.token > one.token
+        assert await redis_client.hget("t:{cat}", "owner") == b"(shared)"
+        assert await asyncio.create_task(other.try_lock("cat")) is None  # another task: a caller like any other
+    async with locks.lock("cat") as writer:
+        assert writer.mode == "exclusive"
+        assert await other.try_lock("cat", shared=True) is None
+    assert await redis_client.exists("t:{cat}", "t:{cat}:sh", "t:{cat}:sh:t") == 0
+
+
+async def test_a_shared_request_queues_behind_a_waiting_exclusive_one(locks, other, redis_client):
+    reader = await locks.acquire("cat", shared=True, lease=60.0)
+    writer = asyncio.create_task(other.acquire("cat", wait=30.0))
+    await queued(redis_client, "t:{cat}:q", 1)
+    assert await other.try_lock("cat", shared=True) is None  # not starved: the writer is next
+    late = asyncio.create_task(other.acquire("cat", shared=True, wait=30.0))
+    await queued(redis_client, "t:{cat}:q", 2)
+    await reader.release()
+    held = await writer
+    assert held.mode == "exclusive" and not late.done()
+    await held.release()
+    later = await late
+    assert later.mode == "shared" and later.token > held.token
+    await later.release()
+
+
+async def test_an_exclusive_release_lets_in_every_shared_waiter_at_the_head(locks, other, redis_client):
+    writer = await locks.acquire("cat", lease=60.0)
+    readers = [asyncio.create_task(other.acquire("cat", shared=True, wait=30.0)) for _ in range(3)]
+    await queued(redis_client, "t:{cat}:q", 3)
+    second_writer = asyncio.create_task(locks.acquire("cat", wait=30.0))
+    await queued(redis_client, "t:{cat}:q", 4)
+    await writer.release()
+    held = await asyncio.gather(*readers)
+    assert {h.mode for h in held} == {"shared"} and len({h.owner for h in held}) == 3
+    assert not second_writer.done()
+    assert await redis_client.zcard("t:{cat}:sh") == 3
+    for h in held:
+        await h.release()
+    (await second_writer)
+    await (await second_writer).release()
+
+
+async def test_shared_nests_in_its_task_and_an_exclusive_inside_it_is_refused(locks):
+    async with locks.lock("cat", shared=True) as outer:
+        async with locks.lock("cat", shared=True) as inner:
+            assert inner.depth == 2 and inner.owner == outer.owner
+        with pytest.raises(LockError, match="held shared by this task"):
+            await locks.acquire("cat")
+    async with locks.lock("cat") as writer:
+        async with locks.lock("cat", shared=True) as inner:  # a shared request inside its own exclusive hold
+            assert inner.depth == 2 and inner.owner == writer.owner
+
+
+async def test_a_lost_shared_lease_is_told_and_cancels(redis_url, redis_client):
+    async with LockManager.from_url(redis_url, namespace="t", lease=1.5) as locks:
+        async def body() -> None:
+            async with locks.lock("cat", shared=True, cancel_on_lost=True) as held:
+                await redis_client.zrem("t:{cat}:sh", held.owner)
+                await asyncio.sleep(60)
+
+        with pytest.raises(LockLost):
+            await asyncio.wait_for(asyncio.create_task(body()), 30)
+
+
+async def test_a_crashed_shared_holder_lets_the_writer_in_at_its_lease(locks, other):
+    await locks.acquire("cat", shared=True, lease=0.5, cancel_on_lost=False)
+    await locks.aclose()
+    async with other.lock("cat", wait=10.0) as writer:
+        assert writer.mode == "exclusive"
+
+
+async def test_force_release_of_a_shared_key_releases_every_reader(locks, other):
+    one = await locks.acquire("cat", shared=True)
+    two = await other.acquire("cat", shared=True)
+    assert await locks.force_release("cat") is True
+    writer = await asyncio.create_task(locks.acquire("cat", wait=1.0))
+    assert writer.mode == "exclusive"
+    await writer.release()
+    assert await one.release() is False and await two.release() is False
+
+
+async def test_shared_owner_is_refused(locks):
+    with pytest.raises(TypeError, match="owner="):
+        await locks.acquire("cat", shared=True, owner="me")
+    with pytest.raises(TypeError, match="shared must be"):
+        await locks.acquire("cat", shared="yes")

@@ -2,14 +2,15 @@
 
 __version__ = "0.1.0"
 
-from .lock import (HeldLock, HeldLocks, LockBusy, LockError, LockInfo, LockLost, LockManager, Locks, LockTimeout,
-                   RedisMisconfigured, RedisUnavailable, RedLockManager)
+from .lock import (HeldLock, HeldLocks, LockBusy, LockDeadlock, LockError, LockInfo, LockLost, LockManager, Locks,
+                   LockTimeout, RedisMisconfigured, RedisUnavailable, RedLockManager)
 from .asgi import LockMiddleware, idempotent, limited, locked
 
 __all__ = [
     "HeldLock",
     "HeldLocks",
     "LockBusy",
+    "LockDeadlock",
     "LockError",
     "LockInfo",
     "LockLost",

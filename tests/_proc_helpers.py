@@ -232,6 +232,8 @@ async def _child(config: dict) -> None:
         -> acquired {token, owner, t, attempts}, lost {t}, releasing {t}, exited {t},
            or locklost / timeout / unavailable / cancelled
     release {id}: leave the body of hold `id`;  cancel {id}: cancel its task
+    chain {id, first, then, wait?}: in one task, hold `first` (-> acquired); on `go {id}` wait for `then`
+        inside it -> acquired_then {token}, deadlock {cycle}, or timeout; `release {id}` leaves both
     rmw {id, key, counter, use_lock, tasks, iterations} -> rmw_done {intervals}
     fair {id, key, log, total, tasks} -> fair_done {counts}
     block {id, key}: block the event loop in a sync BLPOP on `key` -> blocking
@@ -240,7 +242,7 @@ async def _child(config: dict) -> None:
     """
     from opentelemetry.sdk.trace import TracerProvider
 
-    from otel_lock import LockLost, LockManager, LockTimeout, RedisUnavailable
+    from otel_lock import LockDeadlock, LockLost, LockManager, LockTimeout, RedisUnavailable
 
     recorder = _attempt_recorder()
     provider = TracerProvider()
@@ -251,6 +253,7 @@ async def _child(config: dict) -> None:
     reader = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     release: dict[str, asyncio.Event] = {}
+    go: dict[str, asyncio.Event] = {}
     tasks: dict[str, asyncio.Task] = {}
 
     async def hold_lock(ident: str, key: str, options: dict) -> None:
@@ -284,6 +287,23 @@ async def _child(config: dict) -> None:
         except asyncio.CancelledError:
             _emit("cancelled", id=ident)
             raise
+
+    async def chain(cmd: dict) -> None:
+        ident = cmd["id"]
+        release[ident], go[ident] = asyncio.Event(), asyncio.Event()
+        async with locks.lock(cmd["first"]) as held:
+            _emit("acquired", id=ident, token=held.token, owner=held.owner, t=time.monotonic())
+            await go[ident].wait()
+            try:
+                async with locks.lock(cmd["then"], wait=cmd.get("wait", 60.0)) as then:
+                    _emit("acquired_then", id=ident, token=then.token, owner=then.owner)
+                    await release[ident].wait()
+                    return
+            except LockDeadlock as exc:
+                _emit("deadlock", id=ident, cycle=[list(step) for step in exc.cycle], key=exc.key, message=str(exc))
+            except LockTimeout:
+                _emit("timeout", id=ident)
+            await release[ident].wait()
 
     async def rmw(cmd: dict) -> None:
         """Non-atomic GET, pause, SET of a counter, under the lock or not."""
@@ -338,6 +358,10 @@ async def _child(config: dict) -> None:
             _emit("blocking", id=cmd["id"])
             client.blpop([cmd["key"]], timeout=DEADLINE)
             client.close()
+        elif op == "chain":
+            run(cmd, chain(cmd))
+        elif op == "go":
+            go[cmd["id"]].set()
         elif op == "release":
             release[cmd["id"]].set()
         elif op == "cancel":

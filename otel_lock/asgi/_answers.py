@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.responses import Response
 
-from ..lock import HeldLock, LockError, LockLost, LockTimeout, Locks, RedisMisconfigured, RedisUnavailable
+from ..lock import HeldLock, LockDeadlock, LockError, LockLost, LockTimeout, Locks, RedisMisconfigured, RedisUnavailable
 from ..telemetry._redact import _hash
 from ._problem import CONTENT_TYPE, problem_body, retry_after_value, send_problem
 from ._types import Send
@@ -60,7 +60,7 @@ def redis_answer(error: LockError, service: str, retry_after: float) -> Answer:
 
 def lock_answer(error: LockError, rule: Locked) -> Answer:
     """What a route's lock that was not taken (or was lost) answers."""
-    if _is_deadlock(error):
+    if isinstance(error, LockDeadlock):
         return Answer(409, "lock-deadlock", f"the wait for lock {rule.lock_name!r} would close a cycle of requests "
                       f"waiting on each other ({_cycle_text(error)}); it was refused at once: retry",
                       retry_after(rule))
@@ -79,20 +79,14 @@ def lock_answer(error: LockError, rule: Locked) -> Answer:
     return redis_answer(error, "the lock service", retry_after(rule))
 
 
-def _is_deadlock(error: LockError) -> bool:
-    return any(cls.__name__ == "LockDeadlock" for cls in type(error).__mro__)
+def _cycle_text(error: LockDeadlock) -> str:
+    """The cycle's keys as the client may see them: hashed (they are other requests' keys), in its order.
 
-
-def _cycle_text(error: LockError) -> str:
-    """The cycle's keys as the client may see them: hashed (they are other requests' keys), in its order."""
-    keys: list[str] = []
-    for link in getattr(error, "cycle", None) or ():
-        key = link if isinstance(link, str) else getattr(link, "key", None)
-        if key is None and isinstance(link, tuple) and link:
-            key = link[0]
-        if key is not None:
-            keys.append(_hash(str(key)))
-    return "keys " + " -> ".join(keys) if keys else "its keys are in the server's telemetry"
+    The hash is the one `OTEL_LOCK_REDACT=hash` puts on spans, so an operator finds the cycle there;
+    owners and holders are left out.
+    """
+    keys = [_hash(key) for key, _owner, _holder in error.cycle]
+    return "keys " + " -> ".join(keys) if keys else "its keys are on the acquire span"
 
 
 def runs_unlocked(error: LockError, rule: Locked, manager: Locks) -> bool:

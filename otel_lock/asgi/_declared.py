@@ -121,7 +121,7 @@ def _child(node: Any, step: str, part: Part, before: tuple[str, ...]) -> Any:
     """The declared type of `node`'s member `step`; MISSING where only the request can tell."""
     where = ".".join((part.field.split(".")[0], *before)) if before else "the field"
     if step == WILDCARD:
-        return _elements(node, part, where)
+        return _elements(node, part, before[-1] if before else part.field.split(".")[0])
     model = model_of(node)
     if model is not None:
         return _model_child(model, step, part)

@@ -19,7 +19,7 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..lock import LockError, LockLost, Locks, RedisUnavailable
+from ..lock import LockDeadlock, LockError, LockLost, Locks, RedisUnavailable
 from ._after_auth import DEFERRED, Deferred, NotTaken
 from ._annotations import Idempotent, Locked
 from ._answers import lock_answer, release_quietly, runs_unlocked
@@ -225,6 +225,12 @@ class LockedApp:
                 raise  # half a response is out: abort it, the server drops the connection
             await lock_answer(error, rule).send(send)
             return True
+        except LockDeadlock as error:
+            if entered and started:
+                raise  # half a response is out
+            # Ours, or one the handler took by hand (it holds ours and waits for another): the same 409.
+            await lock_answer(error, rule).send(send)
+            return entered   # whether the handler ran (the idempotency gate keeps its outcome)
         except LockError as error:
             if isinstance(error, RedisUnavailable) and app_done:
                 return True  # the release failed; the lease expires by itself

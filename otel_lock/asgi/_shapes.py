@@ -7,13 +7,16 @@
 
 A manager without the call a route needs (an older or a third-party one)
 fails the start-up naming the method, never the first request. A request
-whose `lock_all()` keys are none at all (an empty list) holds nothing.
+whose `lock_all()` keys are none at all (an empty list) holds nothing: the
+handler gets an empty `HeldLocks` (`tokens == {}`), so it reads one shape.
 """
 
 from __future__ import annotations
 
 from contextlib import AbstractAsyncContextManager, nullcontext
 from typing import TYPE_CHECKING, Any, cast
+
+from ..lock import HeldLocks
 
 if TYPE_CHECKING:
     from ..lock import Locks
@@ -41,7 +44,7 @@ def missing_method(manager: Locks | None, rule: Locked) -> str | None:
 
 def holding(manager: Locks, rule: Locked, keys: tuple[str, ...], *,
             cancel_on_lost: bool) -> AbstractAsyncContextManager[Any]:
-    """`async with holding(...) as held:` the rule's keys, its way (None held for no keys at all)."""
+    """`async with holding(...) as held:` the rule's keys, its way."""
     options: dict[str, Any] = {"wait": rule.wait, "lease": rule.lease, "name": rule.lock_name,
                                "cancel_on_lost": cancel_on_lost}
     method = method_of(rule)
@@ -49,7 +52,7 @@ def holding(manager: Locks, rule: Locked, keys: tuple[str, ...], *,
     if call is None:
         raise TypeError(missing_method(manager, rule))
     if method == "lock_all" and not keys:
-        return nullcontext(None)
+        return nullcontext(HeldLocks([], []))
     if method == "lock_all":
         made = call(list(keys), **options)
     elif method == "semaphore":

@@ -3,12 +3,13 @@
 It imports no Starlette; telemetry is reached through `otel_lock.telemetry._instruments`.
 """
 
-from ._errors import LockBusy, LockError, LockLost, LockTimeout, RedisMisconfigured, RedisUnavailable
+from ._errors import (LockBusy, LockDeadlock, LockError, LockLost, LockTimeout, RedisMisconfigured,
+                      RedisUnavailable)
 from ._held import HeldLock, LockInfo
 from ._manager import LockManager
 from ._multi import HeldLocks
 from ._protocol import Locks
 from ._redlock import RedLockManager
 
-__all__ = ["HeldLock", "HeldLocks", "LockBusy", "LockError", "LockInfo", "LockLost", "LockManager", "LockTimeout", "Locks",
-           "RedLockManager", "RedisMisconfigured", "RedisUnavailable"]
+__all__ = ["HeldLock", "HeldLocks", "LockBusy", "LockDeadlock", "LockError", "LockInfo", "LockLost", "LockManager",
+           "LockTimeout", "Locks", "RedLockManager", "RedisMisconfigured", "RedisUnavailable"]

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, Coroutine
 
-from . import _scripts
+from . import _deadlock, _scripts
 from redis.exceptions import NoScriptError, RedisError
 
 from ._errors import LockError, LockTimeout, RedisUnavailable, is_unavailable
@@ -55,6 +55,7 @@ class Request:
     attempts: int = 0
     contended: bool = False
     holder_ctx: str = ""           # traceparent of the holder found busy
+    probe: _deadlock.Probe | None = None  # a waiter that holds locks: checked for a deadlock before it waits
     extra: dict[str, Any] = field(default_factory=dict)
     shape: Shape = EXCLUSIVE       # exclusive, shared or permit: its scripts and keys (`_shapes.py`)
     permits: int = 0               # a permit's limit (ACQUIRE's ARGV[10])
@@ -136,6 +137,10 @@ class Attempt:
                 reply = await self._ask(queue=True)
                 if reply is not None:
                     return reply
+            probe = self.request.probe
+            if probe is not None:
+                await _deadlock.check(self.transport, probe, key, self.request.waiter_id,
+                                      self.deadline - self.loop.time(), self._waiter is not None, self.request.name)
             pending = self.transport.pending
             pending[self.request.name] += 1
             try:
@@ -148,6 +153,9 @@ class Attempt:
         finally:
             if self._waiter is not None:
                 waiting.remove(self._waiter)
+            if self.request.probe is not None and self.request.probe.recorded:
+                self.transport.background(_deadlock.over(self.transport, self.request.probe, self.request.waiter_id,
+                                                         self.request.name))
 
     async def _subscribe(self) -> bool:
         """Make sure a grant can reach this manager before a queued request names its channel.

@@ -33,7 +33,9 @@ from redis.exceptions import NoScriptError, RedisError
 from ._attempt import Request
 from ._background import Background
 from ._breaker import Breaker
-from ._errors import LockBusy, LockError, LockTimeout, RedisMisconfigured, RedisUnavailable, error_type, to_lock_error
+from ._deadlock import Probe, held_by_this_task
+from ._errors import (LockBusy, LockDeadlock, LockError, LockTimeout, RedisMisconfigured, RedisUnavailable, error_type,
+                      to_lock_error)
 from ._held import NEVER, HeldLock, Lease, LockContext, LockInfo, forget, held_here, remember
 from ._listing import PAGE
 from ._multi import HeldLocks, MultiLockContext, acquire_all, canonical
@@ -389,6 +391,10 @@ class Core:
         ctx = current_traceparent() if current.get_span_context().is_valid else ""
         request = Request((lock_base,), name, waiter_id, owner or waiter_id, int(lease * 1000), wait, ctx,
                           private=owner is None, shape=shape, permits=permits)
+        if wait > 0 and owner is None and shape is EXCLUSIVE:   # (merge: the probe walks exclusive holds only)
+            holds = held_by_this_task(self.id)  # only a waiter that holds locks can close a cycle
+            if holds is not None:
+                request.probe = Probe(holds, self.id, self.namespace)
         with self.telemetry.acquire_span(name) if recording else _NO_SPAN as span:
             outcome, error = "error", None  # type: str, BaseException | None
             try:
@@ -442,6 +448,13 @@ class Core:
         if kind:
             metric["error.type"] = kind
         self.telemetry.wait_duration.record(waited, metric)
+        if isinstance(error, LockDeadlock):
+            self.telemetry.errors.add(1, {"lock.name": request.name, "lock.operation": "acquire",
+                                          "error.type": "deadlock"})
+            if span.is_recording():
+                span.add_event("lock deadlock", {
+                    "lock.deadlock.keys": [self._redacted_key(key) for key, _, _ in error.cycle],
+                    "lock.deadlock.holders": [holder for _, _, holder in error.cycle]})
         if not span.is_recording():
             return
         self.telemetry.link_holder(span, request.holder_ctx)
@@ -451,6 +464,10 @@ class Core:
             "lock.mode": "exclusive"}))
         if kind:
             self.telemetry.set_error(span, kind, self._topology.where())
+
+    def _redacted_key(self, key: str) -> str:
+        """A key as spans may carry it (`lock.key` redaction: hashed, or dropped to '')."""
+        return str(self.telemetry.redact({"lock.key": key}).get("lock.key", ""))
 
     async def _first_take(self, runtime: Runtime, request: Request) -> Any:
         """The first acquisition on a loop: the first-use checks, then the take (both behind the breaker)."""
@@ -611,6 +628,8 @@ _NO_SPAN = contextlib.nullcontext(trace.INVALID_SPAN)
 def _error_type(error: BaseException | None) -> str:
     if error is None:
         return ""
+    if isinstance(error, LockDeadlock):
+        return "deadlock"
     if isinstance(error, LockTimeout):
         return "timeout"
     return error_type(error)  # redis_unavailable, redis_misconfigured or redis_error

@@ -4,6 +4,7 @@
      ├── LockTimeout         not acquired within `wait`; `.waited`
      │    └── LockBusy       a `try_lock` (wait=0) found the lock held
      ├── LockLost            the lease was lost while the caller held it; `.reason`
+     ├── LockDeadlock        the wait would close a cycle of holders waiting on each other; `.cycle`
      ├── RedisUnavailable    transient: refused, reset, timed out, LOADING, a failover
      │                       under way, maxclients, OOM, an open circuit; `.retry_after`
      └── RedisMisconfigured  permanent: authentication, ACL rights, database number,
@@ -66,6 +67,22 @@ class LockLost(LockError):
         self.reason = reason
 
 
+class LockDeadlock(LockError):
+    """Refused at once: waiting for `key` would close a cycle of holders that wait on each other.
+
+    `cycle`: one `(key, owner, holder)` per lock of the cycle, starting with
+    the lock this caller asked for: the lock's full Redis key, the owner id
+    holding it, and the task holding it (`task-name@pid/manager-id`). The
+    last lock is one this caller holds, so its holder is this task.
+    Nothing was taken; the locks this task already holds are still held.
+    """
+
+    def __init__(self, message: str, *, key: str | None = None,
+                 cycle: tuple[tuple[str, str, str], ...] = ()) -> None:
+        super().__init__(message, key=key)
+        self.cycle = cycle
+
+
 class RedisUnavailable(LockError):
     """Redis cannot serve right now (transient); retrying later may succeed.
 
@@ -89,7 +106,7 @@ UNAVAILABLE, MISCONFIGURED, ERROR = "redis_unavailable", "redis_misconfigured", 
 
 # What the lock sends (its scripts' commands included), for the ACL rule a refusal names.
 LOCK_COMMANDS = ("+evalsha +eval +script|load +ping +subscribe +ssubscribe +publish +spublish +time +get +set +del "
-                 "+exists +pexpire +pttl +hget +hset +hdel +hincrby +hgetall +zadd +zrem +zpopmin +scan")
+                 "+exists +pexpire +pttl +hget +hset +hdel +hincrby +hgetall +zadd +zrem +zpopmin +zscore +scan")
 
 # Coarse (a refused password is a ConnectionError in redis-py): classify with is_unavailable().
 _UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, OSError, ClusterDownError, ReadOnlyError, TryAgainError)

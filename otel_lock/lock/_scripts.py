@@ -14,6 +14,14 @@ Fencing tokens are seeded from Redis `TIME` in microseconds and bumped past
 the last one, so they increase strictly per key even after the fence key has
 expired, without leaving a permanent key behind per lock name.
 
+A waiter that already holds locks records what it waits for, so that a
+wait that would close a cycle of holders waiting on each other is refused
+(`_deadlock.py`), one key per lock it holds:
+
+    S:waits:<owner>  string JSON [lock key waited for, waiter id, holder
+                        (task@pid/manager), queued (1: in that lock's queue)];
+                        expires with the wait, deleted when it ends
+
 The namespace itself carries the version of this layout (MODEL), so that
 two otel-lock versions with different layouts never share a namespace
 untold (a rolling deploy across a data-model change):
@@ -204,6 +212,54 @@ return 1
 """
 
 
+# WAIT_FOR: a waiter that holds locks is about to wait for one more. Walk lock -> its owner -> the lock
+# that owner waits for -> ... ; reaching an owner of the caller's is a cycle: refuse. Otherwise record that
+# the caller's owners wait for the lock. Atomic on one Redis: of two waiters closing one cycle at the same
+# moment, the first records its wait and the second finds the cycle.
+# KEYS: none (the walk reads the keys it finds: one Redis or a Sentinel master only, never a Cluster)
+# ARGV: namespace, lock key waited for, waiter id, ttl_ms, holder (task label), queued ('1': the waiter
+#       is in the lock's queue), then the owner of each lock the caller holds
+# Returns {0} when recorded, or {1, key, owner, holder, key, owner, holder, ...}: the cycle, from the
+# lock waited for to the caller's own.
+WAIT_FOR = r"""
+local ns, want, me = ARGV[1], ARGV[2], ARGV[5]
+local mine = {}
+for i = 7, #ARGV do mine[ARGV[i]] = true end
+local cycle = {1}
+local key = want
+for _ = 1, 64 do
+  local owner = redis.call('HGET', key, 'owner')
+  if not owner then break end
+  if mine[owner] then
+    table.insert(cycle, key); table.insert(cycle, owner); table.insert(cycle, me)
+    return cycle
+  end
+  local edge = redis.call('GET', ns .. ':waits:' .. owner)
+  if not edge then break end
+  local e = cjson.decode(edge)
+  -- a wait that ended without its record being deleted yet (granted, left): no edge
+  if e[4] == 1 and not redis.call('ZSCORE', e[1] .. ':q', e[2]) then break end
+  table.insert(cycle, key); table.insert(cycle, owner); table.insert(cycle, e[3])
+  key = e[1]
+end
+local edge = cjson.encode({want, ARGV[3], me, tonumber(ARGV[6])})
+for i = 7, #ARGV do redis.call('SET', ns .. ':waits:' .. ARGV[i], edge, 'PX', ARGV[4]) end
+return {0}
+"""
+
+# WAIT_OVER: the wait ended: delete its records, unless a later wait of the same owner replaced them.
+# KEYS: S:waits:<owner> of each owner it recorded (one per call on a Cluster)
+# ARGV: waiter id
+# Returns 0.
+WAIT_OVER = r"""
+for i = 1, #KEYS do
+  local edge = redis.call('GET', KEYS[i])
+  if edge and cjson.decode(edge)[2] == ARGV[1] then redis.call('DEL', KEYS[i]) end
+end
+return 0
+"""
+
+
 # MODEL_CHECK: claim the namespace for this data model, or say which one holds it.
 # KEYS: S:model. ARGV: model, ttl_s.
 # Returns the model the namespace holds: ours (now claimed for another ttl_s), or another one.
@@ -288,3 +344,5 @@ leave = Script(LEAVE)
 renew = Script(RENEW)
 force_release = Script(FORCE_RELEASE)
 model_check = Script(MODEL_CHECK)
+wait_for = Script(WAIT_FOR)
+wait_over = Script(WAIT_OVER)

@@ -49,7 +49,7 @@ MIN_VALKEY = (8, 0)
 # Every command the lock's Lua scripts call (tests/test_server_checks.py keeps this in step with
 # them), besides PUBLISH (SPUBLISH on a Cluster) to the wake channels.
 SCRIPT_COMMANDS = ("DEL", "EXISTS", "GET", "HDEL", "HGET", "HINCRBY", "HSET", "PEXPIRE", "PTTL", "SET", "TIME",
-                   "ZADD", "ZPOPMIN", "ZREM")
+                   "ZADD", "ZPOPMIN", "ZREM", "ZSCORE")
 
 Run = Callable[..., Awaitable[Any]]
 Verdict = Literal["ok", "note", "warning", "refusal"]
@@ -79,6 +79,7 @@ try('GET', s)
 try('PTTL', h)
 try('ZPOPMIN', z)
 try('ZREM', z, 'otel-lock-check')
+try('ZSCORE', z, 'otel-lock-check')
 try('HDEL', h, 'otel-lock-check')
 try('PEXPIRE', h, 1000)
 try('DEL', h, s, z)
@@ -98,6 +99,7 @@ _DRYRUN_ARGS: dict[str, tuple[str, ...]] = {
     "DEL": ("h",), "EXISTS": ("h",), "GET": ("s",), "HDEL": ("h", "f"), "HGET": ("h", "f"),
     "HINCRBY": ("h", "f", "1"), "HSET": ("h", "f", "v"), "PEXPIRE": ("h", "1000"), "PTTL": ("h",),
     "SET": ("s", "1", "PX", "1000"), "TIME": (), "ZADD": ("z", "1", "m"), "ZPOPMIN": ("z",), "ZREM": ("z", "m"),
+    "ZSCORE": ("z", "m"),
 }
 
 

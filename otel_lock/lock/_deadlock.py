@@ -1,0 +1,178 @@
+"""Deadlock detection: a waiter whose wait would close a cycle of holders waiting on each other is refused.
+
+Only a waiter that already holds locks can close a cycle, so only such a
+waiter does anything, and only once its first request found the lock busy:
+an uncontended acquire, and a waiter that holds nothing, cost nothing.
+
+Identity: owner ids are per acquisition, so what links the locks one task
+holds to what it waits for is the record the task writes when it starts to
+wait: one key `S:waits:<owner>` per lock it holds (in this manager, under
+its own owner id), naming the lock it waits for, its waiter id and the task
+(`task-name@pid/manager-id`, for the message). The wait-for graph is then
+lock -> its owner (the lock's hash) -> the lock that owner waits for (its
+record) -> ..., and a walk that comes back to one of the waiter's own
+owners is a cycle. A record whose waiter has left that lock's queue (it got
+the lock, gave up) is no edge, so a record that outlives its wait by a
+round trip (it is deleted in the background) never makes a cycle; its
+expiry (the wait's budget) covers a process that died.
+
+One Redis, Sentinel: the walk and the record are one script (`WAIT_FOR`),
+atomic, so of two waiters that close one cycle at the same moment exactly
+one is refused. Redis Cluster: the locks of a cycle live in other slots, so
+the walk runs here, one step per round trip, after the record is written:
+a cycle is never missed, but two waiters that close it at the same moment
+may both be refused, and a walk is read across moments (it is read twice
+before it refuses). Not on RedLock (its transport has no queue and no single
+server to walk): waits there end at `wait` as before.
+
+Holds with an explicit `owner=` (shared by cooperating holders) and the
+holds a task inherits from its spawner (`share_with_children`) are left out:
+they do not say which task will release them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import os
+from typing import Any
+
+from . import _scripts
+from ._errors import LockDeadlock, LockError, RedisUnavailable
+from ._held import _HELD, _Holds
+
+log = logging.getLogger("otel_lock")
+
+MAX_STEPS = 64      # a longer chain is not followed further (no refusal)
+INFINITE_TTL_MS = 3_600_000  # the record of a wait without deadline (the queue keeps its place as long)
+
+
+class Probe:
+    """What a waiter that holds locks brings to its wait: its holds in this manager, and who it is."""
+
+    __slots__ = ("holds", "manager_id", "namespace", "owners", "recorded")
+
+    def __init__(self, holds: _Holds, manager_id: str, namespace: str) -> None:
+        self.holds, self.manager_id, self.namespace = holds, manager_id, namespace
+        self.owners: list[str] = []
+        self.recorded = False
+
+    def own_owners(self) -> list[str]:
+        """The owner ids of the locks the task holds in this manager (its own, not shared by `owner=`)."""
+        return [lease.owner for (manager, _), lease in list(self.holds.by_key.items())
+                if manager == self.manager_id and not lease.ended and not lease.explicit_owner]
+
+    def holder(self) -> str:
+        task = self.holds.task
+        return f"{task.get_name() if task is not None else 'task'}@{os.getpid()}/{self.manager_id}"
+
+    def record_key(self, owner: str) -> str:
+        return f"{self.namespace}:waits:{owner}"
+
+
+def held_by_this_task(manager_id: str) -> _Holds | None:
+    """The current task's own holds, if it has any (cheap: no walk over them)."""
+    view = _HELD.get()
+    if view is None or view.holds.task is not asyncio.current_task() or not view.holds.by_key:
+        return None
+    return view.holds
+
+
+def ttl_ms(wait_left: float) -> int:
+    return INFINITE_TTL_MS if math.isinf(wait_left) else max(1, int(wait_left * 1000)) + 1000
+
+
+def refusal(want: str, cycle: tuple[tuple[str, str, str], ...]) -> LockDeadlock:
+    steps = "; ".join(f"{key} is held by {holder}" + (f", which waits for {cycle[i + 1][0]}" if i + 1 < len(cycle)
+                                                      else ", this task")
+                      for i, (key, _, holder) in enumerate(cycle))
+    return LockDeadlock(f"waiting for {want} would close a deadlock: {steps}", key=want, cycle=cycle)
+
+
+def _cycle(flat: list[Any]) -> tuple[tuple[str, str, str], ...]:
+    text = [v.decode() if isinstance(v, bytes) else str(v) for v in flat]
+    return tuple((text[i], text[i + 1], text[i + 2]) for i in range(0, len(text) - 2, 3))
+
+
+async def check(transport: Any, probe: Probe, want: str, waiter_id: str, wait_left: float, queued: bool,
+                name: str) -> None:
+    """Refuse (LockDeadlock) or record the wait. A check Redis cannot answer is skipped, with a warning."""
+    probe.owners = probe.own_owners()
+    if not probe.owners:
+        return
+    from ._topology import ClusterLink
+
+    try:
+        if isinstance(transport.link, ClusterLink):
+            cycle = await _walk_stepwise(transport, probe, want, waiter_id, wait_left, queued)
+        else:
+            args = [probe.namespace, want, waiter_id, ttl_ms(wait_left), probe.holder(), "1" if queued else "0",
+                    *probe.owners]
+            answer = await transport.calls(transport.link.call(_scripts.wait_for, (), args), "deadlock_check",
+                                           name, want)
+            probe.recorded = answer[0] == 0
+            cycle = () if probe.recorded else _cycle(answer[1:])
+    except RedisUnavailable:
+        raise  # the wait itself rides that out, or fails, as any other call
+    except LockError as error:
+        log.warning("otel-lock: deadlock check of %s skipped, waiting without it: %s", want, error)
+        return
+    if cycle:
+        raise refusal(want, cycle)
+
+
+async def over(transport: Any, probe: Probe, waiter_id: str, name: str) -> None:
+    """The wait ended: delete its records (unless a later wait of the same owner replaced them)."""
+    from ._topology import ClusterLink
+
+    keys = tuple(probe.record_key(owner) for owner in probe.owners)
+    calls = ([transport.link.call(_scripts.wait_over, (key,), [waiter_id]) for key in keys]
+             if isinstance(transport.link, ClusterLink) else [transport.link.call(_scripts.wait_over, keys,
+                                                                                  [waiter_id])])
+    try:
+        await asyncio.gather(*calls)
+    except Exception as error:  # they expire with the wait's budget anyway
+        log.debug("otel-lock: the wait records of %s stay until they expire: %s", waiter_id, error)
+
+
+async def _walk_stepwise(transport: Any, probe: Probe, want: str, waiter_id: str, wait_left: float,
+                         queued: bool) -> tuple[tuple[str, str, str], ...]:
+    """Redis Cluster: record first, then walk one step per round trip, and read a cycle twice before refusing."""
+    redis = transport.link.redis
+    await transport.link.prepare()
+    record = json.dumps([want, waiter_id, probe.holder(), 1 if queued else 0])
+    await asyncio.gather(*(redis.set(probe.record_key(owner), record, px=ttl_ms(wait_left))
+                           for owner in probe.owners))
+    probe.recorded = True
+    first = await _walk(redis, probe, want)
+    if not first or await _walk(redis, probe, want) != first:
+        return ()
+    return first
+
+
+async def _walk(redis: Any, probe: Probe, want: str) -> tuple[tuple[str, str, str], ...]:
+    mine = set(probe.owners)
+    steps: list[tuple[str, str, str]] = []
+    key = want
+    for _ in range(MAX_STEPS):
+        owner = _text(await redis.hget(key, "owner"))
+        if not owner:
+            return ()
+        if owner in mine:
+            steps.append((key, owner, probe.holder()))
+            return tuple(steps)
+        raw = await redis.get(probe.record_key(owner))
+        if raw is None:
+            return ()
+        waits_for, waiter, holder, in_queue = json.loads(raw)
+        if in_queue and await redis.zscore(waits_for + ":q", waiter) is None:
+            return ()
+        steps.append((key, owner, holder))
+        key = waits_for
+    return ()
+
+
+def _text(value: bytes | str | None) -> str:
+    return value.decode() if isinstance(value, bytes) else (value or "")

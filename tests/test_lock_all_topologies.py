@@ -77,3 +77,58 @@ async def test_lock_all_on_a_redlock_quorum(masters):
             with pytest.raises(LockTimeout):
                 await one.acquire_all(["acct:2", "acct:1"], wait=0.2)
             assert [h.key for h in await one.held_locks()] == ["otel-lock:{acct:2}"]
+
+
+async def crossed(one, two, first: str, second: str, wait: float) -> tuple[object, object]:
+    """Task A holds `first` and waits for `second`; task B holds `second` and then waits for `first`.
+
+    Both waits overlap whichever starts first (each holds what the other asks for until its wait ends).
+    """
+    a_holds, a_waits, b_holds = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    outcomes: dict[str, object] = {}
+
+    async def a() -> None:
+        async with one.lock(first):
+            a_holds.set()
+            await b_holds.wait()
+            try:
+                a_waits.set()
+                async with one.lock(second, wait=wait) as then:
+                    outcomes["a"] = then.token
+            except Exception as exc:  # noqa: BLE001  (the outcome under test)
+                outcomes["a"] = exc
+
+    async def b() -> None:
+        async with two.lock(second):
+            b_holds.set()
+            await a_holds.wait()
+            await a_waits.wait()
+            try:
+                async with two.lock(first, wait=wait) as then:
+                    outcomes["b"] = then.token
+            except Exception as exc:  # noqa: BLE001
+                outcomes["b"] = exc
+
+    await asyncio.wait_for(asyncio.gather(a(), b()), 60)
+    return outcomes["a"], outcomes["b"]
+
+
+async def test_crossed_waits_on_cluster_masters_are_refused(cluster):
+    from otel_lock import LockDeadlock
+
+    per_master = await cluster.keys_per_master(1, prefix="dl")
+    first, second = [ks[0] for ks in per_master.values()][:2]
+    async with LockManager.from_url(cluster.url) as one, LockManager.from_url(cluster.url) as two:
+        a, b = await crossed(one, two, first, second, wait=30.0)
+        # the record-then-walk of a Cluster never misses the cycle; both may be refused, at least one is
+        refusals = [o for o in (a, b) if isinstance(o, LockDeadlock)]
+        assert refusals, (a, b)
+        assert all(isinstance(o, (int, LockDeadlock)) for o in (a, b)), (a, b)
+        assert {step[0] for step in refusals[0].cycle} == {f"otel-lock:{{{first}}}", f"otel-lock:{{{second}}}"}
+
+
+async def test_crossed_waits_on_redlock_are_not_detected_and_end_at_wait(masters):
+    urls = [s.url for s in masters]
+    async with RedLockManager.from_urls(urls) as one, RedLockManager.from_urls(urls) as two:
+        a, b = await crossed(one, two, "k1", "k2", wait=1.0)
+        assert isinstance(a, LockTimeout) or isinstance(b, LockTimeout), (a, b)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
 import logging
 import os
 import signal
@@ -382,6 +383,16 @@ class SyncHeldLock:
         """Set once the lease is known lost; check it between steps of long work."""
         return self._hold.lost
 
+    @property
+    def mode(self) -> str:
+        """`exclusive`, `shared` or `permit`."""
+        return self._hold.held.mode
+
+    @property
+    def permits(self) -> int | None:
+        """The key's limit, for a `semaphore()` hold; None for a lock."""
+        return self._hold.held.permits
+
     def release(self) -> bool:
         """Release this hold; False if the lease was lost (or is another process's). Idempotent."""
         if self._released is None:
@@ -519,6 +530,7 @@ class SyncLockManager:
                             f"for a URL use SyncLockManager.from_url(url)")
         self._factory = factory
         self._cancel_on_lost = bool(cancel_on_lost)
+        self._permit_ids = itertools.count(1)
         self._closed = False
         self._runtime: _Runtime | None = None
         self._current()  # built now: a bad URL or option fails here, not at first use
@@ -577,7 +589,7 @@ class SyncLockManager:
     # -- locks -----------------------------------------------------------------
 
     def lock(self, key: str, *, wait: float | None = None, lease: float | None = None, name: str | None = None,
-             cancel_on_lost: bool | None = None) -> SyncLockContext:
+             cancel_on_lost: bool | None = None, shared: bool = False) -> SyncLockContext:
         """`with locks.lock("k", wait=5.0) as held:`; LockTimeout after `wait` seconds.
 
         Options as for `LockManager.lock`; `cancel_on_lost=True` raises
@@ -585,34 +597,58 @@ class SyncLockManager:
         """
         _refuse_in_loop("lock")
         return SyncLockContext(partial(self.acquire, key, wait=wait, lease=lease, name=name,
-                                       cancel_on_lost=cancel_on_lost))
+                                       cancel_on_lost=cancel_on_lost, shared=shared))
 
     def acquire(self, key: str, *, wait: float | None = None, lease: float | None = None, name: str | None = None,
-                cancel_on_lost: bool | None = None) -> SyncHeldLock:
+                cancel_on_lost: bool | None = None, shared: bool = False) -> SyncHeldLock:
         """Block until held (LockTimeout after `wait`); re-enters a key this thread holds.
 
         A nested acquire takes the outer hold as it is (its own `wait`,
         `lease` and `name` are not used) and raises LockLost if that lease
         was lost: it never takes the lock afresh under the outer hold's feet.
+        `shared=True`: a shared hold (`LockManager.lock`); an exclusive
+        acquire inside this thread's shared hold of the key is refused.
         """
         _refuse_in_loop("acquire")
-        nested = self._reenter(key)
+        nested = self._reenter(key, shared)
         if nested is not None:
             return nested
         held = self._take(key, lambda manager: manager.acquire(key, wait=wait, lease=lease, name=name,
-                                                               cancel_on_lost=False), cancel_on_lost)
+                                                               cancel_on_lost=False, shared=shared), cancel_on_lost)
         assert held is not None, "acquire() returns a hold or raises"
         return held
 
     def try_lock(self, key: str, *, lease: float | None = None, name: str | None = None,
-                 cancel_on_lost: bool | None = None) -> SyncHeldLock | None:
+                 cancel_on_lost: bool | None = None, shared: bool = False) -> SyncHeldLock | None:
         """The hold if the lock is free right now (or this thread holds it), else None."""
         _refuse_in_loop("try_lock")
-        nested = self._reenter(key)
+        nested = self._reenter(key, shared)
         if nested is not None:
             return nested
-        return self._take(key, lambda manager: manager.try_lock(key, lease=lease, name=name, cancel_on_lost=False),
+        return self._take(key, lambda manager: manager.try_lock(key, lease=lease, name=name, cancel_on_lost=False,
+                                                                shared=shared), cancel_on_lost)
+
+    def semaphore(self, key: str, *, permits: int, wait: float | None = None, lease: float | None = None,
+                  name: str | None = None, cancel_on_lost: bool | None = None) -> SyncLockContext:
+        """`with locks.semaphore("export:t3", permits=2) as held:` at most `permits` holders at once.
+
+        As `LockManager.semaphore`: every call takes a permit of its own, in
+        any thread (no re-entry); `held.permits` is the limit.
+        """
+        _refuse_in_loop("semaphore")
+        return SyncLockContext(partial(self.acquire_permit, key, permits=permits, wait=wait, lease=lease, name=name,
+                                       cancel_on_lost=cancel_on_lost))
+
+    def acquire_permit(self, key: str, *, permits: int, wait: float | None = None, lease: float | None = None,
+                       name: str | None = None, cancel_on_lost: bool | None = None) -> SyncHeldLock:
+        """Block until a permit of `key` is held (LockTimeout after `wait`); release it with `held.release()`."""
+        _refuse_in_loop("acquire_permit")
+        slot = f"\x00permit\x00{key}\x00{next(self._permit_ids)}"  # a slot of its own in the thread's holds
+        held = self._take(slot, lambda manager: manager.acquire_permit(key, permits=permits, wait=wait, lease=lease,
+                                                                       name=name, cancel_on_lost=False),
                           cancel_on_lost)
+        assert held is not None, "acquire_permit() returns a hold or raises"
+        return held
 
     def lock_all(self, keys: Iterable[str], *, wait: float | None = None, lease: float | None = None,
                  name: str | None = None, cancel_on_lost: bool | None = None) -> SyncMultiLockContext:
@@ -697,7 +733,7 @@ class SyncLockManager:
             raise
         return runtime.run(lambda: coro)
 
-    def _reenter(self, key: str) -> SyncHeldLock | None:
+    def _reenter(self, key: str, shared: bool = False) -> SyncHeldLock | None:
         """A nested hold of a key this thread holds; None if it holds none.
 
         Counted in the thread first, so that a release racing it cannot miss
@@ -707,6 +743,9 @@ class SyncLockManager:
         hold = runtime.holds().get(key)
         if hold is None:
             return None
+        if not shared and getattr(hold.held, "mode", "exclusive") == "shared":
+            raise LockError(f"lock {hold.held.key} is held shared by this thread: an exclusive hold of it would "
+                            "wait for itself (release the shared hold first)", key=hold.held.key)
         if hold.lost.is_set():
             raise LockLost(f"lease of {hold.held.key} was lost: a nested acquire cannot re-enter it",
                            key=hold.held.key, reason="lost before re-entry")

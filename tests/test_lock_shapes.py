@@ -228,3 +228,66 @@ async def test_shared_owner_is_refused(locks):
         await locks.acquire("cat", shared=True, owner="me")
     with pytest.raises(TypeError, match="shared must be"):
         await locks.acquire("cat", shared="yes")
+
+
+# -- telemetry -------------------------------------------------------------------
+
+
+@pytest.fixture
+def otel():
+    from test_lock_telemetry import Telemetry
+
+    telemetry = Telemetry()
+    yield telemetry
+    telemetry.tracer_provider.shutdown()
+    telemetry.meter_provider.shutdown()
+
+
+async def test_lock_mode_and_permits_in_use_against_the_limit(redis_url, otel):
+    async with LockManager.from_url(redis_url, namespace="t", **otel.providers()) as locks:
+        with otel.tracer.start_as_current_span("request"):
+            async with locks.semaphore("export:t3", permits=2, name="export") as held:
+                assert otel.gauge("otel_lock.permits.used", "export") == 1
+                assert otel.gauge("otel_lock.permits.limit", "export") == 2
+            async with locks.lock("cat", shared=True, name="catalogue"):
+                pass
+            async with locks.lock("price", name="price"):
+                pass
+        assert otel.gauge("otel_lock.permits.used", "export") == 0
+        assert otel.gauge("otel_lock.permits.limit", "export") == 2
+        modes = {dict(p.attributes)["lock.name"]: dict(p.attributes).get("lock.mode")
+                 for _, p in otel.points("otel_lock.wait.duration") if p.count}
+        assert modes == {"export": "permit", "catalogue": "shared", "price": None}  # exclusive series unchanged
+        holds = {dict(p.attributes)["lock.name"]: dict(p.attributes).get("lock.mode")
+                 for _, p in otel.points("otel_lock.hold.duration") if p.count}
+        assert holds == modes
+        spans = {s.name: s.attributes for s in otel.spans.get_finished_spans()}
+        assert spans["lock acquire export"]["lock.mode"] == "permit"
+        assert spans["lock hold export"]["lock.permits"] == 2 and spans["lock hold export"]["lock.token"] == held.token
+        assert spans["lock acquire catalogue"]["lock.mode"] == "shared"
+        assert spans["lock acquire price"]["lock.mode"] == "exclusive"
+
+
+# -- topologies that refuse the shapes ---------------------------------------------
+
+
+async def test_redlock_refuses_shared_holds_and_permits_before_a_byte_is_sent():
+    from otel_lock import RedLockManager
+
+    locks = RedLockManager.from_urls(["redis://127.0.0.1:1", "redis://127.0.0.1:2", "redis://127.0.0.1:3"])
+    try:
+        with pytest.raises(TypeError, match="RedLockManager does not offer semaphore"):
+            await locks.acquire_permit("s", permits=2)
+        with pytest.raises(TypeError, match="does not offer lock\\(shared=True\\)"):
+            await locks.acquire("cat", shared=True)
+    finally:
+        await locks.aclose()
+
+
+async def test_wait_replicas_refuses_shared_holds_and_permits_at_their_first_use(redis_url):
+    async with LockManager.from_url(redis_url, namespace="t", wait_replicas=1,
+                                    wait_replicas_timeout=0.05) as locks:
+        with pytest.raises(LockError, match="not offered with wait_replicas"):
+            await locks.acquire_permit("s", permits=2, wait=0)
+        with pytest.raises(LockError, match="not offered with wait_replicas"):
+            await locks.acquire("cat", shared=True, wait=0)

@@ -430,10 +430,12 @@ class Core:
         if recording:
             held.span = self.telemetry.start_hold_span(name, self.telemetry.redact({
                 "lock.name": name, "lock.key": redis_key, "lock.owner": held.owner, "lock.token": reply.token,
-                "lock.lease": lease}))
+                "lock.lease": lease, "lock.mode": shape.mode, **({"lock.permits": permits} if permits else {})}))
         if not planned:  # a tick's lock is held to the end of its lease on purpose: never "near its lease"
             self._counts.hold_started(held)
         self._counts.active[name] += 1
+        if permits:
+            self._counts.permit_taken(name, permits)
         runtime.watchdog.add(held)
         if shape is not PERMIT:  # every semaphore() call takes a permit of its own: nothing to re-enter
             remember((self.id, key), held)
@@ -447,6 +449,8 @@ class Core:
                                   "lock.contended": request.contended}
         if kind:
             metric["error.type"] = kind
+        if request.shape is not EXCLUSIVE:  # absent: exclusive, so the series of plain locks stay as they were
+            metric["lock.mode"] = request.shape.mode
         self.telemetry.wait_duration.record(waited, metric)
         if isinstance(error, LockDeadlock):
             self.telemetry.errors.add(1, {"lock.name": request.name, "lock.operation": "acquire",
@@ -461,7 +465,7 @@ class Core:
         span.set_attributes(self.telemetry.redact({
             "lock.name": request.name, "lock.key": request.keys[0], "lock.owner": request.owner,
             "lock.attempts": request.attempts, "lock.contended": request.contended, "lock.outcome": outcome,
-            "lock.mode": "exclusive"}))
+            "lock.mode": request.shape.mode}))
         if kind:
             self.telemetry.set_error(span, kind, self._topology.where())
 

@@ -132,8 +132,10 @@ class HoldEnds:
             return
         lease.finished = True
         self.telemetry.hold_duration.record(lease.loop.time() - lease.acquired_at,
-                                            {"lock.name": lease.name, "lock.release.outcome": outcome})
+                                            _mode({"lock.name": lease.name, "lock.release.outcome": outcome}, lease))
         self.counts.active[lease.name] -= 1
+        if lease.permits:
+            self.counts.permit_returned(lease.name)
         self.telemetry.end_hold_span(lease.span, outcome)
 
     def lose(self, lease: Lease, reason: str) -> None:
@@ -147,7 +149,7 @@ class HoldEnds:
             return
         lease.lost_reason = reason
         lease.lost.set()
-        self.telemetry.renewals.add(1, {"lock.name": lease.name, "lock.renewal.outcome": "lost"})
+        self.telemetry.renewals.add(1, _mode({"lock.name": lease.name, "lock.renewal.outcome": "lost"}, lease))
         if lease.span.is_recording():
             lease.span.add_event("lock lost", {"lock.name": lease.name, "lock.token": lease.token,
                                                "lock.lost.reason": reason})
@@ -163,12 +165,19 @@ class HoldEnds:
 
     def renewed(self, lease: Lease, outcome: str, error: BaseException | None = None) -> None:
         """A renewal's outcome (ok, error), told by the watchdog."""
-        self.telemetry.renewals.add(1, {"lock.name": lease.name, "lock.renewal.outcome": outcome})
+        self.telemetry.renewals.add(1, _mode({"lock.name": lease.name, "lock.renewal.outcome": outcome}, lease))
         if error is not None:
             kind = error_type(error)
             self.telemetry.errors.add(1, {"lock.name": lease.name, "lock.operation": "renew", "error.type": kind})
             if lease.span.is_recording():
                 lease.span.add_event("lock renewal failed", {"lock.name": lease.name, "error.type": kind})
+
+
+def _mode(attributes: dict[str, Any], lease: Lease) -> dict[str, Any]:
+    """`lock.mode` on a metric of a shared or permit hold (absent: exclusive, as the series were before it)."""
+    if lease.shape.mode != "exclusive":
+        attributes["lock.mode"] = lease.shape.mode
+    return attributes
 
 
 class Releasing:

@@ -23,18 +23,20 @@ class Locks(Protocol):
         ...
 
     def lock(self, key: str, *, wait: float | None = None, lease: float | None = None, name: str | None = None,
-             cancel_on_lost: bool | None = None, share_with_children: bool = False) -> LockContext:
+             cancel_on_lost: bool | None = None, share_with_children: bool = False,
+             shared: bool = False) -> LockContext:
         """`async with locks.lock("stock:1") as held:`; LockTimeout after `wait` seconds."""
         ...
 
     async def try_lock(self, key: str, *, lease: float | None = None, name: str | None = None,
-                       cancel_on_lost: bool | None = None, share_with_children: bool = False) -> HeldLock | None:
+                       cancel_on_lost: bool | None = None, share_with_children: bool = False,
+                       shared: bool = False) -> HeldLock | None:
         """The hold if the lock is free right now, else None."""
         ...
 
     async def acquire(self, key: str, *, wait: float | None = None, lease: float | None = None,
                       name: str | None = None, cancel_on_lost: bool | None = None,
-                      share_with_children: bool = False) -> HeldLock:
+                      share_with_children: bool = False, shared: bool = False) -> HeldLock:
         """Acquire and return the hold; release it with `await held.release()`."""
         ...
 
@@ -46,6 +48,16 @@ class Locks(Protocol):
     async def acquire_all(self, keys: Iterable[str], *, wait: float | None = None, lease: float | None = None,
                           name: str | None = None, cancel_on_lost: bool | None = None) -> HeldLocks:
         """Acquire every key (all or nothing); release them with `await held.release()`."""
+        ...
+
+    def semaphore(self, key: str, *, permits: int, wait: float | None = None, lease: float | None = None,
+                  name: str | None = None, cancel_on_lost: bool | None = None) -> LockContext:
+        """`async with locks.semaphore("export:t3", permits=2) as held:` at most `permits` holders at once."""
+        ...
+
+    async def acquire_permit(self, key: str, *, permits: int, wait: float | None = None, lease: float | None = None,
+                             name: str | None = None, cancel_on_lost: bool | None = None) -> HeldLock:
+        """A permit of `key`; release it with `await held.release()`."""
         ...
 
     async def held_locks(self) -> list[LockInfo]:

@@ -59,6 +59,8 @@ class LockCounts:
         self.meter_provider = meter_provider
         self.active: _Tally = _Tally()
         self.pending: _Tally = _Tally()
+        self.permits_used: _Tally = _Tally()       # permits held now, by semaphore name
+        self.permit_limits: dict[str, int] = {}    # the limit each semaphore name was last held with
         self._holds: dict[str, dict[int, Hold]] = {}
         self._connections: tuple[int, int] | None = None
         self._connection_source: Callable[[], tuple[int, int]] | None = None
@@ -107,6 +109,13 @@ class LockCounts:
         holds = self._holds.get(hold.name)
         if holds is not None and holds.pop(id(hold), None) is not None and not holds:
             del self._holds[hold.name]
+
+    def permit_taken(self, name: str, limit: int) -> None:
+        self.permit_limits[name] = limit
+        self.permits_used[name] += 1
+
+    def permit_returned(self, name: str) -> None:
+        self.permits_used[name] -= 1
 
     def oldest_holds(self) -> Iterator[tuple[str, float, float]]:
         """(lock name, age of its oldest hold, that hold's lease), ages against time.monotonic()."""
@@ -256,6 +265,15 @@ def observe(which: str, counts: Iterable[LockCounts], limits: Limits) -> list[Ob
     if which in ("active", "pending"):
         by_name = _fold(totals(counts, which), limits, "lock.name", lambda a, b: a + b)
         return [({"lock.name": name}, value) for name, value in by_name.items()]
+    if which == "permits_used":
+        by_name = _fold(totals(counts, which), limits, "lock.name", lambda a, b: a + b)
+        return [({"lock.name": name}, value) for name, value in by_name.items()]
+    if which == "permits_limit":
+        best: dict[str, int] = {}
+        for one in counts:
+            for name, limit in list(one.permit_limits.items()):
+                best[name] = max(best.get(name, 0), limit)
+        return [({"lock.name": name}, value) for name, value in _fold(best, limits, "lock.name", max).items()]
     if which in ("hold_age", "lease"):
         index = 0 if which == "hold_age" else 1
         oldest_by_name = _fold(oldest(counts), limits, "lock.name", max)

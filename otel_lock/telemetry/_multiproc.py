@@ -65,6 +65,7 @@ GAUGE_MODES = {
     "active": "livesum", "pending": "livesum", "connections": "livesum", "connection_pending": "livesum",
     "hold_age": "liveall", "lease": "liveall", "circuit_state": "liveall",
     "server_verdict": "livemax",  # the worst verdict any live worker holds on a server
+    "permits_used": "livesum", "permits_limit": "livemax",  # permits held add up; the limit is one per key
 }
 # Only while a hold lasts: a sample of 0 (the hold ended) is left out, as one process leaves it out.
 _WHILE_HELD = {OBSERVED["hold_age"].prom, OBSERVED["lease"].prom}

@@ -37,16 +37,16 @@ class Spec:
 
 RECORDED = (
     Spec("wait_duration", "otel_lock.wait.duration", "histogram", "s", "otel_lock_wait_duration_seconds",
-         ("lock.name", "lock.outcome", "lock.contended", "error.type"),
+         ("lock.name", "lock.outcome", "lock.contended", "error.type", "lock.mode"),
          "Time from asking for a lock to getting it or giving up.", WAIT_BUCKETS),
     Spec("hold_duration", "otel_lock.hold.duration", "histogram", "s", "otel_lock_hold_duration_seconds",
-         ("lock.name", "lock.release.outcome"),
+         ("lock.name", "lock.release.outcome", "lock.mode"),
          "Time a lock was held, from acquire to release or loss.", HOLD_BUCKETS),
     Spec("errors", "otel_lock.errors", "counter", "{error}", "otel_lock_errors",
          ("lock.name", "lock.operation", "error.type"),
          "Failed lock operations by operation and error type."),
     Spec("renewals", "otel_lock.renewals", "counter", "{renewal}", "otel_lock_renewals",
-         ("lock.name", "lock.renewal.outcome"),
+         ("lock.name", "lock.renewal.outcome", "lock.mode"),
          "Lease renewals by outcome (ok, lost, error)."),
     Spec("idempotency_requests", "otel_lock.idempotency.requests", "counter", "{request}",
          "otel_lock_idempotency_requests", ("http.route", "idempotency.outcome"),
@@ -98,6 +98,11 @@ OBSERVED = {
     "circuit_state": GaugeSpec("otel_lock.circuit.state", "gauge", "{state}", "otel_lock_circuit_state",
                                "Circuit breaker of the lock managers: 0 closed, 1 open (acquisitions "
                                "fail at once), 2 half-open (a probe may pass).", ("db.client.connection.pool.name",)),
+    "permits_used": GaugeSpec("otel_lock.permits.used", "gauge", "{permit}", "otel_lock_permits_used",
+                              "Permits of each semaphore held by this process right now."),
+    "permits_limit": GaugeSpec("otel_lock.permits.limit", "gauge", "{permit}", "otel_lock_permits_limit",
+                               "The permits limit of each semaphore this process has held (saturated when the "
+                               "sum of otel_lock.permits.used over processes reaches it)."),
     "server_verdict": GaugeSpec("otel_lock.server.verdict", "gauge", "{verdict}", "otel_lock_server_verdict",
                                 "The server checks' current verdict per server: 0 usable, 1 usable with "
                                 "warnings, 2 refused (acquisitions fail: a refused check or another data model).",

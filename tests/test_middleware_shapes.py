@@ -17,6 +17,7 @@ import pytest
 from fastapi import APIRouter, Depends, FastAPI, Form, Request
 from fastapi.responses import Response
 from fastapi.routing import APIRoute
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, Field
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse
@@ -627,3 +628,83 @@ async def test_a_wait_that_would_close_a_cycle_is_a_409_lock_deadlock_at_once(re
     assert "order:1" not in body["detail"] and "stock:x" not in body["detail"]
     assert body["detail"].count("h:") == 2               # the cycle's two keys, hashed
     assert isinstance(token, int)
+
+
+@pytest.mark.parametrize("annotation", [
+    lambda: locked("catalogue:{path.item}", shared=True),
+    lambda: __import__("otel_lock").limited("catalogue:{path.item}", permits=2),
+], ids=["shared", "limited"])
+async def test_a_redlock_manager_refuses_shared_locks_and_permits_at_start_up(annotation):
+    from otel_lock import RedLockManager
+
+    # Never contacted: the start-up refuses the route before any request.
+    manager = RedLockManager.from_urls([f"redis://127.0.0.1:{port}/0" for port in (1, 2, 3)], namespace="mwtest")
+    try:
+        app = FastAPI()
+
+        @app.get("/catalogue/{item}")
+        @annotation()
+        async def read(item: str):
+            return {}
+
+        app.add_middleware(LockMiddleware, manager=manager)
+        message = await startup_failure(app)
+    finally:
+        await manager.aclose()
+    assert "RedLockManager does not offer" in message and "use a LockManager" in message, message
+
+
+async def test_a_manager_with_wait_replicas_refuses_shared_locks_at_start_up(redis_url):
+    async with make_manager(redis_url, wait_replicas=1) as manager:
+        app = FastAPI()
+
+        @app.get("/catalogue/{item}")
+        @locked("catalogue:{path.item}", shared=True)
+        async def read(item: str):
+            return {}
+
+        app.add_middleware(LockMiddleware, manager=manager)
+        assert "wait_replicas" in await startup_failure(app)
+
+
+async def test_a_header_named_by_any_template_is_part_of_the_idempotency_fingerprint(redis_url):
+    async with make_manager(redis_url) as manager:
+        app = FastAPI()
+
+        @app.post("/checkout")
+        @idempotent(shared_scope=True)
+        @locked("stock:{json.lines.*.sku}", "till:{header.x-till}")
+        async def checkout(cart: Cart):
+            return {"lines": len(cart.lines)}
+
+        app.add_middleware(LockMiddleware, manager=manager)
+        async with client_for(app) as client:
+            first = await post_json(client, "/checkout", cart("a"), {"idempotency-key": "c-1", "x-till": "1"})
+            other_till = await post_json(client, "/checkout", cart("a"), {"idempotency-key": "c-1", "x-till": "2"})
+            again = await post_json(client, "/checkout", cart("a"), {"idempotency-key": "c-1", "x-till": "1"})
+    assert first.status_code == 200 and again.json() == first.json()
+    assert other_till.status_code == 422 and problem(other_till)["type"] == "idempotency-key-mismatch", other_till.text
+
+
+bearer = HTTPBearer()
+
+
+async def test_several_keys_are_taken_after_the_security_dependency(redis_url):
+    bank = Bank(a1=10, a2=10)
+    async with make_manager(redis_url) as manager:
+        app = FastAPI()
+
+        @app.post("/transfers")
+        @locked("account:{json.from_id}", "account:{json.to_id}")
+        async def transfer(body: Transfer, request: Request,
+                           credentials: Annotated[HTTPAuthorizationCredentials, Depends(bearer)]):
+            await bank.move(body.from_id, body.to_id, body.amount)
+            return {"keys": list(request.state.lock.keys)}
+
+        app.add_middleware(LockMiddleware, manager=manager)
+        async with client_for(app) as client:
+            anonymous = await post_json(client, "/transfers", {"from_id": 2, "to_id": 1, "amount": 1})
+            signed = await post_json(client, "/transfers", {"from_id": 2, "to_id": 1, "amount": 1},
+                                     {"authorization": "Bearer t"})
+    assert anonymous.status_code in (401, 403) and bank.balances == {1: 11, 2: 9}
+    assert signed.json() == {"keys": ["account:1", "account:2"]}

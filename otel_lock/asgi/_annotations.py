@@ -1,4 +1,10 @@
-"""`@locked(...)` and `@idempotent(...)`: route annotations read by LockMiddleware.
+"""`@locked(...)`, `@limited(...)` and `@idempotent(...)`: route annotations read by LockMiddleware.
+
+`@locked` names one key or several (templates, lists walked with `*`),
+held exclusively or, for one key, shared; `@limited` caps the holders of one
+key at `permits`. Both are a `Locked` (kind "locked": one per route), so
+routing, key binding, fingerprints and OpenAPI treat them alike; `_shapes`
+picks the manager call.
 
 The decorator records itself in an attribute of the function and returns a
 thin guard around it (`_guard`): placed below `@app.post`, the registered

@@ -2,7 +2,9 @@
 
 The route's lock (taken around the route's app, or at the handler's call)
 and the idempotency gate answer the same failure the same way: a busy
-resource is the rule's status (409 by default), a lost lease and an
+resource is the rule's status (409 by default; a `@limited` route's
+429 `concurrency-limit`), a wait that would close a cycle of waiters 409
+`lock-deadlock` (the cycle's keys hashed), a lost lease and an
 unavailable Redis are 503 with Retry-After, a misconfigured Redis is a 500
 that names the fix, any other error reply of Redis a 500 `redis-error`.
 """

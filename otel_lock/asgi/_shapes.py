@@ -35,11 +35,25 @@ def method_of(rule: Locked) -> str:
 def missing_method(manager: Locks | None, rule: Locked) -> str | None:
     """Why `manager` cannot hold this rule's keys (a start-up error), or None."""
     method = method_of(rule)
-    if manager is None or callable(getattr(manager, method, None)):
+    if manager is None:
         return None
-    return (f"{rule.annotation}({rule.template.template!r}) needs the lock manager's {method}(), which "
-            f"{type(manager).__name__} does not have: use otel_lock's LockManager (or RedLockManager) of a "
-            f"version with it")
+    if not callable(getattr(manager, method, None)):
+        return (f"{rule.annotation}({rule.template.template!r}) needs the lock manager's {method}(), which "
+                f"{type(manager).__name__} does not have: use otel_lock's LockManager (or RedLockManager) of a "
+                f"version with it")
+    # A quorum of masters (RedLockManager) holds one exclusive owner per round, and a grant confirmed by
+    # WAIT (wait_replicas) is one owner's: no shared holds, no permits. Their calls would refuse each
+    # request; the start-up refuses the route instead. (The manager has no public word for it yet.)
+    topology = getattr(manager, "_topology", None)
+    why = ("a quorum holds one exclusive owner per round" if not getattr(topology, "shapes", True)
+           else "its grants are confirmed by WAIT (wait_replicas)" if getattr(topology, "wait_replicas", 0)
+           else None)
+    if rule.mode != "exclusive" and why is not None:
+        what = "semaphore()" if rule.mode == "permit" else "lock(shared=True)"
+        return (f"{rule.annotation}({rule.template.template!r}) needs the lock manager's {what}, which "
+                f"{type(manager).__name__} does not offer ({why}): use a LockManager without wait_replicas for "
+                f"this route, or an exclusive @locked")
+    return None
 
 
 def holding(manager: Locks, rule: Locked, keys: tuple[str, ...], *,

@@ -77,14 +77,16 @@ async def test_a_release_wakes_the_first_waiter_with_a_fresh_token(locks, other,
     assert order == ["first", "second"]
 
 
-async def test_a_waiter_is_woken_by_the_grant_notice_not_by_polling(locks, other, redis_client):
+async def test_a_waiter_is_woken_by_the_grant_notice_not_by_polling(locks, redis_url, redis_client):
     holder = await locks.acquire_permit("s", permits=1, lease=60.0)
     pubsub = redis_client.pubsub()
     await pubsub.psubscribe("*")
-    waiter = asyncio.create_task(other.acquire_permit("s", permits=1, wait=30.0))
+    # poll_cap=60 and a 60 s lease: no fallback poll can come before the bound below, only the notice
+    other = LockManager.from_url(redis_url, namespace="t", poll_cap=60.0)
+    waiter = asyncio.create_task(other.acquire_permit("s", permits=1, wait=60.0))
     await queued(redis_client, "t:{s}:permits:q", 1)
     await holder.release()
-    held = await waiter
+    held = await asyncio.wait_for(waiter, 20)
     notices = []
     while (message := await pubsub.get_message(timeout=0.5)) is not None:
         if message["type"] == "pmessage":
@@ -93,6 +95,7 @@ async def test_a_waiter_is_woken_by_the_grant_notice_not_by_polling(locks, other
     # the release published the grant to the waiter's manager; one ACQUIRE (the queued one) was all it sent
     assert any(n.startswith(f"{held.owner} {held.token} t:{{s}}:permits") for n in notices), notices
     await held.release()
+    await other.aclose()
 
 
 async def test_another_limit_for_a_key_in_use_is_refused(locks, other):
@@ -291,3 +294,68 @@ async def test_wait_replicas_refuses_shared_holds_and_permits_at_their_first_use
             await locks.acquire_permit("s", permits=2, wait=0)
         with pytest.raises(LockError, match="not offered with wait_replicas"):
             await locks.acquire("cat", shared=True, wait=0)
+
+
+# -- the scripts' hand-over paths, driven directly ---------------------------------
+
+
+async def _queue_shared(client, waiter: str, channel: str) -> list:
+    from otel_lock.lock._shapes import SHARED
+
+    # ACQUIRE's ARGV: owner, waiter, lease_ms, -, queue_ms, ctx, fence_ttl_ms, channel, sharded
+    return await SHARED.acquire(client, SHARED.keys("t:{cat}"), [waiter, waiter, 30000, "0", 20000, "", 60000,
+                                                                 channel, "0"])
+
+
+async def test_a_plain_release_to_a_shared_waiter_is_turned_shared_by_its_claim(locks, redis_client):
+    writer = await locks.acquire("cat", lease=60.0)
+    pubsub = redis_client.pubsub()
+    await pubsub.subscribe("chan")  # the waiters' manager: a grant published there is delivered
+    assert (await _queue_shared(redis_client, "w1", "chan"))[0] == 0
+    assert (await _queue_shared(redis_client, "w2", "chan"))[0] == 0
+    await writer.release()  # the unchanged RELEASE: w1 gets it as if exclusive
+    assert await redis_client.hget("t:{cat}", "waiter") == b"w1"
+    claimed = await _queue_shared(redis_client, "w1", "chan")  # w1's confirming ACQUIRE
+    assert claimed[0] == 1
+    assert await redis_client.hget("t:{cat}", "owner") == b"(shared)"
+    assert sorted(await redis_client.zrange("t:{cat}:sh", 0, -1)) == [b"w1", b"w2"]  # w2 let in behind it
+    assert await redis_client.hget("t:{cat}:sh:t", "u:w2") == b"w2"  # w2's grant, not claimed yet
+    assert (await _queue_shared(redis_client, "w2", "chan"))[0] == 1
+    await pubsub.aclose()
+
+
+async def test_a_shared_waiter_leaving_an_unclaimed_grant_passes_it_on(locks, other, redis_client):
+    from otel_lock.lock._shapes import SHARED
+
+    writer = await locks.acquire("cat", lease=60.0)
+    pubsub = redis_client.pubsub()
+    await pubsub.subscribe("chan")
+    await _queue_shared(redis_client, "w1", "chan")
+    next_writer = asyncio.create_task(other.acquire("cat", wait=30.0))
+    await queued(redis_client, "t:{cat}:q", 2)
+    await writer.release()
+    assert await redis_client.hget("t:{cat}", "waiter") == b"w1"
+    assert await SHARED.leave(redis_client, SHARED.keys("t:{cat}"), ["w1", 60000]) == 1
+    held = await asyncio.wait_for(next_writer, 20)
+    assert held.mode == "exclusive" and held.token > writer.token
+    await held.release()
+    await pubsub.aclose()
+
+
+async def test_the_last_shared_holder_leaving_hands_on_to_a_writer_and_not_past_it(locks, other, redis_client):
+    reader = await locks.acquire("cat", shared=True, lease=60.0)
+    writer = asyncio.create_task(other.acquire("cat", wait=30.0))
+    await queued(redis_client, "t:{cat}:q", 1)
+    late_reader = asyncio.create_task(other.acquire("cat", shared=True, wait=30.0))
+    await queued(redis_client, "t:{cat}:q", 2)
+    second_writer = asyncio.create_task(locks.acquire("cat", wait=30.0))
+    await queued(redis_client, "t:{cat}:q", 3)
+    await reader.release()
+    first = await writer
+    await first.release()
+    shared = await late_reader
+    assert not second_writer.done()  # the reader got in, the writer behind it still waits
+    await shared.release()
+    last = await second_writer
+    assert first.token < shared.token < last.token  # one fence for every mode of the key
+    await last.release()

@@ -588,9 +588,11 @@ class Core:
                     span.set_attributes(self.telemetry.redact({
                         "lock.name": lease.name, "lock.key": lease.key, "lock.owner": lease.owner,
                         "lock.token": lease.token, "lock.depth": depth, "lock.attempts": 1,
-                        "lock.contended": False, "lock.outcome": "acquired", "lock.mode": "exclusive"}))
-                self.telemetry.wait_duration.record(0.0, {"lock.name": lease.name, "lock.outcome": "acquired",
-                                                          "lock.contended": False})
+                        "lock.contended": False, "lock.outcome": "acquired", "lock.mode": lease.shape.mode}))
+                metric: dict[str, Any] = {"lock.name": lease.name, "lock.outcome": "acquired", "lock.contended": False}
+                if lease.shape is not EXCLUSIVE:
+                    metric["lock.mode"] = lease.shape.mode
+                self.telemetry.wait_duration.record(0.0, metric)
         finally:
             if depth is None:
                 lease.unnest(child=child)

@@ -47,6 +47,7 @@ from opentelemetry.metrics import MeterProvider
 from opentelemetry.trace import TracerProvider
 
 from .lock import HeldLock, LockBusy, LockError, LockInfo, LockLost, LockManager, Locks, LockTimeout, RedisUnavailable
+from .lock._deadlock import THREAD_HOLDS
 from .lock._multi import canonical
 from .lock._options import check_key, check_seconds
 
@@ -769,7 +770,12 @@ class SyncLockManager:
         holds = runtime.holds()
         cancel = self._cancel_on_lost if cancel_on_lost is None else bool(cancel_on_lost)
 
+        caller = threading.current_thread()
+        who = f"{caller.name}#{caller.ident}"
+
         async def held() -> _Hold | None:
+            if holds:  # the thread holds locks: its wait may close a cycle (`_deadlock.py`)
+                THREAD_HOLDS.set((partial(_owners, holds), who))
             got = await take(runtime.manager)
             return None if got is None else _Hold(runtime, holds, key, got, cancel)
 
@@ -799,6 +805,11 @@ class SyncLockManager:
             return False  # closed meanwhile: the lease expires by itself
         assert own is not None
         return runtime.run(partial(hold.end, own, last), cancel_on_abandon=False)
+
+
+def _owners(holds: dict[str, _Hold]) -> list[str]:
+    """The owner ids of a thread's holds (read on the loop thread when its wait may close a cycle)."""
+    return [hold.held.owner for hold in list(holds.values()) if not hold.held._lease.ended]
 
 
 def _abandon_hold(hold: _Hold | None) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import redis
@@ -90,3 +91,35 @@ def test_sync_lock_all_tells_a_lost_lease(redis_url, client):
                 client.hset("s:{b}", "owner", "thief")
                 assert locked.lost.wait(10)
         assert held(client) == [b"s:{b}"]
+
+
+def test_crossed_waits_of_two_threads_are_refused_to_the_second(sync_locks, other, client):
+    from otel_lock import LockDeadlock
+
+    a_holds, a_waits = threading.Event(), threading.Event()
+    outcome: dict[str, object] = {}
+
+    def a():
+        with sync_locks.lock("k1"):
+            a_holds.set()
+            a_waits.set()
+            try:
+                with sync_locks.lock("k2", wait=60.0) as then:
+                    outcome["a"] = then.token
+            except Exception as exc:  # noqa: BLE001  (the outcome under test)
+                outcome["a"] = exc
+
+    with other.lock("k2"):
+        thread = threading.Thread(target=a, name="transfer-a")
+        thread.start()
+        assert a_holds.wait(20)
+        give_up = time.monotonic() + 20
+        while client.zcard("s:{k2}:q") != 1:   # A is queued on k2
+            assert time.monotonic() < give_up and thread.is_alive()
+            time.sleep(0.005)
+        with pytest.raises(LockDeadlock) as caught:
+            other.acquire("k1", wait=60.0)
+        assert [step[0] for step in caught.value.cycle] == ["s:{k1}", "s:{k2}"]
+        assert caught.value.cycle[0][2].startswith("transfer-a#")
+    thread.join(20)
+    assert isinstance(outcome["a"], int)

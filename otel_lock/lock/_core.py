@@ -33,7 +33,7 @@ from redis.exceptions import NoScriptError, RedisError
 from ._attempt import Request
 from ._background import Background
 from ._breaker import Breaker
-from ._deadlock import Probe, held_by_this_task
+from ._deadlock import probe_for
 from ._errors import (LockBusy, LockDeadlock, LockError, LockTimeout, RedisMisconfigured, RedisUnavailable, error_type,
                       to_lock_error)
 from ._held import NEVER, HeldLock, Lease, LockContext, LockInfo, forget, held_here, remember
@@ -392,9 +392,7 @@ class Core:
         request = Request((lock_base,), name, waiter_id, owner or waiter_id, int(lease * 1000), wait, ctx,
                           private=owner is None, shape=shape, permits=permits)
         if wait > 0 and owner is None and shape is EXCLUSIVE:   # (merge: the probe walks exclusive holds only)
-            holds = held_by_this_task(self.id)  # only a waiter that holds locks can close a cycle
-            if holds is not None:
-                request.probe = Probe(holds, self.id, self.namespace)
+            request.probe = probe_for(self.id, self.namespace)  # only a waiter that holds locks can close a cycle
         with self.telemetry.acquire_span(name) if recording else _NO_SPAN as span:
             outcome, error = "error", None  # type: str, BaseException | None
             try:

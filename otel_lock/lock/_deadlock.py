@@ -25,6 +25,10 @@ may both be refused, and a walk is read across moments (it is read twice
 before it refuses). Not on RedLock (its transport has no queue and no single
 server to walk): waits there end at `wait` as before.
 
+The blocking facade (`otel_lock.sync`) takes each lock in a task of its
+own; it names the calling thread's holds in `THREAD_HOLDS`, so a thread is
+one holder, as a task is.
+
 Holds with an explicit `owner=` (shared by cooperating holders) and the
 holds a task inherits from its spawner (`share_with_children`) are left out:
 they do not say which task will release them.
@@ -37,7 +41,9 @@ import json
 import logging
 import math
 import os
-from typing import Any
+from contextvars import ContextVar
+from functools import partial
+from typing import Any, Callable
 
 from . import _scripts
 from ._errors import LockDeadlock, LockError, RedisUnavailable
@@ -50,34 +56,52 @@ INFINITE_TTL_MS = 3_600_000  # the record of a wait without deadline (the queue 
 
 
 class Probe:
-    """What a waiter that holds locks brings to its wait: its holds in this manager, and who it is."""
+    """What a waiter that holds locks brings to its wait: the owners of its holds in this manager, and who it is."""
 
-    __slots__ = ("holds", "manager_id", "namespace", "owners", "recorded")
+    __slots__ = ("_owners", "_who", "namespace", "owners", "recorded")
 
-    def __init__(self, holds: _Holds, manager_id: str, namespace: str) -> None:
-        self.holds, self.manager_id, self.namespace = holds, manager_id, namespace
+    def __init__(self, owners: Callable[[], list[str]], who: Callable[[], str], namespace: str) -> None:
+        self._owners, self._who, self.namespace = owners, who, namespace
         self.owners: list[str] = []
         self.recorded = False
 
     def own_owners(self) -> list[str]:
-        """The owner ids of the locks the task holds in this manager (its own, not shared by `owner=`)."""
-        return [lease.owner for (manager, _), lease in list(self.holds.by_key.items())
-                if manager == self.manager_id and not lease.ended and not lease.explicit_owner]
+        """The owner ids of the locks the waiter holds in this manager (its own, not shared by `owner=`)."""
+        return self._owners()
 
     def holder(self) -> str:
-        task = self.holds.task
-        return f"{task.get_name() if task is not None else 'task'}@{os.getpid()}/{self.manager_id}"
+        return self._who()
 
     def record_key(self, owner: str) -> str:
         return f"{self.namespace}:waits:{owner}"
 
 
-def held_by_this_task(manager_id: str) -> _Holds | None:
-    """The current task's own holds, if it has any (cheap: no walk over them)."""
+# The blocking facade takes each lock in a task of its own: it names the holds of the calling thread here.
+THREAD_HOLDS: ContextVar[tuple[Callable[[], list[str]], str] | None] = ContextVar("otel_lock_thread_holds",
+                                                                                 default=None)
+
+
+def probe_for(manager_id: str, namespace: str) -> Probe | None:
+    """A probe if the current task (or the facade's thread) holds locks; else None, after one or two looks."""
     view = _HELD.get()
-    if view is None or view.holds.task is not asyncio.current_task() or not view.holds.by_key:
-        return None
-    return view.holds
+    if view is not None and view.holds.task is asyncio.current_task() and view.holds.by_key:
+        holds = view.holds
+        return Probe(partial(_task_owners, holds, manager_id), partial(_label, holds, manager_id), namespace)
+    thread = THREAD_HOLDS.get()
+    if thread is not None:
+        owners, name = thread
+        return Probe(owners, partial(str, f"{name}@{os.getpid()}/{manager_id}"), namespace)
+    return None
+
+
+def _task_owners(holds: _Holds, manager_id: str) -> list[str]:
+    return [lease.owner for (manager, _), lease in list(holds.by_key.items())
+            if manager == manager_id and not lease.ended and not lease.explicit_owner]
+
+
+def _label(holds: _Holds, manager_id: str) -> str:
+    task = holds.task
+    return f"{task.get_name() if task is not None else 'task'}@{os.getpid()}/{manager_id}"
 
 
 def ttl_ms(wait_left: float) -> int:

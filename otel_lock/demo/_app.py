@@ -254,10 +254,13 @@ def _cart(body: dict[str, Any]) -> dict[str, int]:
     return cart
 
 
-def _tokens(request: Request) -> dict[str, int]:
-    """The fencing token of each product's lock (`stock:<id>`), from what the middleware took for this request."""
+def _product_token(request: Request, product_id: str) -> int | None:
+    """The fencing token of the product's lock (`stock:<id>`) among those the middleware took for this request.
+
+    None only when the shop runs without locks; a product the locks missed is a bug (KeyError, a 500).
+    """
     held = getattr(request.state, "lock", None)
-    return {} if held is None else dict(held.tokens)
+    return None if held is None else int(held.tokens[f"stock:{escape(product_id)}"])
 
 
 @locked(CART_LOCK, wait=LOCK_WAIT, max_keys=MAX_CART_ITEMS)
@@ -267,13 +270,13 @@ async def checkout(request: Request) -> JSONResponse:
     The middleware holds one lock per product (`lock_all`, one canonical order whatever the cart's, so
     two carts naming the same products in opposite orders never wait on each other). Each product's
     write carries its own lock's fencing token. The writes are one per product (products live in
-    different Cluster slots): a lease lost between two of them refuses the rest (409, nothing
-    oversold), leaving the products written before it sold without a checkout answer.
+    different Cluster slots): a lease lost between two of them has that product's write refused (409,
+    nothing oversold) and the rest not tried, leaving the products written before it sold without a
+    checkout answer.
     """
     cart = _cart(await _json_object(request))
     shop = _shop(request)
     store = shop.store
-    tokens = _tokens(request)
     stocks = await asyncio.gather(*(store.get_stock(sku) for sku in cart))
     for (sku, quantity), stock in zip(cart.items(), stocks):
         if stock is None:
@@ -285,7 +288,7 @@ async def checkout(request: Request) -> JSONResponse:
     left: list[dict[str, Any]] = []
     for (sku, quantity), stock in zip(cart.items(), stocks):
         assert stock is not None
-        written = await store.write_stock(sku, stock - quantity, tokens.get(f"stock:{escape(sku)}"))
+        written = await store.write_stock(sku, stock - quantity, _product_token(request, sku))
         if written == 0:
             raise Problem(409, "stale-fencing-token", f"the lock of product {sku} was lost before its write; "
                                                       "retry", {"Retry-After": "1"})

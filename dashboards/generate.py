@@ -336,7 +336,8 @@ def overview() -> dict:
                    [target(events_per_second("lock_name", f"{WAIT}_count{sel(TIMEOUT)}"),
                            "{{lock_name}}")], "reqps", links=True),
         timeseries("Errors by operation and error.type",
-                   "Failed Redis round trips of acquire, release and renew (redis_unavailable, redis_error).",
+                   "Failed Redis round trips of acquire, release and renew (redis_unavailable, redis_error), and "
+                   "waits refused as deadlocks (error.type=deadlock, drawn alone in Deadlocks by lock).",
                    [target(events_per_second("lock_operation, error_type", f"otel_lock_errors_total{sel()}"),
                            "{{lock_operation}} {{error_type}}")], "reqps"),
         timeseries("Deadlocks by lock",
@@ -465,7 +466,7 @@ def one_lock() -> dict:
                            "{{lock_renewal_outcome}}")], "ops",
                    overrides=[color("lock_renewal_outcome", "lost", "red"),
                               color("lock_renewal_outcome", "error", "orange")]),
-        timeseries("Errors by operation and error.type", "Redis failures on acquire, release, renew.",
+        timeseries("Errors by operation and error.type", "Redis failures on acquire, release, renew; refused deadlocks.",
                    [target(events_per_second("lock_operation, error_type", f"otel_lock_errors_total{one}"),
                            "{{lock_operation}} {{error_type}}")], "reqps"),
         timeseries("Deadlocks refused", "Waiters for this lock refused with LockDeadlock (409 lock-deadlock).",

@@ -130,6 +130,8 @@ async def test_order_is_created_once_and_listed(client):
     ("POST", "/api/checkout", {"json": {"items": [{"sku": "p1", "quantity": 6}, {"sku": "p1", "quantity": 5}]}},
      409, "out-of-stock"),
     ("POST", "/api/checkout", {"json": {"items": [{"sku": f"p{n}"} for n in range(21)]}}, 422, "lock-keys-too-many"),
+    ("POST", "/api/exports", {}, 400, "lock-key-invalid"),
+    ("POST", "/api/exports", {"headers": {"X-User-Id": "a b"}}, 400, "invalid-user-id"),
     ("DELETE", "/api/stock/p1", {}, 405, "method-not-allowed"),
     ("GET", "/api/nothing", {}, 404, "not-found"),
 ], ids=lambda v: v if isinstance(v, str) else None)
@@ -250,6 +252,22 @@ async def test_carts_naming_products_in_opposite_orders_neither_oversell_nor_dea
     assert sum(a.status_code == 200 for a in answers) == 10
     assert all(a.status_code == 409 and kind(a) == "out-of-stock" for a in answers if a.status_code != 200)
     assert left == [0, 0, 0]
+
+
+async def test_exports_run_at_most_two_at_once_per_user(client, redis_client):
+    await client.put("/api/stock/p1", json={"stock": 5})
+    await client.post("/api/orders", json={"product_id": "p1", "quantity": 2},
+                      headers={**USER, "Idempotency-Key": '"e-1"'})
+    assert (await client.post("/api/exports", headers=USER)).json() == {
+        "user": "alice", "orders": 1, "items": 2, "replica": (await client.get("/healthz")).json()["replica"]}
+    async with LockManager(redis_client, namespace="t") as other:
+        # Two exports of alice's running elsewhere: both permits of her key are taken.
+        async with other.semaphore("export:user:alice", permits=2), other.semaphore("export:user:alice", permits=2):
+            bob = await client.post("/api/exports", headers={"X-User-Id": "bob"})
+            full = await client.post("/api/exports", headers=USER)
+    assert bob.status_code == 200 and bob.json()["orders"] == 0  # a limit per user
+    assert full.status_code == 429 and kind(full) == "concurrency-limit" and "retry-after" in full.headers
+    assert (await client.post("/api/exports", headers=USER)).status_code == 200  # the permits came back
 
 
 async def test_disabled_locks_take_no_lock(redis_url, monkeypatch):

@@ -2,8 +2,9 @@
 
 Workers buy from a few hot products spread over every replica (the stock lock
 is contended across processes), check out carts of two or three of them named
-in any order (one lock per product, the same keys), restock a product when it
-sells out, and submit orders with Idempotency-Keys: fresh ones, retries of the same request
+in any order (one lock per product, the same keys), export their orders
+(a semaphore of two permits per user), restock a product when it sells out,
+and submit orders with Idempotency-Keys: fresh ones, retries of the same request
 (replayed), reused keys with another body (422 mismatch), concurrent
 duplicates (409 conflict) and, now and then, a missing or ill-formed key
 (400). Used by the compose stack's `loadgen` service and by
@@ -57,10 +58,12 @@ class LoadLoop:
         user = f"load-user-{number}"
         while not self._stopped.is_set():
             roll = self.random.random()
-            if roll < 0.6:
+            if roll < 0.55:
                 await self._buy(client)
-            elif roll < 0.75:
+            elif roll < 0.7:
                 await self._checkout(client)
+            elif roll < 0.75:
+                await self._call(client, "POST", "/api/exports", headers={"X-User-Id": user})
             elif roll < 0.95:
                 await self._order(client, user)
             else:

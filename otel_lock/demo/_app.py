@@ -7,7 +7,8 @@ inside the order handler, the fencing token on every stock write, a
 `deduct-atomic`: the same sale as one Lua script, no lock; and a checkout of
 a cart of several products under `@locked("stock:{json.items.*.sku}")`: one
 lock per product, taken in one canonical order, each write fenced by its own
-product's token.
+product's token; and order exports limited to two at once per user with
+`@limited(..., permits=2)`.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from .. import HeldLock, LockLost, LockManager, LockMiddleware, LockTimeout, RedisUnavailable, idempotent, locked
+from .. import (HeldLock, LockLost, LockManager, LockMiddleware, LockTimeout, RedisUnavailable, idempotent, limited,
+                locked)
 from ..asgi._keys import escape
 from ..telemetry import metrics_endpoint
 from ._job import run_job
@@ -49,6 +51,10 @@ STOCK_LOCK = "stock:{path.product_id}"
 # excludes the deduct and order routes on those products, on every replica.
 CART_LOCK = "stock:{json.items.*.sku}"
 MAX_CART_ITEMS = 20
+# At most EXPORT_PERMITS exports of one user's orders run at once, on all replicas together.
+EXPORT_LOCK = "export:user:{header.x-user-id}"
+EXPORT_PERMITS = 2
+EXPORT_WORK = 0.05  # seconds an export takes (think: rendering a file), so that exports overlap
 MAX_REDIS_CONNECTIONS = 1000
 
 
@@ -335,6 +341,18 @@ async def list_orders(request: Request) -> JSONResponse:
     return JSONResponse({"orders": await _shop(request).store.orders(user)})
 
 
+@limited(EXPORT_LOCK, permits=EXPORT_PERMITS, wait=LOCK_WAIT)
+async def export_orders(request: Request) -> JSONResponse:
+    """A slow report of the user's orders: at most EXPORT_PERMITS at once per user (429 + Retry-After past it)."""
+    user = _user_id(request.headers.get("x-user-id"))
+    shop = _shop(request)
+    orders = await shop.store.orders(user)
+    await asyncio.sleep(EXPORT_WORK + shop.settings.work)
+    return JSONResponse({"user": user, "orders": len(orders),
+                         "items": sum(int(order.get("quantity", 0)) for order in orders),
+                         "replica": shop.settings.replica_name})
+
+
 # One route per path, so that a 405 names every method the path allows (RFC 9110 15.5.6).
 class StockItem(HTTPEndpoint):
     get = staticmethod(get_stock)
@@ -375,7 +393,7 @@ ENDPOINTS = {("/api/stock/{product_id}", "GET"): get_stock, ("/api/stock/{produc
              ("/api/stock/{product_id}/deduct", "POST"): deduct,
              ("/api/stock/{product_id}/deduct-atomic", "POST"): deduct_atomic,
              ("/api/orders", "GET"): list_orders, ("/api/orders", "POST"): create_order,
-             ("/api/checkout", "POST"): checkout,
+             ("/api/checkout", "POST"): checkout, ("/api/exports", "POST"): export_orders,
              ("/api/jobs", "GET"): list_jobs, ("/healthz", "GET"): healthz, ("/metrics", "GET"): metrics_endpoint}
 OPENAPI = openapi_document(ENDPOINTS, {"max_body": MAX_BODY, "max_quantity": MAX_QUANTITY, "max_stock": MAX_STOCK,
                                        "max_cart_items": MAX_CART_ITEMS})
@@ -429,6 +447,7 @@ def create_app(settings: DemoSettings | None = None, locks: LockManager | None =
             Route("/api/stock/{product_id}/deduct-atomic", deduct_atomic, methods=["POST"]),
             Route("/api/orders", Orders, methods=["GET", "POST"]),
             Route("/api/checkout", checkout, methods=["POST"]),
+            Route("/api/exports", export_orders, methods=["POST"]),
             Route("/api/jobs", list_jobs, methods=["GET"]),
             Route("/healthz", healthz, methods=["GET"]),
             Route("/metrics", metrics_endpoint, methods=["GET"]),

@@ -118,6 +118,19 @@ def operations(limits: dict[str, int]) -> dict[str, dict[str, dict[str, Any]]]:
                                                (409, "A product is out of stock, busy (lock-timeout), or a newer "
                                                      "lock holder wrote first"), too_large)}},
         },
+        "/api/exports": {
+            "post": {"summary": "A report of the user's orders (at most two at once per user)",
+                     "operationId": "exportOrders",
+                     "parameters": [{"name": "X-User-Id", "in": "header", "required": True, "schema": ID,
+                                     "description": "The user whose orders are exported (demo only)"}],
+                     "responses": {"200": _json({"type": "object", "required": ["user", "orders", "items", "replica"],
+                                                 "properties": {"user": {"type": "string"},
+                                                                "orders": {"type": "integer", "minimum": 0},
+                                                                "items": {"type": "integer", "minimum": 0},
+                                                                "replica": {"type": "string"}}},
+                                                "How many orders and items the user has"),
+                                   **_problems((400, "The X-User-Id is ill-formed (invalid-user-id)"))}},
+        },
         "/api/jobs": {"get": {"summary": "Runs of the once-per-tick job", "responses": {
             "200": _json({"type": "object", "required": ["runs"], "properties": {"runs": {"type": "array", "items": {
                 "type": "object", "properties": {"tick": {"type": "integer"}, "replica": {"type": "string"}}}}}},

@@ -708,3 +708,48 @@ async def test_several_keys_are_taken_after_the_security_dependency(redis_url):
                                      {"authorization": "Bearer t"})
     assert anonymous.status_code in (401, 403) and bank.balances == {1: 11, 2: 9}
     assert signed.json() == {"keys": ["account:1", "account:2"]}
+
+
+async def test_two_templates_may_walk_the_same_list(redis_url):
+    async with make_manager(redis_url) as manager:
+        app = FastAPI()
+
+        @app.post("/reserve")
+        @locked("stock:{json.lines.*.sku}", "shelf:{json.lines.*.sku}", max_keys=4)
+        async def reserve(cart: Cart, request: Request):
+            return {"keys": list(request.state.lock.keys)}
+
+        app.add_middleware(LockMiddleware, manager=manager)
+        async with client_for(app) as client:
+            two = await post_json(client, "/reserve", cart("b", "a", "b"))
+            three = await post_json(client, "/reserve", cart("a", "b", "c"))
+    assert two.json() == {"keys": ["shelf:a", "shelf:b", "stock:a", "stock:b"]}, two.text
+    assert three.status_code == 422 and problem(three)["type"] == "lock-keys-too-many"
+
+
+class Shipment(BaseModel):
+    carts: list[Cart]
+
+
+async def test_a_list_body_and_lists_in_lists_are_walked_declared(redis_url):
+    async with make_manager(redis_url) as manager:
+        app = FastAPI()
+
+        @app.post("/skus")
+        @locked("sku:{json.*}")
+        async def skus(codes: list[int], request: Request):
+            return {"keys": list(request.state.lock.keys)}
+
+        @app.post("/shipments")
+        @locked("stock:{json.carts.*.lines.*.sku}")
+        async def ship(shipment: Shipment, request: Request):
+            return {"keys": list(request.state.lock.keys)}
+
+        app.add_middleware(LockMiddleware, manager=manager)
+        async with client_for(app) as client:
+            codes = await post_json(client, "/skus", [3, "03", 2])
+            shipped = await post_json(client, "/shipments", {"carts": [cart("b", "a"), cart("c"), {"lines": []}]})
+            ugly = await post_json(client, "/shipments", {"carts": [cart("b"), {"lines": "a"}]})
+    assert codes.json() == {"keys": ["sku:2", "sku:3"]}, codes.text
+    assert shipped.json() == {"keys": ["stock:a", "stock:b", "stock:c"]}, shipped.text
+    assert ugly.status_code == 422

@@ -33,7 +33,7 @@ import hmac
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from ._canonical import number_text
 
@@ -214,7 +214,7 @@ def json_value(body: Any, part: Part) -> str | None:
     return _json_text(_json_walk(body, part.json_path, part), part)
 
 
-def json_values(body: Any, part: Part) -> tuple[str | None, ...]:
+def json_values(body: Any, part: Part) -> Iterator[str | None]:
     """Every value of a `{json.items.*.sku}` placeholder, in the body's order.
 
     An absent or null list is no values when the placeholder is optional
@@ -236,7 +236,7 @@ def json_values(body: Any, part: Part) -> tuple[str | None, ...]:
                 raise TemplateValueError(f"JSON field {'.'.join(path[:i])!r} must be a list (needed by {part.text})")
             nodes.extend(found)
         start = i + 1
-    return tuple(_json_text(_json_walk(node, path[start:], part, path[:start]), part) for node in nodes)
+    return (_json_text(_json_walk(node, path[start:], part, path[:start]), part) for node in nodes)
 
 
 def _json_walk(node: Any, steps: tuple[str, ...], part: Part, before: tuple[str, ...] = ()) -> Any:

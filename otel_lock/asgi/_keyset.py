@@ -13,12 +13,45 @@ request takes nothing for that template (docs/middleware.md, "Several keys").
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable, Iterator
 
 from ._keys import KeyTemplate, Part, TemplateValueError
 
+
+class Each:
+    """The texts of a `*` placeholder, one per element, rendered as they are first read.
+
+    A request refused for naming too many keys stops reading here, so a list
+    of ten thousand items costs the walk of about `max_keys` of them; any
+    template naming the placeholder reads the ones already rendered again.
+    """
+
+    __slots__ = ("_source", "_read")
+
+    def __init__(self, texts: Iterable[str | None]) -> None:
+        self._source: Iterator[str | None] | None = iter(texts)
+        self._read: list[str | None] = []
+
+    def __iter__(self) -> Iterator[str | None]:
+        i = 0
+        while True:
+            if i < len(self._read):
+                yield self._read[i]
+            elif self._source is None:
+                return
+            else:
+                try:
+                    text = next(self._source)
+                except StopIteration:
+                    self._source = None
+                    return
+                self._read.append(text)
+                yield text
+            i += 1
+
+
 # A placeholder's rendered value: one text (None: absent, optional), or one per element for `{json.items.*.sku}`.
-Value = str | None | tuple[str | None, ...]
+Value = str | None | Each
 
 
 class TooManyKeys(TemplateValueError):
@@ -63,20 +96,22 @@ class KeySet:
         return tuple(sorted(keys))
 
 
-def _combinations(template: KeyTemplate, lookup: Callable[[Part], Value]) -> list[dict[Part, str | None]]:
+def _combinations(template: KeyTemplate, lookup: Callable[[Part], Value]) -> Iterator[dict[Part, str | None]]:
     """One value per placeholder for each key of the template: its `*` placeholder's elements, one by one."""
     fixed: dict[Part, str | None] = {}
-    many: tuple[Part, tuple[str | None, ...]] | None = None
+    many: tuple[Part, Each] | None = None
     for part in template.parts:
         value = lookup(part)
-        if isinstance(value, tuple):
+        if isinstance(value, Each):
             many = (part, value)
         else:
             fixed[part] = value
     if many is None:
-        return [fixed]
+        yield fixed
+        return
     part, values = many
-    return [{**fixed, part: value} for value in values]
+    for value in values:
+        yield {**fixed, part: value}
 
 
 def check_one_wildcard(template: KeyTemplate) -> None:

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
-from typing import Any, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 from urllib.parse import parse_qsl
 
 from ._canonical import NotCanonical, loads, scalar_text
 from ._declared import FILE_ATTRS, MISSING, model_field
 
 from ._keys import PRINCIPAL, WILDCARD, Part, TemplateValueError, json_value, json_values
-from ._keyset import Value
+from ._keyset import Each, Value
 from ._types import Message, Scope
 
 # The caller of the request being protected (`{principal}`), set once it is resolved; None: nobody.
@@ -55,35 +55,31 @@ def render(value: Any, part: Part) -> str | None:
         raise TemplateValueError(f"{part.text} must be a string or a number, not {type(value).__name__}") from None
 
 
-def render_each(values: list[Any], part: Part) -> tuple[str | None, ...]:
-    """The texts of a `*` placeholder's values, one per element."""
-    return tuple(render(value, part) for value in values)
+def render_each(values: Iterable[Any], part: Part) -> Each:
+    """The texts of a `*` placeholder's values, one per element, rendered as they are read."""
+    return Each(render(value, part) for value in values)
 
 
-def walk_each(node: Any, steps: tuple[str, ...], part: Part) -> list[Any]:
+def walk_each(node: Any, steps: tuple[str, ...], part: Part) -> Iterator[Any]:
     """The values at a path with `*` steps: every element's, flattened (a set's in any order: keys are sorted).
 
-    An absent or null list is no values for an optional placeholder; anything
-    but a list where `*` stands is a TemplateValueError (400) naming it.
+    Lazily, element by element. An absent or null list is no values for an
+    optional placeholder; anything but a list where `*` stands is a
+    TemplateValueError (400) naming it.
     """
-    nodes = [node]
-    for i, step in enumerate(steps):
-        if step != WILDCARD:
-            nodes = [_step(n, step) for n in nodes]
-            continue
-        elements: list[Any] = []
-        for found in nodes:
-            if found is MISSING or found is None:
-                if part.optional:
-                    continue
-                raise TemplateValueError(f"{part.text}: the list before '*' is missing or null")
-            if isinstance(found, (list, tuple, set, frozenset)):
-                elements.extend(found)
-            else:
-                raise TemplateValueError(f"{part.text}: '*' walks a list, but the request has a "
-                                         f"{type(found).__name__} there")
-        nodes = elements
-    return nodes
+    star = steps.index(WILDCARD) if WILDCARD in steps else len(steps)
+    found = walk(node, steps[:star])
+    if star == len(steps):
+        yield found
+        return
+    if found is MISSING or found is None:
+        if part.optional:
+            return
+        raise TemplateValueError(f"{part.text}: the list before '*' is missing or null")
+    if not isinstance(found, (list, tuple, set, frozenset)):
+        raise TemplateValueError(f"{part.text}: '*' walks a list, but the request has a {type(found).__name__} there")
+    for element in found:
+        yield from walk_each(element, steps[star + 1:], part)
 
 
 def walk(node: Any, steps: tuple[str, ...]) -> Any:
@@ -126,7 +122,7 @@ class RawValues:
     async def value(self, part: Part) -> Value:
         if part.many:
             if part.source == "json":
-                return json_values(self._document(), part)
+                return Each(json_values(self._document(), part))
             return render_each(walk_each(await self._form_values(part), part.json_path[1:], part), part)
         if part.source == PRINCIPAL:
             return principal_value(part)

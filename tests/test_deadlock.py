@@ -8,6 +8,7 @@ lock's queue) and on what the agents report, never on sleeps.
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 from opentelemetry.sdk.metrics import MeterProvider
@@ -95,7 +96,9 @@ async def test_the_second_of_two_crossed_waits_is_refused_and_the_first_proceeds
     assert await redis_client.zcard("otel-lock:{k1}:q") == 0   # the refused waiter left the queue
     await b.finish()                                            # B lets go of k2: A gets it
     assert isinstance(await a.finish(), int)
-    assert await redis_client.keys("otel-lock:waits:*") == []   # the records went with the waits
+    for record in await redis_client.keys("otel-lock:waits:*"):  # a record outlives its wait, as no edge
+        waits_for, waiter, _, in_queue = json.loads(await redis_client.get(record))
+        assert in_queue == 1 and await redis_client.zscore(waits_for + ":q", waiter) is None
 
 
 async def test_a_plain_chain_is_not_refused(managers, redis_client):
@@ -190,6 +193,7 @@ async def test_a_deadlock_is_counted_and_named_on_the_acquire_span(redis_url, re
     span = next((s for s in spans if s.name.startswith("lock acquire") and s.attributes.get("error.type") == "deadlock"),
                 None)
     assert span is not None, [(s.name, dict(s.attributes)) for s in spans]
+    assert span.attributes["lock.mode"] == "exclusive"
     event = next(e for e in span.events if e.name == "lock deadlock")
     assert list(event.attributes["lock.deadlock.keys"]) == ["otel-lock:{k1}", "otel-lock:{k2}"]
     points = [p for m in reader.get_metrics_data().resource_metrics[0].scope_metrics[0].metrics

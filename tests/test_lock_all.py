@@ -149,3 +149,11 @@ async def test_release_is_idempotent(locks, redis_client):
     assert await held.release() is True
     assert await held.release() is True
     assert await held_keys(redis_client) == []
+
+
+async def test_a_long_held_lease_re_entered_by_many_lock_all_keeps_no_listeners(locks):
+    async with locks.lock("a") as outer:
+        for _ in range(50):
+            async with locks.lock_all(["a", "b"]):
+                pass
+        assert outer._lease.on_lost == []

@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING, Any, Coroutine
 from . import _deadlock, _scripts
 from redis.exceptions import NoScriptError, RedisError
 
-from ._errors import LockError, LockTimeout, RedisUnavailable, is_unavailable
+from ._errors import LockDeadlock, LockError, LockTimeout, RedisUnavailable, is_unavailable
 from ._shapes import EXCLUSIVE, Shape
-from ._waiting import PROMOTED, Grant, Waiter
+from ._waiting import POLL, PROMOTED, Grant, Waiter
 
 if TYPE_CHECKING:
     from ._scripted import ScriptTransport
@@ -94,6 +94,9 @@ class Attempt:
         self._maybe_taken = False  # a call failed after it may have run: undo on giving up
         self._queued_at: float | None = None  # send time of the first queued ACQUIRE
         self._pttl = -1
+        self._refusal: LockDeadlock | None = None  # the deadlock check found this wait closes a cycle
+        self._check_timer: asyncio.TimerHandle | None = None
+        self._check: asyncio.Future[None] | None = None
 
     def _args(self, queue: bool) -> list[Any]:
         r = self.request
@@ -137,10 +140,8 @@ class Attempt:
                 reply = await self._ask(queue=True)
                 if reply is not None:
                     return reply
-            probe = self.request.probe
-            if probe is not None:
-                await _deadlock.check(self.transport, probe, key, self.request.waiter_id,
-                                      self.deadline - self.loop.time(), self._waiter is not None, self.request.name)
+            if self.request.probe is not None:
+                await self._check_deadlock(self.request.probe, key)
             pending = self.transport.pending
             pending[self.request.name] += 1
             try:
@@ -153,9 +154,44 @@ class Attempt:
         finally:
             if self._waiter is not None:
                 waiting.remove(self._waiter)
-            if self.request.probe is not None and self.request.probe.recorded:
-                self.transport.background(_deadlock.over(self.transport, self.request.probe, self.request.waiter_id,
+            if self._check_timer is not None:
+                self._check_timer.cancel()
+            probe = self.request.probe
+            if probe is not None and probe.recorded and self._waiter is None:
+                # a polling waiter's record is an edge until deleted; a queued one's stops being one as it leaves
+                self.transport.background(_deadlock.over(self.transport, probe, self.request.waiter_id,
                                                          self.request.name))
+
+    async def _check_deadlock(self, probe: _deadlock.Probe, key: str) -> None:
+        """Would this wait close a cycle? A queued waiter asks while it waits, so the check adds no latency.
+
+        It asks once it has waited CHECK_AFTER (a wait that ends sooner was no
+        deadlock, and costs no check). A refusal wakes the waiter, which
+        raises it unless the lock was handed to it meanwhile (then the cycle
+        is broken already). A polling waiter (no queue place to keep) asks
+        before its first poll.
+        """
+        if self._waiter is None:
+            await self._deadlock_check(probe, key)
+            return
+        self._check_timer = self.loop.call_later(_deadlock.CHECK_AFTER, self._start_check, probe, key, self._waiter)
+
+    def _deadlock_check(self, probe: _deadlock.Probe, key: str) -> Coroutine[Any, Any, None]:
+        return _deadlock.check(self.transport, probe, key, self.request.waiter_id, self.deadline - self.loop.time(),
+                               self._waiter is not None, self.request.name)
+
+    def _start_check(self, probe: _deadlock.Probe, key: str, waiter: Waiter) -> None:
+        self._check_timer = None
+        self._check = asyncio.ensure_future(self._deadlock_check(probe, key))  # referenced while it runs
+        self._check.add_done_callback(partial(self._checked, waiter))
+
+    def _checked(self, waiter: Waiter, check: asyncio.Future[None]) -> None:
+        error = None if check.cancelled() else check.exception()
+        if isinstance(error, LockDeadlock):
+            self._refusal = error
+            waiter.wake(POLL)
+        elif error is not None:
+            log.warning("otel-lock: deadlock check of %s failed, waiting without it: %s", self.request.keys[0], error)
 
     async def _subscribe(self) -> bool:
         """Make sure a grant can reach this manager before a queued request names its channel.
@@ -178,11 +214,15 @@ class Attempt:
         waiting, waiter = self.transport.waiting, self._waiter
         backoff = RETRY_FIRST
         while True:
+            if self._refusal is not None and not (waiter is not None and waiter.granted):
+                raise self._refusal
             remaining = self.deadline - self.loop.time()
             if remaining <= 0 and not (waiter is not None and waiter.granted):
                 raise LockTimeout(f"lock {self.request.keys[0]} was not acquired within {self.request.wait} s",
                                   key=self.request.keys[0], waited=self.request.wait)
             value = await self._next(waiter, remaining)
+            if self._refusal is not None and not isinstance(value, Grant):
+                raise self._refusal
             if value == PROMOTED:
                 continue
             if isinstance(value, Grant):

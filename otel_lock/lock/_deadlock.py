@@ -1,8 +1,10 @@
 """Deadlock detection: a waiter whose wait would close a cycle of holders waiting on each other is refused.
 
 Only a waiter that already holds locks can close a cycle, so only such a
-waiter does anything, and only once its first request found the lock busy:
-an uncontended acquire, and a waiter that holds nothing, cost nothing.
+waiter does anything, and only once its first request found the lock busy
+and it has waited CHECK_AFTER (10 ms) without being handed the lock; it
+asks while it goes on waiting. An uncontended acquire, a short wait, and a
+waiter that holds nothing cost nothing.
 
 Identity: owner ids are per acquisition, so what links the locks one task
 holds to what it waits for is the record the task writes when it starts to
@@ -46,11 +48,12 @@ from functools import partial
 from typing import Any, Callable
 
 from . import _scripts
-from ._errors import LockDeadlock, LockError, RedisUnavailable
+from ._errors import LockDeadlock
 from ._held import _HELD, _Holds
 
 log = logging.getLogger("otel_lock")
 
+CHECK_AFTER = 0.01  # seconds a queued waiter waits before it asks: a shorter wait was no deadlock
 MAX_STEPS = 64      # a longer chain is not followed further (no refusal)
 INFINITE_TTL_MS = 3_600_000  # the record of a wait without deadline (the queue keeps its place as long)
 
@@ -122,7 +125,8 @@ def _cycle(flat: list[Any]) -> tuple[tuple[str, str, str], ...]:
 
 async def check(transport: Any, probe: Probe, want: str, waiter_id: str, wait_left: float, queued: bool,
                 name: str) -> None:
-    """Refuse (LockDeadlock) or record the wait. A check Redis cannot answer is skipped, with a warning."""
+    """Refuse (LockDeadlock) or record the wait. A check that fails (Redis down, a refused command) is skipped,
+    with a warning: the wait goes on without it, as it would have before."""
     probe.owners = probe.own_owners()
     if not probe.owners:
         return
@@ -138,9 +142,7 @@ async def check(transport: Any, probe: Probe, want: str, waiter_id: str, wait_le
                                            name, want)
             probe.recorded = answer[0] == 0
             cycle = () if probe.recorded else _cycle(answer[1:])
-    except RedisUnavailable:
-        raise  # the wait itself rides that out, or fails, as any other call
-    except LockError as error:
+    except Exception as error:  # noqa: BLE001  the wait goes on without the check; it rides out Redis errors itself
         log.warning("otel-lock: deadlock check of %s skipped, waiting without it: %s", want, error)
         return
     if cycle:

@@ -268,10 +268,14 @@ class HeldLock:
         """The key's limit, for a `semaphore()` hold; None for a lock."""
         return self._lease.permits
 
-    async def release(self) -> bool:
-        """Release this hold; False if the lock was no longer ours. Idempotent, safe to cancel."""
+    def begin_release(self) -> None:
+        """Put the release under way now (on the wire, on the fast path); `release()` gives its outcome."""
         if self._release is None:
             self._release = self._lease.ends.release(self._lease, outer=self._outer, child=self._child)
+
+    async def release(self) -> bool:
+        """Release this hold; False if the lock was no longer ours. Idempotent, safe to cancel."""
+        self.begin_release()
         release = self._release
         if isinstance(release, asyncio.Future):
             return await asyncio.shield(release)

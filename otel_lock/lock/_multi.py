@@ -58,6 +58,12 @@ class AnyLost(asyncio.Event):
             if lease.lost_reason:
                 self.set()
 
+    def detach(self) -> None:
+        """The holds ended: stop listening (a long-held lease re-entered by many lock_all calls keeps no list)."""
+        for lease in self._leases:
+            if self.set in lease.on_lost:
+                lease.on_lost.remove(self.set)
+
     def is_set(self) -> bool:
         if not super().is_set() and any(lease.lost.is_set() for lease in self._leases):
             self.set()  # a look past a lease's local validity counts (`_held.LostEvent`)
@@ -67,7 +73,7 @@ class AnyLost(asyncio.Event):
 class HeldLocks:
     """What `lock_all()` yields: one hold per key, in the canonical order."""
 
-    __slots__ = ("keys", "holds", "tokens", "lost", "_release")
+    __slots__ = ("keys", "holds", "tokens", "lost")
 
     keys: tuple[str, ...]
     """The keys as the caller named them (duplicates folded), in the order they were taken."""
@@ -83,25 +89,37 @@ class HeldLocks:
         self.holds = tuple(holds)
         self.tokens = {key: held.token for key, held in zip(keys, holds)}
         self.lost = AnyLost([held._lease for held in holds])
-        self._release: asyncio.Future[bool] | None = None
 
     async def release(self) -> bool:
         """Release every hold, in reverse order; False if any lock was no longer ours. Idempotent, safe to cancel."""
-        if self._release is None:
-            self._release = asyncio.ensure_future(release_all(self.holds))
-        return await asyncio.shield(self._release)
+        try:
+            return await release_all(self.holds)
+        finally:
+            if isinstance(self.lost, AnyLost):
+                self.lost.detach()
 
     def __repr__(self) -> str:
         return f"<HeldLocks {', '.join(f'{k}={t}' for k, t in self.tokens.items())}>"
 
 
 async def release_all(holds: Iterable[HeldLock]) -> bool:
-    """Release the holds together, the last taken first on the wire; the first error after all were tried."""
-    results = await asyncio.gather(*(held.release() for held in reversed(list(holds))), return_exceptions=True)
-    for result in results:
-        if isinstance(result, BaseException):
-            raise result
-    return all(results)
+    """Release the holds together, the last taken first on the wire; the first error after all were answered.
+
+    Every release is under way before the first is awaited, and each runs to
+    its end by itself, so a cancelled caller leaves none of them held.
+    """
+    last_first = list(holds)[::-1]
+    for held in last_first:
+        held.begin_release()
+    ok, error = True, None
+    for held in last_first:
+        try:
+            ok = await held.release() and ok
+        except LockError as exc:
+            error = error or exc
+    if error is not None:
+        raise error
+    return ok
 
 
 async def acquire_all(acquire: Callable[..., Awaitable[HeldLock]], keys: list[str], wait: float,

@@ -18,9 +18,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp
 
-from otel_lock import (HeldLock, LockError, LockInfo, LockLost, LockManager, LockMiddleware, LockTimeout,
-                       RedisUnavailable, idempotent, limited, locked)
-from otel_lock.sync import SyncHeldLock, SyncLockManager
+from otel_lock import (HeldLock, HeldLocks, LockDeadlock, LockError, LockInfo, LockLost, LockManager, LockMiddleware,
+                       LockTimeout, RedisUnavailable, idempotent, limited, locked)
+from otel_lock.sync import SyncHeldLock, SyncHeldLocks, SyncLockManager
 
 
 async def core(locks: LockManager) -> None:
@@ -45,6 +45,24 @@ async def core(locks: LockManager) -> None:
         pass
     async with LockManager.from_url("redis://127.0.0.1:6379/0", namespace="shop") as manager:
         assert_type(manager, LockManager)
+
+
+async def several(locks: LockManager, sync_locks: SyncLockManager) -> None:
+    async with locks.lock_all(["account:7", "account:3"], wait=5.0) as held:
+        assert_type(held, HeldLocks)
+        assert_type(held.tokens, dict[str, int])
+        assert_type(held.keys, tuple[str, ...])
+        assert_type(held.holds, tuple[HeldLock, ...])
+        assert_type(held.lost, asyncio.Event)
+    assert_type(await (await locks.acquire_all(("a", "b"))).release(), bool)
+    try:
+        await locks.acquire("k2")
+    except LockDeadlock as deadlock:
+        assert_type(deadlock.cycle, tuple[tuple[str, str, str], ...])
+    with sync_locks.lock_all(["a", "b"]) as blocking:
+        assert_type(blocking, SyncHeldLocks)
+        assert_type(blocking.tokens, dict[str, int])
+        assert_type(blocking.lost, threading.Event)
 
 
 def who(request: Request) -> str | None:

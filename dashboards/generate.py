@@ -185,11 +185,10 @@ def by_mode(metric: str, by: str, selector: str, q: float = 0.95) -> list[dict]:
     return [target(f'label_replace({quantile}, "lock_mode", "exclusive", "lock_mode", "")', legend)]
 
 
-def permits(by: str, selector: str) -> list[dict]:
-    """Permits in use (summed over replicas) and the limit: the two lines meet when a semaphore is full."""
-    legend = " {{lock_name}}" if by else ""
-    return [target(f"sum{f' by ({by})' if by else ''} (otel_lock_permits_used{selector})", "in use" + legend),
-            target(f"max{f' by ({by})' if by else ''} (otel_lock_permits_limit{selector})", "limit" + legend, "B")]
+def permits(selector: str) -> list[dict]:
+    """Permits in use (summed over replicas) and the limit, by lock: the two lines meet when a semaphore is full."""
+    return [target(f"sum by (lock_name) (otel_lock_permits_used{selector})", "in use {{lock_name}}"),
+            target(f"max by (lock_name) (otel_lock_permits_limit{selector})", "limit {{lock_name}}", "B")]
 
 
 def layout(panels: list[dict]) -> list[dict]:
@@ -349,7 +348,7 @@ def overview() -> dict:
         timeseries("Permits in use vs limit",
                    "Semaphores (semaphore(permits=N), @limited): permits held now, summed over replicas, beside "
                    "the limit. At the limit with callers waiting for 5 minutes pages (OtelLockPermitsSaturated).",
-                   permits("lock_name", sel()), links=True),
+                   permits(sel()), links=True),
         timeseries("Wait p95 by lock and lock.mode",
                    "Wait p95 of each lock name by lock.mode: exclusive, shared (lock(shared=True)), permit "
                    "(semaphore). Shared waiters queue behind an exclusive holder or a waiting writer.",
@@ -453,6 +452,11 @@ def one_lock() -> dict:
         timeseries("Held and waiting, by replica", "Active holds and queued callers per replica (instance).",
                    [target(f"sum by (instance) (otel_lock_active{one})", "held {{instance}}"),
                     target(f"sum by (instance) (otel_lock_pending{one})", "waiting {{instance}}", "B")]),
+        timeseries("Permits in use against the limit",
+                   "A semaphore's permits held now, summed over replicas, beside its limit (permits=n); "
+                   "empty for a plain lock. At the limit, new callers wait.",
+                   [target(f"sum(otel_lock_permits_used{one})", "in use"),
+                    target(f"max(otel_lock_permits_limit{one})", "limit", "B")]),
         timeseries("Held for and lease, by replica", "Age of the oldest current hold and the lease it runs on.",
                    [target(f"max by (instance) (otel_lock_hold_age_seconds{one})", "held for {{instance}}"),
                     target(f"max by (instance) (otel_lock_lease_seconds{one})", "lease {{instance}}", "B")], "s"),
@@ -472,9 +476,6 @@ def one_lock() -> dict:
         timeseries("Deadlocks refused", "Waiters for this lock refused with LockDeadlock (409 lock-deadlock).",
                    [target(events_per_second("instance", f"otel_lock_errors_total{sel(name, DEADLOCK)}"),
                            "{{instance}}")], "ops"),
-        timeseries("Permits in use vs limit",
-                   "A semaphore's permits held now, summed over replicas, beside its limit.",
-                   permits("", one)),
         timeseries("Wait and hold p95 by lock.mode",
                    "This lock's wait and hold p95 by lock.mode (exclusive, shared, permit).",
                    [{**by_mode(WAIT, "", sel(name, NOT_BUSY))[0], "legendFormat": "wait {{lock_mode}}"},

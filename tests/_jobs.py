@@ -37,6 +37,7 @@ MARKS: dict[str, list[str]] = {
         "test_lock_replies.py",
         "test_redlock.py",
         "test_sentinel.py",
+        "test_sentinel_shapes.py",
         "test_tls.py",
         "test_data_model.py",
         "test_lock_all_topologies.py",

@@ -3,9 +3,9 @@
 The local stack (redis-server, two `otel-lock serve` replicas, the Debian
 prometheus binary with the compose scrape config and alert rules) runs under
 the contended load loop. Rare events that a healthy load never produces
-(timeouts of the stock lock, a lost lease, Redis errors, a semaphore's
-permits) are caused for real by a third process-like target: a LockManager
-in this test whose meter provider is scraped by the same Prometheus job.
+(timeouts of the stock lock, a lost lease, Redis errors) are caused for real
+by a third process-like target: a LockManager in this test whose meter
+provider is scraped by the same Prometheus job.
 """
 
 from __future__ import annotations
@@ -105,6 +105,7 @@ async def _cause_rare_events(redis_url: str, meter_provider) -> None:
     counts = LockCounts(meter_provider)
     counts.hold_started(SimpleNamespace(name=STOCK_LOCK, acquired_at=time.monotonic() - 5, lease_seconds=30))
     counts.watch_connections(lambda: (1, 0), pool_name="faults")
+    counts.permit_taken(STOCK_LOCK, 2)  # a semaphore's permit, for the permits panel
     _KEEP.append(counts)
 
     dead = RedisServer().start()
@@ -142,9 +143,6 @@ async def test_every_dashboard_query_returns_data(stack, fault_target):
     load_task = asyncio.create_task(load.run())
     try:
         await _cause_rare_events(stack.redis_url, fault_target[0])
-        # A semaphore held while the panels are read: the permits panels (the demo has none).
-        permits = LockManager.from_url(stack.redis_url, namespace="faults", meter_provider=fault_target[0])
-        permit = await permits.acquire_permit("stock:fault-permit", permits=2, name=STOCK_LOCK)
         feeder = asyncio.create_task(_feed_redis_latency(fault_target[0]))
         pending = list(queries)
         deadline = time.monotonic() + DEADLINE
@@ -165,10 +163,6 @@ async def test_every_dashboard_query_returns_data(stack, fault_target):
         await load_task
         if "feeder" in locals():
             feeder.cancel()
-        if "permits" in locals():
-            if "permit" in locals():
-                await permit.release()
-            await permits.aclose()
     assert not pending, "panels without data:\n" + "\n".join(f"{uid} / {title}: {expr}"
                                                              for uid, title, expr in pending)
     assert sum(count for status, count in load.requests.items() if 200 <= status < 300) > 0

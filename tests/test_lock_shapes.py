@@ -359,3 +359,38 @@ async def test_the_last_shared_holder_leaving_hands_on_to_a_writer_and_not_past_
     last = await second_writer
     assert first.token < shared.token < last.token  # one fence for every mode of the key
     await last.release()
+
+
+async def test_a_permit_handed_to_a_waiter_that_left_goes_to_the_next_one(locks, other, redis_client):
+    from otel_lock.lock._shapes import PERMIT
+
+    holder = await locks.acquire_permit("s", permits=1, lease=60.0)
+    pubsub = redis_client.pubsub()
+    await pubsub.subscribe("chan")  # the first waiter's manager: its grant is delivered, then it leaves
+    keys = PERMIT.keys("t:{s}")
+    assert (await PERMIT.acquire(redis_client, keys, ["w1", "w1", 30000, "0", 20000, "", 60000, "chan", "0", 1]))[0] == 0
+    second = asyncio.create_task(other.acquire_permit("s", permits=1, wait=30.0))
+    await queued(redis_client, "t:{s}:permits:q", 2)
+    await holder.release()
+    assert await redis_client.zrange("t:{s}:permits", 0, -1) == [b"w1"]  # handed to w1, not claimed
+    assert await PERMIT.leave(redis_client, keys, ["w1", 60000]) == 1
+    held = await asyncio.wait_for(second, 20)
+    assert held.token > holder.token
+    await held.release()
+    await pubsub.aclose()
+
+
+async def test_a_cancelled_permit_waiter_leaves_the_queue(locks, other, redis_client):
+    holder = await locks.acquire_permit("s", permits=1, lease=60.0)
+    first = asyncio.create_task(other.acquire_permit("s", permits=1, wait=30.0))
+    await queued(redis_client, "t:{s}:permits:q", 1)
+    second = asyncio.create_task(other.acquire_permit("s", permits=1, wait=30.0))
+    await queued(redis_client, "t:{s}:permits:q", 2)
+    first.cancel()
+    await queued(redis_client, "t:{s}:permits:q", 1)
+    await holder.release()
+    held = await asyncio.wait_for(second, 20)
+    assert await redis_client.zrange(held.key, 0, -1) == [held.owner.encode()]
+    await held.release()
+    with pytest.raises(asyncio.CancelledError):
+        await first

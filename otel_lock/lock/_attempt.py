@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, Coroutine
 
-from . import _deadlock, _scripts
+from . import _deadlock
 from redis.exceptions import NoScriptError, RedisError
 
 from ._errors import LockDeadlock, LockError, LockTimeout, RedisUnavailable, is_unavailable

@@ -22,6 +22,10 @@ wait that would close a cycle of holders waiting on each other is refused
                         (task@pid/manager), queued (1: in that lock's queue)];
                         expires with the wait, deleted when it ends
 
+Shared holds and permits (`_shapes.py`) add keys of their own under the
+same hash tag and scripts of their own; the scripts here are unchanged by
+them, and a shared waiter's entry in `:w` carries a 7th element they ignore.
+
 The namespace itself carries the version of this layout (MODEL), so that
 two otel-lock versions with different layouts never share a namespace
 untold (a rolling deploy across a data-model change):

@@ -443,6 +443,12 @@ class _AnyLost(threading.Event):
         if any(threading.Event.is_set(held._hold.lost) for held in holds):
             self.set()
 
+    def detach(self) -> None:
+        """The holds ended: stop listening (a long-held hold re-entered by many lock_all calls keeps no list)."""
+        for held in self._holds:
+            if self in held._hold.also_lost:
+                held._hold.also_lost.remove(self)
+
     def is_set(self) -> bool:
         if not super().is_set() and any(held.lost.is_set() for held in self._holds):
             self.set()
@@ -468,7 +474,11 @@ class SyncHeldLocks:
     def release(self) -> bool:
         """Release every hold, the last taken first; False if any was lost. Idempotent."""
         if self._released is None:
-            self._released = _release_each(self.holds)
+            try:
+                self._released = _release_each(self.holds)
+            finally:
+                if isinstance(self.lost, _AnyLost):
+                    self.lost.detach()
         return self._released
 
     def __repr__(self) -> str:

@@ -234,6 +234,8 @@ async def _child(config: dict) -> None:
     release {id}: leave the body of hold `id`;  cancel {id}: cancel its task
     chain {id, first, then, wait?}: in one task, hold `first` (-> acquired); on `go {id}` wait for `then`
         inside it -> acquired_then {token}, deadlock {cycle}, or timeout; `release {id}` leaves both
+    transfers {id, keys, rounds, log}: `rounds` times lock_all(keys), appending its tokens to the Redis
+        list `log` under the locks -> transfers_done, or timeout
     rmw {id, key, counter, use_lock, tasks, iterations} -> rmw_done {intervals}
     fair {id, key, log, total, tasks} -> fair_done {counts}
     block {id, key}: block the event loop in a sync BLPOP on `key` -> blocking
@@ -305,6 +307,16 @@ async def _child(config: dict) -> None:
                 _emit("timeout", id=ident)
             await release[ident].wait()
 
+    async def transfers(cmd: dict) -> None:
+        try:
+            for _ in range(cmd["rounds"]):
+                async with locks.lock_all(cmd["keys"], wait=30.0) as held:
+                    await locks.redis.rpush(cmd["log"], json.dumps(held.tokens))
+        except LockTimeout:
+            _emit("timeout", id=cmd["id"])
+            return
+        _emit("transfers_done", id=cmd["id"])
+
     async def rmw(cmd: dict) -> None:
         """Non-atomic GET, pause, SET of a counter, under the lock or not."""
         intervals: list[tuple[float, float]] = []
@@ -360,6 +372,8 @@ async def _child(config: dict) -> None:
             client.close()
         elif op == "chain":
             run(cmd, chain(cmd))
+        elif op == "transfers":
+            run(cmd, transfers(cmd))
         elif op == "go":
             go[cmd["id"]].set()
         elif op == "release":

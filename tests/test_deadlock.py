@@ -253,3 +253,19 @@ async def test_a_chain_across_processes_is_not_refused_and_a_three_cycle_is(agen
     await b.send("release", id="b3")
     await a.expect("acquired_then", "a3")
     await a.send("release", id="a3")
+
+
+async def test_lock_all_in_opposite_orders_across_processes_never_times_out(agents: Agents, redis_client):
+    a, b, c = await agents.start_many(["a", "b", "c"])
+    await a.send("transfers", id="t", keys=["acct:1", "acct:2"], rounds=100, log="log")
+    await b.send("transfers", id="t", keys=["acct:2", "acct:1"], rounds=100, log="log")
+    await c.send("transfers", id="t", keys=["acct:2", "acct:1", "acct:2"], rounds=100, log="log")
+    for agent in (a, b, c):
+        await agent.expect("transfers_done", "t", timeout=120)
+    log = [json.loads(entry) for entry in await redis_client.lrange("log", 0, -1)]
+    assert len(log) == 300
+    for key in ("acct:1", "acct:2"):
+        tokens = [entry[key] for entry in log]
+        assert all(x < y for x, y in zip(tokens, tokens[1:]))   # strictly increasing across holders
+    assert await redis_client.exists("otel-lock:{acct:1}", "otel-lock:{acct:2}") == 0  # nothing left held
+    assert await redis_client.exists("otel-lock:{acct:1}:fence") == 1

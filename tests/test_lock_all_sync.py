@@ -61,6 +61,7 @@ def test_sync_lock_all_re_enters_what_the_thread_holds(sync_locks, client):
         with sync_locks.lock_all(["b", "a"]) as locked:
             assert locked.holds[0].depth == 2 and locked.holds[0].token == outer.token
         assert held(client) == [b"s:{a}"]
+        assert outer._hold.also_lost == []
     assert held(client) == []
 
 

@@ -1,7 +1,8 @@
-"""`lock_all` (and, where offered, deadlock detection) on Redis Cluster and on a RedLock quorum.
+"""`lock_all` (and, where offered, deadlock detection) on Sentinel, Redis Cluster and a RedLock quorum.
 
-Cluster: keys in different slots (on different masters) are taken one by one
-in the canonical order; RedLock: each key is a quorum hold of its own.
+Sentinel: the master's scripts, as on one Redis; Cluster: keys in different
+slots (on different masters) are taken one by one in the canonical order;
+RedLock: each key is a quorum hold of its own.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import asyncio
 import pytest
 
 from benchmarks._cluster_set import ClusterSet
+from benchmarks._sentinel_set import SentinelSet
 from otel_lock import LockManager, LockTimeout, RedLockManager
 from otel_lock.cli._redis_server import RedisServer
 
@@ -132,3 +134,18 @@ async def test_crossed_waits_on_redlock_are_not_detected_and_end_at_wait(masters
     async with RedLockManager.from_urls(urls) as one, RedLockManager.from_urls(urls) as two:
         a, b = await crossed(one, two, "k1", "k2", wait=1.0)
         assert isinstance(a, LockTimeout) or isinstance(b, LockTimeout), (a, b)
+
+
+async def test_lock_all_and_deadlocks_through_sentinel():
+    from otel_lock import LockDeadlock
+
+    async with SentinelSet() as servers:
+        async with LockManager.from_url(servers.url) as one, LockManager.from_url(servers.url) as two:
+            log = await opposite_orders(one, two, ["acct:1", "acct:2"], 30)
+            assert len(log) == 60
+            assert_tokens_increase(log)
+            a, b = await crossed(one, two, "k1", "k2", wait=30.0)
+            # one script on the master: exactly one of the two is refused, the other gets its lock
+            assert sorted(type(o).__name__ for o in (a, b)) == ["LockDeadlock", "int"], (a, b)
+            refusal = a if isinstance(a, LockDeadlock) else b
+            assert {step[0] for step in refusal.cycle} == {"otel-lock:{k1}", "otel-lock:{k2}"}

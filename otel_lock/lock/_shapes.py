@@ -113,14 +113,27 @@ local function grant(holders, tokens, fence, fence_ttl, w, id, now, key, me)
   local token = string.format('%.0f', mint(fence, fence_ttl, now))
   redis.call('ZADD', holders, ms(now) + w[2], w[3])
   redis.call('HSET', tokens, w[3], token)
-  if id == me then return true end
+  if id == me then return token end
   redis.call('HSET', tokens, 'u:' .. w[3], id)
   local publish = 'PUBLISH'
   if w[6] == 1 then publish = 'SPUBLISH' end
-  if redis.call(publish, w[5], id .. ' ' .. token .. ' ' .. key) > 0 then return true end
+  if redis.call(publish, w[5], id .. ' ' .. token .. ' ' .. key) > 0 then return token end
   redis.call('ZREM', holders, w[3])
   redis.call('HDEL', tokens, w[3], 'u:' .. w[3])
   return false
+end
+
+-- the caller's own new place among the holders (no grant notice, nothing to claim): the keys live
+-- at least as long as its lease; the answer of an ACQUIRE that holds
+local function joined(holders, tokens, also, token, lease, now_ms, queued, queue, waiters, waiter)
+  if queued then unqueue(queue, waiters, waiter) end
+  local at = now_ms + lease
+  if redis.call('PEXPIRETIME', holders) < at then
+    redis.call('PEXPIREAT', holders, at)
+    redis.call('PEXPIREAT', tokens, at)
+  end
+  if also and redis.call('PEXPIRETIME', also) < at then redis.call('PEXPIREAT', also, at) end
+  return {1, tonumber(token), 1}
 end
 """
 
@@ -176,8 +189,9 @@ fill(limit, ARGV[7], now, me)
 mine = held()
 if mine then return mine end
 if redis.call('ZCARD', KEYS[1]) < limit then
-  grant(KEYS[1], KEYS[5], KEYS[2], ARGV[7], {0, lease, owner}, waiter, now, KEYS[1], waiter)
-  return held()
+  local token = grant(KEYS[1], KEYS[5], KEYS[2], ARGV[7], {0, lease, owner}, waiter, now, KEYS[1], waiter)
+  if set == 0 then redis.call('HSET', KEYS[5], '#limit', limit) end
+  return joined(KEYS[1], KEYS[5], nil, token, lease, now_ms, ARGV[5] ~= '-1', KEYS[3], KEYS[4], waiter)
 end
 if ARGV[5] ~= '-1' then
   queue_entry(KEYS[3], KEYS[4], waiter, now, tonumber(ARGV[5]), lease, owner, ARGV[6], ARGV[8],
@@ -247,9 +261,10 @@ local function hand_on(shared, fence_ttl, me)
   redis.call('DEL', KEYS[1], KEYS[5], KEYS[6])
 end
 
--- after a shared holder left (or its lease ran out): hand on if it was the last
-local function settle(fence_ttl)
-  purge(KEYS[5], KEYS[6], ms(now_us()))
+-- after a shared holder left (or its lease ran out; `purged`: the caller dropped the lapsed ones): hand on
+-- if it was the last
+local function settle(fence_ttl, purged)
+  if not purged then purge(KEYS[5], KEYS[6], ms(now_us())) end
   if redis.call('ZCARD', KEYS[5]) > 0 then
     cover(KEYS[5], KEYS[6], KEYS[1])
   else
@@ -301,21 +316,23 @@ if holder == SHARED then
     holder = redis.call('HGET', KEYS[1], 'owner')
   end
 end
+local queued = ARGV[5] ~= '-1'
 if holder == SHARED then
   local first = head(KEYS[3], KEYS[4], now)
   if not first or first == waiter then
     -- nobody waits ahead (an exclusive waiter would): join the holders
-    grant(KEYS[5], KEYS[6], KEYS[2], ARGV[7], {0, lease, owner}, waiter, now, KEYS[1], waiter)
+    local token = grant(KEYS[5], KEYS[6], KEYS[2], ARGV[7], {0, lease, owner}, waiter, now, KEYS[1], waiter)
     redis.call('HSET', KEYS[1], 'ctx', ARGV[6])
-    return held()
+    return joined(KEYS[5], KEYS[6], KEYS[1], token, lease, now_ms, queued, KEYS[3], KEYS[4], waiter)
   end
 end
 if not holder then
   -- free (like an exclusive ACQUIRE, a free lock is taken whoever waits for a lapsed holder)
   redis.call('DEL', KEYS[5], KEYS[6])
   redis.call('HSET', KEYS[1], 'owner', SHARED, 'depth', 1, 'token', 0, 'ctx', ARGV[6])
-  grant(KEYS[5], KEYS[6], KEYS[2], ARGV[7], {0, lease, owner}, waiter, now, KEYS[1], waiter)
-  return held()
+  local token = grant(KEYS[5], KEYS[6], KEYS[2], ARGV[7], {0, lease, owner}, waiter, now, KEYS[1], waiter)
+  redis.call('PEXPIRE', KEYS[1], lease)
+  return joined(KEYS[5], KEYS[6], nil, token, lease, now_ms, queued, KEYS[3], KEYS[4], waiter)
 end
 if ARGV[5] ~= '-1' then
   queue_entry(KEYS[3], KEYS[4], waiter, now, tonumber(ARGV[5]), lease, owner, ARGV[6], ARGV[8],
@@ -332,7 +349,7 @@ if redis.call('HGET', KEYS[1], 'owner') ~= SHARED then return -1 end
 purge(KEYS[5], KEYS[6], ms(now_us()))
 local had = redis.call('ZREM', KEYS[5], ARGV[1])
 redis.call('HDEL', KEYS[6], ARGV[1], 'u:' .. ARGV[1])
-settle(ARGV[2])
+settle(ARGV[2], true)
 if had == 1 then return 0 end
 return -1
 """
@@ -350,7 +367,7 @@ end
 if redis.call('HGET', KEYS[1], 'owner') == SHARED and redis.call('HGET', KEYS[6], 'u:' .. ARGV[1]) then
   redis.call('ZREM', KEYS[5], ARGV[1])
   redis.call('HDEL', KEYS[6], ARGV[1], 'u:' .. ARGV[1])
-  settle(ARGV[2])
+  settle(ARGV[2], false)
   return 1
 end
 return 0

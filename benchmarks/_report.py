@@ -73,7 +73,8 @@ def render_summary(results: Path, quick: bool) -> str:
         data = json.loads(path.read_text())
         found: list = []
         render(name, data, found)
-        rows += [[name, data["machine"]["date"], t, v, ok] for t, v, ok in found]
+        run = data["machine"]["date"] + (" (--short)" if data.get("plan") == "short" else "")
+        rows += [[name, run, t, v, ok] for t, v, ok in found]
     out = ["| suite | run | target | measured | verdict |", "|---|---|---|---|---|"]
     out += [f"| {n} | {d} | {t} | {v} | {_verdict(ok)} |" for n, d, t, v, ok in rows]
     return "\n".join(out) + "\n"
@@ -158,6 +159,10 @@ TELEMETRY_TARGETS = {"prom": 0.10, "otlp": 0.25}  # = benchmarks._otel_modes.TAR
 
 def render_telemetry(data: dict, collect: list | None = None) -> str:
     out = _machine(data)
+    if data.get("plan") == "short":
+        out += ["A shortened run (`--short`, to stay under 2 minutes on a shared machine): the lock cycle 3 rounds "
+                "of 1 s, the endpoint 2 rounds of 1 s (a full run: 8 of 1.5 s and 4 of 2 s), so each best round "
+                "is picked among fewer and the figures are noisier.", ""]
     cycle = data["cycle"]
     base = next((r for r in cycle if r["mode"] == "off"), None)
     out += ["Uncontended otel-lock acquire + release (one worker process per mode):", ""]

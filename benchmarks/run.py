@@ -5,6 +5,7 @@
                                                    # results in a temporary directory (no tracked file changes)
     .venv/bin/python -m benchmarks.run --only lock --profile
     .venv/bin/python -m benchmarks.run --only deployments    # issue 11: single, Sentinel, Cluster, RedLock(3)
+    .venv/bin/python -m benchmarks.run --only telemetry --short   # every mode, fewer rounds: < 2 minutes
 
 Every suite starts its own redis-server on a free loopback port (never the
 machine's 6379); the libraries of one table run against the same server in
@@ -168,13 +169,13 @@ def middleware_suite(url: str, quick: bool, profile_dir: Path | None) -> dict:
     return bench_middleware.run(url, quick)
 
 
-def telemetry_suite(url: str, quick: bool, profile_dir: Path | None) -> dict:
+def telemetry_suite(url: str, quick: bool, profile_dir: Path | None, short: bool = False) -> dict:
     from . import bench_telemetry
 
     if not available("otel-lock"):
         return {"cycle": [], "endpoint": [], "skipped": "otel_lock not importable"}
-    _say("telemetry: off / prom (fast path) / otlp, lock cycle then the demo endpoint")
-    data = bench_telemetry.run(url, quick)
+    _say("telemetry: off / prom (fast path) / prom-workers / otlp, lock cycle then the demo endpoint")
+    data = bench_telemetry.run(url, quick, short)
     if profile_dir is not None:
         _say("profile: lock cycle per telemetry mode")
         try:
@@ -207,7 +208,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--only", choices=sorted(SUITES), action="append", help="run only these suites")
     parser.add_argument("--profile", action="store_true", help="also cProfile otel-lock's hot paths")
     parser.add_argument("--no-docs", action="store_true", help="do not rewrite docs/benchmarks.md")
+    parser.add_argument("--short", action="store_true",
+                        help="with --only telemetry: fewer, shorter rounds (< 2 minutes), recorded like a full run")
     args = parser.parse_args(argv)
+    if args.short and (args.quick or args.only != ["telemetry"]):
+        parser.error("--short is for --only telemetry, without --quick")
     # A quick run's numbers are for a look, not a record: never rewrite tracked files.
     results = Path(tempfile.mkdtemp(prefix="otel-lock-bench-")) if args.quick else RESULTS
     write_docs = not (args.no_docs or args.quick)
@@ -216,8 +221,8 @@ def main(argv: list[str] | None = None) -> None:
         facts = machine()
         started = time.monotonic()
         with RedisServer() as server:
-            data = SUITES[name](server.url, args.quick,
-                                results / "profiles" if args.profile else None)
+            data = SUITES[name](server.url, args.quick, results / "profiles" if args.profile else None,
+                                **({"short": True} if args.short else {}))
         data["machine"] = {**facts, "quick": args.quick, "seconds": round(time.monotonic() - started, 1),
                            "loadavg_at_end": round(os.getloadavg()[0], 2)}
         path = results / f"{name}{'-quick' if args.quick else ''}.json"

@@ -41,7 +41,7 @@ import threading
 import time
 from functools import partial
 from types import TracebackType
-from typing import Any, Awaitable, Callable, Coroutine, Generic, Iterable, Mapping, TypeVar
+from typing import Any, Awaitable, Callable, Coroutine, Generic, Iterable, Mapping, TypeVar, cast
 
 from opentelemetry.metrics import MeterProvider
 from opentelemetry.trace import TracerProvider
@@ -50,6 +50,7 @@ from .lock import HeldLock, LockBusy, LockError, LockInfo, LockLost, LockManager
 from .lock._deadlock import THREAD_HOLDS
 from .lock._multi import canonical
 from .lock._options import check_key, check_seconds
+from .lock._server_checks import ServerHealth, ServerReport
 
 __all__ = ["RunningLoopError", "SyncHeldLock", "SyncHeldLocks", "SyncLockContext", "SyncLockManager",
            "SyncMultiLockContext"]
@@ -712,6 +713,33 @@ class SyncLockManager:
         _refuse_in_loop("force_release")
         runtime = self._current()
         return runtime.run(partial(runtime.manager.force_release, key))
+
+    def health(self) -> ServerHealth:
+        """The manager's current verdict on its servers and data model (see `LockManager.health`).
+
+        No round trip: what the manager's server watch last saw, for a
+        worker's health endpoint or a script's pre-flight check.
+        """
+        runtime = self._current()
+        read = self._checks_of(runtime.manager, "health")
+
+        async def on_the_loop() -> ServerHealth:  # the manager's state belongs to its loop thread
+            return cast(ServerHealth, read())
+        return runtime.run(on_the_loop)
+
+    def check_servers(self) -> tuple[ServerReport, ...]:
+        """Run the server checks now and return their reports (what `otel-lock doctor` prints)."""
+        _refuse_in_loop("check_servers")
+        runtime = self._current()
+        return runtime.run(self._checks_of(runtime.manager, "check_servers"))
+
+    @staticmethod
+    def _checks_of(manager: Locks, method: str) -> Callable[[], Any]:
+        found = getattr(manager, method, None)
+        if found is None:
+            raise TypeError(f"{type(manager).__name__} has no {method}(): a manager of otel-lock's "
+                            "(LockManager, RedLockManager) has")
+        return cast("Callable[[], Any]", found)
 
     def close(self) -> None:
         """Stop the manager and its loop thread; locks still held expire after their lease.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from benchmarks._otel_modes import ENDPOINT_MODES, MODES, TARGETS, env_for
 from benchmarks._report import TELEMETRY_TARGETS, render
 
@@ -47,3 +49,25 @@ def test_every_mode_has_an_environment_and_otlp_runs_one_reader():
     assert set(MODES) <= set(ENDPOINT_MODES)
     assert env_for("prom", 1) == {} and env_for("off", 1) == {}
     assert env_for("otlp-lock", 4318)["OTEL_METRICS_EXPORTER"] == "otlp"
+
+
+def test_a_short_run_says_so_keeps_its_verdicts_and_shows_the_worker_process_row():
+    short = data(quick=False)
+    short["plan"] = "short"
+    short["cycle"].append({"mode": "prom-workers", "cycles_per_s": 900, "p50_ms": 0.23, "p99_ms": 1,
+                           "client_cpu_per_cycle_us": 115, "rounds": [0.23]})
+    found: list = []
+    text = render("telemetry", short, found)
+    assert "A shortened run (`--short`" in text and found
+    assert "| /metrics, worker-process mode (PROMETHEUS_MULTIPROC_DIR) | 900 | 0.230 |" in text
+
+
+@pytest.mark.parametrize("argv", [["--short"], ["--short", "--only", "lock"],
+                                  ["--short", "--quick", "--only", "telemetry"]])
+def test_short_is_only_for_the_telemetry_suite_and_never_quick(argv, capsys):
+    from benchmarks.run import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    assert stopped.value.code == 2
+    assert "--short is for --only telemetry" in capsys.readouterr().err

@@ -77,7 +77,7 @@ def _mismatches(pins: dict[str, str], bounds: dict[str, str]) -> dict[str, tuple
 
 
 def test_lowest_constraints_pin_every_lower_bound():
-    bounds = _lower_bounds("telemetry", "cli", "test")
+    bounds = _lower_bounds("telemetry", "telemetry-grpc", "cli", "test")
     pins = _pins("lowest.txt")
     # hiredis comes with redis[hiredis]: the oldest that extra of the lowest redis allows.
     assert pins.pop("hiredis") == "3.0.0"

@@ -24,7 +24,7 @@ import redis
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-from otel_lock import LockError, LockLost, LockManager, LockTimeout, RedLockManager
+from otel_lock import LockError, LockLost, LockManager, LockTimeout, RedisMisconfigured, RedLockManager
 from otel_lock.cli._redis_server import RedisServer, free_port, stop_process
 from otel_lock.sync import RunningLoopError, SyncHeldLock, SyncLockManager
 
@@ -775,3 +775,20 @@ def test_the_readme_scripts_and_cron_jobs_example_runs(redis_url):
     assert run().startswith("running the report, fencing token ")
     with SyncLockManager.from_url(redis_url, namespace="shop") as replica, replica.lock("job:nightly-report"):
         assert run() == "another replica is running it\n"
+
+
+def test_the_facade_reports_the_servers_and_the_data_model_like_the_manager(sync_locks, client, redis_url):
+    reports = sync_locks.check_servers()
+    assert reports and all(report.checks for report in reports)
+    with sync_locks.lock("first-use"):
+        pass
+    health = sync_locks.health()
+    assert health.ok and health.checked and health.namespace_model == health.model
+    # A namespace another data model holds: the facade's manager refuses it, and health() says why.
+    client.set("foreign:model", "999")
+    with SyncLockManager.from_url(redis_url, namespace="foreign") as foreign:
+        with pytest.raises(RedisMisconfigured, match="data model 999"):
+            foreign.acquire("k", wait=0.5)
+        health = foreign.health()
+        assert not health.ok and health.namespace_model == 999 and "999" in health.problems[0]
+    assert client.exists("foreign:{k}") == 0

@@ -167,19 +167,33 @@ class GrpcReceiver:
 
 
 @needs_grpc
-def test_grpc_protocol_sends_spans_and_the_lock_metrics_over_grpc(receiver, monkeypatch):
+async def test_grpc_protocol_sends_spans_and_the_lock_metrics_over_grpc(receiver, monkeypatch, redis_client):
+    """The [telemetry-grpc] extra's exporter, to a real OTLP/gRPC receiver: a lock's span and metrics arrive."""
+    from otel_lock import LockManager
+
     grpc_receiver = GrpcReceiver()
     try:
         monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", grpc_receiver.endpoint)
         monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
         installed = telemetry.setup("shop", prometheus=False, flush_on_signal=False)
         assert installed.push.exporter.__module__.startswith("opentelemetry.exporter.otlp.proto.grpc")
-        _record(installed)
+        locks = LockManager(redis_client, namespace="grpc", tracer_provider=installed.tracer_provider,
+                            meter_provider=installed.meter_provider)
+        try:
+            with installed.tracer_provider.get_tracer("test").start_as_current_span("request"):
+                async with locks.lock("stock:1", name="stock"):
+                    pass
+        finally:
+            await locks.aclose()
         assert installed.shutdown()
     finally:
         grpc_receiver.stop()
-    assert [span.name for span in grpc_receiver.spans] == ["request"]
-    assert "otel_lock.errors" in {metric.name for metric in grpc_receiver.metrics}
+    assert "request" in {span.name for span in grpc_receiver.spans}
+    acquired = [point.count for metric in grpc_receiver.metrics if metric.name == "otel_lock.wait.duration"
+                for point in metric.histogram.data_points
+                if {a.key: a.value for a in point.attributes}["lock.name"].string_value == "stock"
+                and {a.key: a.value for a in point.attributes}["lock.outcome"].string_value == "acquired"]
+    assert max(acquired) == 1, grpc_receiver.metrics  # cumulative: the last export has the acquisition
     assert receiver.metrics == [] and receiver.spans == []  # nothing went to an HTTP port
 
 

@@ -187,10 +187,10 @@ def test_whole_path_in_a_fresh_process():
     assert 'http_target="/metrics"' not in out
 
 
-async def _exposition() -> str:
+async def _exposition(accept: str = "") -> str:
     app = Starlette(routes=[Route("/metrics", telemetry.metrics_endpoint)])
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
-        return (await client.get("/metrics")).text
+        return (await client.get("/metrics", headers={"accept": accept} if accept else {})).text
 
 
 def _samples(text: str, family: str) -> dict[str, float]:
@@ -270,3 +270,44 @@ async def test_the_routes_lock_names_have_series_at_zero_from_start_up(redis_cli
     finally:
         await locks.aclose()
     assert 'otel_lock_renewals_total{lock_name="stock:{path.product_id}",lock_renewal_outcome="lost"} 0.0' in text
+
+
+OPENMETRICS = "application/openmetrics-text; version=1.0.0"
+
+
+async def test_openmetrics_counters_and_histograms_carry_created_and_the_text_format_does_not(redis_client):
+    """Issue 23: OpenMetrics `_created` says when a series started (a restart is a new start, not a drop);
+    the Prometheus text format has no such sample and stays as it was (no extra `*_created` gauges)."""
+    import time
+
+    from otel_lock import LockManager
+
+    before = time.time()
+    installed = telemetry.setup("shop", "r1")
+    locks = LockManager(redis_client, namespace="created", meter_provider=installed.meter_provider)
+    try:
+        async with locks.lock("stock:1", name="stock"):
+            pass
+        openmetrics, text = await _exposition(OPENMETRICS), await _exposition()
+    finally:
+        await locks.aclose()
+    after = time.time()
+    # A lock counter seeded at 0 when the manager started, and the histogram of the acquisition.
+    created = _samples(openmetrics, "otel_lock_renewals_created")
+    assert set(created) == {f'otel_lock_renewals_created{{lock_name="stock",lock_renewal_outcome="{outcome}"}}'
+                            for outcome in ("ok", "lost", "error")}
+    waits = _samples(openmetrics, "otel_lock_wait_duration_seconds_created")
+    assert 'otel_lock_wait_duration_seconds_created{lock_contended="false",lock_name="stock",' \
+           'lock_outcome="acquired"}' in waits
+    assert all(before <= value <= after for value in [*created.values(), *waits.values()])
+    errors = _samples(openmetrics, "otel_lock_errors_created")
+    assert len(errors) == 12  # the manager's seeded series, each with its start
+    # prometheus-client's strict OpenMetrics parser reads it back: `_created` where the format puts it.
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families
+
+    parsed = {f.name: f for f in text_string_to_metric_families(openmetrics)}
+    assert any(s.name == "otel_lock_renewals_created" for s in parsed["otel_lock_renewals"].samples)
+    assert "_created" not in text
+    # The text exposition is the OpenMetrics one's samples less `_created`, in the text format's spelling.
+    assert 'otel_lock_renewals_total{lock_name="stock",lock_renewal_outcome="ok"} 0.0' in text
+    assert 'otel_lock_renewals_total{lock_name="stock",lock_renewal_outcome="ok"} 0.0' in openmetrics

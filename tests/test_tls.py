@@ -28,7 +28,7 @@ from _middleware_helpers import client_for, problem
 from _proc_helpers import DEADLINE, TcpProxy, link_of, queued, until
 from benchmarks._cluster_set import ClusterSet, _bus_safe_port
 from benchmarks.tls_burst import make_certificates
-from otel_lock import LockManager, LockMiddleware, LockTimeout, RedisMisconfigured, locked
+from otel_lock import LockManager, LockMiddleware, LockTimeout, RedisMisconfigured, RedLockManager, locked
 from otel_lock.cli._redis_server import RedisServer, free_port, stop_process
 from otel_lock.lock._breaker import CLOSED
 from otel_lock.lock._sentinel import MasterConnection
@@ -95,6 +95,15 @@ def mtls_server(certs):
     server = _started(TlsServer(certs, auth_clients=True))
     yield server
     server.server.stop()
+
+
+@pytest.fixture(scope="module")
+def tls_trio(certs, tls_server):
+    """Three TLS redis-servers: a RedLock quorum's independent masters."""
+    others = [_started(TlsServer(certs, auth_clients=False)) for _ in range(2)]
+    yield [tls_server, *others]
+    for server in others:
+        server.server.stop()
 
 
 @pytest.fixture
@@ -306,34 +315,57 @@ async def test_a_silently_dropped_tls_subscriber_flow_is_noticed_and_subscribed_
     locks = managers(f"rediss://127.0.0.1:{proxy.port}/0", ssl_ca_certs=tls_server.ca,
                      socket_timeout=SOCKET_TIMEOUT)
     try:
-        holder = managers(tls_server.url(), ssl_ca_certs=tls_server.ca)
-        held = await holder.acquire("deaf")
-        with pytest.raises(LockTimeout):  # starts the proxied manager's subscriber
-            await locks.acquire("deaf", wait=0.05)
-        before = {c["id"] for c in _subscribers(tls_server)}
-        behind_proxy = [c for c in _subscribers(tls_server) if int(c["addr"].rsplit(":", 1)[1]) in proxy.gates]
-        assert len(behind_proxy) == 1
-        deaf = behind_proxy[0]
-        proxy.gates[int(deaf["addr"].rsplit(":", 1)[1])].clear()  # the flow stays open and carries nothing back
-
-        async def subscribed_again() -> bool:
-            now = {c["id"]: c for c in _subscribers(tls_server)}
-            return deaf["id"] not in now and len(set(now) - before) == 1
-        await until(subscribed_again, "the deaf subscriber to be noticed and replaced", timeout=DEADLINE,
-                    every=0.05)
-        channels = await asyncio.to_thread(_channels, tls_server)
-        async with aioredis.Redis(port=tls_server.server.port) as admin:
-            numsub = dict(await admin.pubsub_numsub(*channels))
-            assert list(numsub.values()) == [1]  # the waiting manager's channel, on the new flow
-            waiter = asyncio.create_task(locks.acquire("deaf", wait=DEADLINE))
-            await queued(admin, "deaf", 1)
-        assert await held.release()
-        taken = await asyncio.wait_for(waiter, DEADLINE)
-        assert taken.token > held.token
-        assert await taken.release()
+        await _a_deaf_subscriber_is_replaced(tls_server, proxy, locks, managers)
     finally:
         await locks.aclose()  # first: a subscriber reconnecting through a closing proxy would race its teardown
         await proxy.aclose()
+
+
+async def test_the_redis_py_subscriber_has_the_same_health_check(tls_server, managers):
+    """A client with a connection class of its own subscribes through redis-py, in the same loop: PINGed, replaced."""
+    class OwnConnection(aioredis.SSLConnection):
+        pass
+
+    proxy = await FlowProxy("127.0.0.1", tls_server.tls_port).start()
+    client = aioredis.Redis.from_pool(aioredis.ConnectionPool(
+        connection_class=OwnConnection, host="127.0.0.1", port=proxy.port, ssl_ca_certs=tls_server.ca,
+        socket_timeout=SOCKET_TIMEOUT))
+    locks = LockManager(client)
+    try:
+        await _a_deaf_subscriber_is_replaced(tls_server, proxy, locks, managers)
+    finally:
+        await locks.aclose()
+        await client.aclose()
+        await proxy.aclose()
+
+
+async def _a_deaf_subscriber_is_replaced(tls_server: TlsServer, proxy: FlowProxy, locks: LockManager,
+                                         managers) -> None:
+    """The waiting manager `locks` (behind `proxy`) loses its subscriber's replies without a close; it notices."""
+    holder = managers(tls_server.url(), ssl_ca_certs=tls_server.ca)
+    held = await holder.acquire("deaf")
+    with pytest.raises(LockTimeout):  # starts the proxied manager's subscriber
+        await locks.acquire("deaf", wait=0.05)
+    before = {c["id"] for c in _subscribers(tls_server)}
+    behind_proxy = [c for c in _subscribers(tls_server) if int(c["addr"].rsplit(":", 1)[1]) in proxy.gates]
+    assert len(behind_proxy) == 1
+    deaf = behind_proxy[0]
+    proxy.gates[int(deaf["addr"].rsplit(":", 1)[1])].clear()  # the flow stays open and carries nothing back
+
+    async def subscribed_again() -> bool:
+        now = {c["id"]: c for c in _subscribers(tls_server)}
+        return deaf["id"] not in now and len(set(now) - before) == 1
+    await until(subscribed_again, "the deaf subscriber to be noticed and replaced", timeout=DEADLINE, every=0.05)
+    channels = await asyncio.to_thread(_channels, tls_server)
+    async with aioredis.Redis(port=tls_server.server.port) as admin:
+        numsub = dict(await admin.pubsub_numsub(*channels))
+        assert list(numsub.values()) == [1]  # the waiting manager's channel, on the new flow
+        waiter = asyncio.create_task(locks.acquire("deaf", wait=DEADLINE))
+        await queued(admin, "deaf", 1)
+    assert await held.release()
+    taken = await asyncio.wait_for(waiter, DEADLINE)
+    assert taken.token > held.token
+    assert await taken.release()
 
 
 def _channels(server: TlsServer) -> list[bytes]:
@@ -425,3 +457,73 @@ async def test_a_sentinel_master_over_tls_runs_on_the_lean_connection(tls_server
     finally:
         stop_process(sentinel)
 
+
+
+async def test_redlock_over_tls_runs_each_master_on_one_lean_connection(tls_trio):
+    """`rediss://` masters: a burst of holds shares one TLS connection per master, hand-overs and all."""
+    ca = tls_trio[0].ca
+    before = [len(server.tls_clients()) for server in tls_trio]
+    urls = [server.url() for server in tls_trio]
+    # master_timeout: the first call of each also carries the TLS handshake, on a machine the suite shares
+    async with RedLockManager.from_urls(urls, ssl_ca_certs=ca, master_timeout=1.0) as locks, \
+            RedLockManager.from_urls(urls, ssl_ca_certs=ca, master_timeout=1.0) as other:
+        holding, go = asyncio.Event(), asyncio.Event()
+        held, errors = 0, []
+
+        async def hold(i: int) -> None:
+            nonlocal held
+            try:
+                async with locks.lock(f"quorum:{i}", wait=DEADLINE):
+                    held += 1
+                    if held == 100:
+                        holding.set()
+                    await go.wait()
+            except Exception as error:
+                errors.append(error)
+                holding.set()
+
+        tasks = [asyncio.create_task(hold(i)) for i in range(100)]
+        await asyncio.wait_for(holding.wait(), DEADLINE)
+        at_peak = [len(server.tls_clients()) - was for server, was in zip(tls_trio, before)]
+        go.set()
+        await asyncio.gather(*tasks)
+        assert errors == [] and held == 100
+        # one each (a pool would open one per concurrent call: 100 TLS handshakes per master)
+        assert all(n <= 1 for n in at_peak), f"new TLS connections per master during the burst: {at_peak}"
+
+        first = await locks.acquire("quorum:handed")
+        waiter = asyncio.create_task(other.acquire("quorum:handed", wait=DEADLINE))
+        assert await first.release()
+        taken = await asyncio.wait_for(waiter, DEADLINE)
+        assert taken.token > first.token and await taken.release()
+        now = [len(server.tls_clients()) - was for server, was in zip(tls_trio, before)]
+        assert all(n <= 2 for n in now), f"new TLS connections per master for two managers: {now}"
+
+
+async def test_redlock_over_tls_with_a_wrong_ca_is_misconfigured_and_never_opens_the_breaker(tls_trio):
+    other_ca = str(tls_trio[0].certs / "other-ca.crt")
+    async with RedLockManager.from_urls([server.url() for server in tls_trio], ssl_ca_certs=other_ca,
+                                        breaker_failures=1, master_timeout=1.0) as locks:
+        for _ in range(2):
+            with pytest.raises(RedisMisconfigured, match="ssl_ca_certs"):
+                await locks.try_lock("quorum:ca")
+        assert locks._breaker.state() == CLOSED
+
+
+async def test_a_redlock_master_with_a_connection_class_of_its_own_stays_on_redis_py(tls_trio):
+    """The one case left to redis-py: a client the caller built with a class of its own (said in docs/lock.md)."""
+    class OwnConnection(aioredis.SSLConnection):
+        pass
+
+    clients = [aioredis.Redis.from_pool(aioredis.ConnectionPool(  # the client closes its pool
+        connection_class=OwnConnection, host="127.0.0.1", port=server.tls_port, ssl_ca_certs=server.ca))
+        for server in tls_trio]
+    try:
+        async with RedLockManager(clients, master_timeout=1.0) as locks:  # redis-py: a handshake per call at first
+            async with locks.lock("quorum:own") as held:
+                assert held.token > 0
+            masters = locks._runtimes.here().transport.masters
+            assert masters.senders == clients
+    finally:
+        for client in clients:
+            await client.aclose()

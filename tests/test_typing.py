@@ -72,3 +72,18 @@ def test_user_code_of_the_facade_passes_mypy_strict(type_checks):
 def test_a_redlock_factory_passes_mypy_strict(type_checks):
     mypy = type_checks.mypy
     assert mypy.errors_in(SYNC_USAGE_REDLOCK) == [], mypy.output()
+
+
+def test_every_topology_implements_the_one_transport_and_the_core_types_it():
+    """One base class names what the core uses of a transport; no transport or runtime on the core's spine is Any."""
+    import re
+
+    from otel_lock.lock._quorum import QuorumTransport
+    from otel_lock.lock._scripted import ScriptTransport
+    from otel_lock.lock._transport import Transport
+
+    for implementation in (ScriptTransport, QuorumTransport):
+        assert issubclass(implementation, Transport) and not implementation.__abstractmethods__
+    for name in ("_core.py", "_ending.py", "_held.py", "_runtime.py", "_server_watch.py", "_watchdog.py"):
+        text = (ROOT / "otel_lock" / "lock" / name).read_text()
+        assert not re.search(r"(transport|runtime)\w*: (Any\b|Callable\[\[Any\])", text), name

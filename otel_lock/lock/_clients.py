@@ -21,6 +21,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.sentinel import SentinelConnectionPool
 
+from ._connection import Connection
 from ._tls import Tls
 
 # redis-py's own connection classes: what they do, the lean connection does too (a caller's own class: not)
@@ -82,6 +83,23 @@ def _settings(kw: dict[str, Any], host: str, port: int, path: str | None, lean: 
                     password=kw.get("password"), timeout=timeout,
                     connect_timeout=kw.get("socket_connect_timeout") or timeout, lean=lean, tls=tls,
                     credential_provider=kw.get("credential_provider"))
+
+
+def lean_connection(settings: Settings, **extra: Any) -> Connection:
+    """A lean connection to the server and with the credentials of `settings`."""
+    return Connection(host=settings.host, port=settings.port, path=settings.path, **settings.credentials(), **extra)
+
+
+def speaking_for(client: Any) -> Connection | None:
+    """A lean connection that speaks for a plain client (TCP, TLS or unix socket; RESP2), or None.
+
+    None: a client with a connection class of the caller's own, RESP3, or a
+    Sentinel pool; its calls go through redis-py itself.
+    """
+    if not is_plain(client):
+        return None
+    settings = settings_of(client)
+    return lean_connection(settings) if settings.lean else None
 
 
 def is_plain(client: Any) -> bool:

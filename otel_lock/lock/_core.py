@@ -30,7 +30,7 @@ from opentelemetry import trace
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError
 
-from ._attempt import Request
+from ._attempt import Reply, Request
 from ._background import Background
 from ._breaker import Breaker
 from ._deadlock import probe_for
@@ -42,7 +42,9 @@ from ._multi import HeldLocks, MultiLockContext, acquire_all, canonical
 from ._options import ManagerOptions, check_breaker, check_key, check_seconds, default_name, unknown_argument
 from ._periodic import once_per_period, run_every
 from ._ending import HoldEnds
-from ._runtime import Runtime, Runtimes, watch_fork
+from .._fork import watch_fork
+from ._runtime import Runtime, Runtimes
+from ._transport import Transport
 from ._scripts import MODEL, MODEL_TTL, script_refused
 from ._server_checks import ServerHealth, ServerReport
 from ._server_watch import period, stay_awake
@@ -64,7 +66,7 @@ class Topology:
     counts_depth = True  # nested holds are counted in Redis too (explicit owners share the depth)
 
     def open(self, identity: str, next_owner: Callable[[], str], index: int,
-             background: Background) -> tuple[Any, Any, bool]:
+             background: Background) -> tuple[Transport, Any, bool]:
         """(transport, client(s) it uses, whether the runtime closes them) for the current loop.
 
         `identity`: the manager's id in this process (its wake channel);
@@ -471,7 +473,7 @@ class Core:
         """A key as spans may carry it (`lock.key` redaction: hashed, or dropped to '')."""
         return str(self.telemetry.redact({"lock.key": key}).get("lock.key", ""))
 
-    async def _first_take(self, runtime: Runtime, request: Request) -> Any:
+    async def _first_take(self, runtime: Runtime, request: Request) -> Reply | None:
         """The first acquisition on a loop: the first-use checks, then the take (both behind the breaker)."""
         what, key = f"acquire of {request.keys[0]}", request.keys[0]
         try:
@@ -483,7 +485,7 @@ class Core:
         runtime.keep_awake(lambda: stay_awake(weakref.ref(runtime), weakref.ref(self), period(self.options.lease)))
         return await runtime.transport.take(request)
 
-    async def _check_server(self, transport: Any, key: str, name: str) -> None:
+    async def _check_server(self, transport: Transport, key: str, name: str) -> None:
         """At the first use on a loop (and again when the guard saw a change): the data model, the server checks.
 
         The server checks run once per process, and again after a refusal
@@ -506,14 +508,14 @@ class Core:
         if not all(report.can_subscribe for report in self.server_reports):
             transport.poll_instead(None)  # the report's warning said why, with the rule to add
 
-    async def _check_reports(self, transport: Any, key: str) -> None:
+    async def _check_reports(self, transport: Transport, key: str) -> None:
         if self._reports_pid != os.getpid():
             await self._run_checks(transport)
         for report in self.server_reports:
             if report.refusals:
                 raise RedisMisconfigured(f"{report.refusal_message()} (at the first use: acquire of {key})", key=key)
 
-    async def _claim_model(self, transport: Any, key: str = "", name: str = "otel-lock.model") -> int | None:
+    async def _claim_model(self, transport: Transport, key: str = "", name: str = "otel-lock.model") -> int | None:
         """Claim the namespace for this data model for another MODEL_TTL; the other model holding it, or None."""
         model_key = f"{self.namespace}:model"
         held: int | None = await transport.check_model(model_key, MODEL, MODEL_TTL, key or model_key, name)
@@ -523,7 +525,7 @@ class Core:
     def _model_refusal(self) -> str:
         return model_refusal(self.namespace, self._topology.where(), self._namespace_model)
 
-    async def _run_checks(self, transport: Any) -> tuple[ServerReport, ...]:
+    async def _run_checks(self, transport: Transport) -> tuple[ServerReport, ...]:
         """Run the server checks now, keep them (`server_reports`, `health()`, the verdict metric), log news."""
         reports = tuple(await transport.server_reports(self.namespace, self.options.require_noeviction))
         if _verdicts(reports) != _verdicts(self.server_reports):
@@ -617,7 +619,7 @@ class Core:
             used, pending = used + one, pending + two
         return used, pending
 
-    async def _ask(self, ask: Callable[[Any], Awaitable[T]], what: str, key: str | None) -> T:
+    async def _ask(self, ask: Callable[[Transport], Awaitable[T]], what: str, key: str | None) -> T:
         """An operator call on this loop's transport, its Redis errors as LockError / RedisUnavailable."""
         transport = self._runtimes.here().transport
         try:

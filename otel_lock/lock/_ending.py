@@ -55,12 +55,10 @@ class HoldEnds:
 
     def settle_release(self, lease: Lease, lost_before: bool, began: float, reply: Any) -> bool | LockError:
         """What the fast path's RELEASE answered (a reply, or the error), as `_let_go` would end the hold."""
-        transport = lease.runtime.transport
-        if isinstance(reply, BaseException):
-            failure = transport.calls.failed(reply, time.perf_counter() - began, "release", lease.name, lease.key)
-            return self._release_failed(lease, True, lost_before, failure)
-        transport.calls.ok(time.perf_counter() - began, "release", lease.name)
-        return self._settle(lease, True, lost_before, int(reply))
+        answer = lease.runtime.transport.release_answer(lease, time.perf_counter() - began, reply)
+        if isinstance(answer, LockError):
+            return self._release_failed(lease, True, lost_before, answer)
+        return self._settle(lease, True, lost_before, answer)
 
     async def _release(self, lease: Lease, *, outer: bool, child: bool) -> bool:
         if child:

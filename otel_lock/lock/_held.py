@@ -20,12 +20,15 @@ import math
 from contextvars import ContextVar
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Awaitable, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol
 
 from opentelemetry import trace
 
 from ._errors import LockError, LockLost, RedisUnavailable
 from ._shapes import EXCLUSIVE, Shape
+
+if TYPE_CHECKING:
+    from ._runtime import Runtime
 
 log = logging.getLogger("otel_lock")
 
@@ -131,6 +134,8 @@ class Lease:
     once-per-period job's tick), whose expiry is no loss.
     """
 
+    runtime: Runtime  # the manager's runtime on the loop it was acquired on (set by the core, once taken)
+
     def __init__(self, ends: Ends, key: str, redis_key: str, name: str, owner: str, token: int, lease: float,
                  renew_every: float, cancel_on_lost: bool, valid_from: float, acquired_at: float, *,
                  explicit_owner: bool = False, share_with_children: bool = False, planned: bool = False,
@@ -172,7 +177,6 @@ class Lease:
         self.renewing: asyncio.Future[Any] | None = None  # a renewal in flight (a release waits for it)
         self.seq: int = 0
         self.holds: _Holds | None = None
-        self.runtime: Any = None         # the manager's runtime on the loop it was acquired on
 
     def check_validity(self) -> None:
         if not self.ended and not self.lost_reason and self.loop.time() >= self.expires_at:

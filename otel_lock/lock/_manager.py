@@ -32,6 +32,7 @@ from ._scripted import ScriptTransport
 from ._sentinel import SCHEME as SENTINEL_SCHEME
 from ._sentinel import master_client
 from ._topology import link_for
+from ._transport import Transport
 from ..telemetry._instruments import LockCounts, Telemetry
 
 _MANAGER_OPTIONS = ("namespace", "lease", "wait", "cancel_on_lost", "fence_ttl", "poll_cap", "renew_interval",
@@ -70,7 +71,7 @@ class OneRedis(Topology):
         return client, True
 
     def open(self, identity: str, next_owner: Callable[[], str], index: int,
-             background: Background) -> tuple[Any, Any, bool]:
+             background: Background) -> tuple[Transport, Any, bool]:
         client, owns = self.client_for_loop()
         link = link_for(client, self.wait_replicas, self.wait_timeout_ms)
         channel = f"{self.options.namespace}:wake:{identity}" + (f"-{index}" if index else "")

@@ -21,7 +21,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Coroutine
+from typing import Any, AsyncGenerator, Callable
 
 from redis.exceptions import AuthenticationError
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -33,13 +33,14 @@ from ._attempt import Reply, Request, validity
 from ._background import Background
 from ._breaker import Breaker
 from ._calls import batch_outcomes, record_batch
-from ._errors import LockError, LockTimeout, RedisUnavailable
+from ._errors import LockError, LockTimeout, RedisMisconfigured, RedisUnavailable
 from ._held import Lease, LockInfo
 from ._listing import describe, key_pages
 from ._redlock_cleanup import Cleanup
 from ._redlock_scripts import Masters
 from ._scripts import model_check
 from ._server_checks import ServerReport, check_server
+from ._transport import RedisClient, Send, Transport
 
 log = logging.getLogger("otel_lock")
 
@@ -65,7 +66,7 @@ def lock_keys(redis_key: str) -> tuple[str, str]:
     return redis_key, redis_key + ":fence"
 
 
-class QuorumTransport:
+class QuorumTransport(Transport):
     """Locks held by a majority of `masters`, for one event loop."""
 
     def __init__(self, masters: Masters, breaker: Breaker, fence_ttl_ms: int, poll_cap: float,
@@ -82,9 +83,10 @@ class QuorumTransport:
         self._yield_until: dict[str, float] = {}
 
     @property
-    def records(self) -> Any:
+    def records(self) -> RedisClient:
         """The first master's client: the middleware's Idempotency-Key records need one store."""
-        return self.masters.clients[0]
+        client: RedisClient = self.masters.clients[0]
+        return client
 
     # -- taking ----------------------------------------------------------------
 
@@ -271,10 +273,15 @@ class QuorumTransport:
         answers = await self.masters.call(model_check, (key,), [model, ttl], "acquire", name)
         answered = [int(a) for a in answers if not isinstance(a, LockError)]
         if len(answered) < self.quorum:
+            failed = [a for a in answers if isinstance(a, LockError)]
             raise self._no_quorum(len(answered), f"data model check of {key}", lock_key,
-                                  next(a for a in answers if isinstance(a, LockError)))
+                                  next((a for a in failed if isinstance(a, RedisMisconfigured)), failed[0]))
         others = [a for a in answered if a != model]
         return others[0] if others else None
+
+    async def servers(self) -> list[tuple[str, Send]]:
+        """(address, send one command) for every master: the server watch's targets."""
+        return [(calls.where, self.masters.run(i)) for i, calls in enumerate(self.masters.calls)]
 
     async def server_reports(self, namespace: str, require_noeviction: bool) -> list[ServerReport]:
         """The server checks of every master that answers; a minority down is skipped with a warning.
@@ -299,7 +306,7 @@ class QuorumTransport:
         try:
             # a stopped master must not hold the first use for ever (a client may have no socket timeout)
             async with asyncio.timeout(max(2.0, 10 * self.masters.timeout)):
-                return await check_server(self.masters.clients[index].execute_command, namespace=namespace,
+                return await check_server(self.masters.run(index), namespace=namespace,
                                           cluster=False, require_noeviction=require_noeviction, address=calls.where)
         except AuthenticationError:
             raise
@@ -308,11 +315,15 @@ class QuorumTransport:
                         "others grants locks; it is used again once it answers)", calls.where, exc)
             return _Unreachable(exc)
 
-    def _no_quorum(self, answered: int, what: str, key: str | None, cause: BaseException) -> RedisUnavailable:
+    def _no_quorum(self, answered: int, what: str, key: str | None, cause: BaseException) -> LockError:
+        """RedisUnavailable; RedisMisconfigured when a master refused this client (no retry fixes that)."""
         count = len(self.masters.clients)
         detail = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
-        return RedisUnavailable(f"only {answered} of {count} masters answered ({what}): RedLock needs a quorum of "
-                                f"{self.quorum} to grant any lock; {detail}", key=key)
+        message = (f"only {answered} of {count} masters answered ({what}): RedLock needs a quorum of {self.quorum} "
+                   f"to grant any lock; {detail}")
+        if isinstance(cause, RedisMisconfigured):  # a certificate, a password, an ACL
+            return RedisMisconfigured(message, key=key)
+        return RedisUnavailable(message, key=key)
 
     def poll_instead(self, why: str | None) -> None:
         """RedLock waiters always poll."""
@@ -324,7 +335,7 @@ class QuorumTransport:
         answers = await self.masters.call(scripts.force_release, (redis_key,), [], "release", name)
         return any(a == 1 for a in answers), ""
 
-    async def held_pages(self, pattern: str, page: int) -> AsyncIterator[list[LockInfo]]:
+    async def held_pages(self, pattern: str, page: int) -> AsyncGenerator[list[LockInfo], None]:
         """Locks whose owner holds them on a quorum of the masters that answer, a SCAN batch at a time.
 
         Each master is scanned in turn; a page of its keys is looked up on
@@ -376,11 +387,9 @@ class QuorumTransport:
         owner_infos = max(by_owner.values(), key=len)
         return min(owner_infos, key=lambda info: info.ttl) if len(owner_infos) >= self.quorum else None
 
-    def background(self, work: Coroutine[Any, Any, Any]) -> asyncio.Future[Any]:
-        return self._background.add(work)
-
     def figures(self) -> tuple[int, int]:
-        return sum(len(getattr(c.connection_pool, "_in_use_connections", ())) for c in self.masters.clients), 0
+        return self.masters.figures()
 
     async def aclose(self) -> None:
         self.cleanup.aclose()
+        await self.masters.aclose()

@@ -20,11 +20,12 @@ from opentelemetry.metrics import MeterProvider
 from ._background import Background
 from ._breaker import Breaker
 from ._calls import Calls
-from ._clients import settings_of, twin
+from ._clients import settings_of, speaking_for, twin
 from ._core import Core, Topology
 from ._options import ManagerOptions, check_seconds, refuse_theirs
 from ._quorum import QuorumTransport
 from ._redlock_scripts import Masters
+from ._transport import Transport
 from ..telemetry._instruments import Telemetry
 
 _OPTIONS = ("namespace", "lease", "wait", "cancel_on_lost", "fence_ttl", "poll_cap", "renew_interval",
@@ -74,10 +75,12 @@ class Quorum(Topology):
         return twins, True
 
     def open(self, identity: str, next_owner: Callable[[], str], index: int,
-             background: Background) -> tuple[Any, Any, bool]:
+             background: Background) -> tuple[Transport, Any, bool]:
         clients, owns = self.clients_for_loop()
         calls = [Calls(self.telemetry, None, c) for c in clients]
-        masters = Masters(clients, self.master_timeout, calls)
+        # every master's scripts on a lean connection (TLS included), unless its client has a class of its own
+        senders = [speaking_for(c) or c for c in clients]
+        masters = Masters(clients, self.master_timeout, calls, senders)
         transport = QuorumTransport(masters, self.breaker, self.options.fence_ttl_ms, self.options.poll_cap,
                                     next_owner, background)
         return transport, clients, owns

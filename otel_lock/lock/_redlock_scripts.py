@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 from redis.exceptions import RedisError
 
 from ._calls import Calls
-from ._scripts import Script
+from ._connection import Connection
+from ._scripts import Script, ScriptClient
 from ..telemetry._instruments import suppressed
 
 # KEYS: lock, fence. ARGV: owner, lease_ms, fence_ttl_ms.
@@ -127,17 +128,52 @@ release = Script(RELEASE)
 
 
 class Masters:
-    """N independent redis.asyncio clients, each call bounded by `timeout` seconds.
+    """N independent masters, each call bounded by `timeout` seconds.
 
+    `clients` are the redis-py clients (the listing, the Idempotency-Key
+    records); `senders[i]` carries master i's scripts: the lean connection
+    that speaks for its client (`_clients.speaking_for`), TLS included, or
+    the client itself when it has a connection class of the caller's own.
     `calls[i]` times and classifies master i's calls (the breaker is fed per
     round by the transport, not per master).
     """
 
-    def __init__(self, clients: Sequence[Any], timeout: float, calls: Sequence[Calls]) -> None:
+    def __init__(self, clients: Sequence[Any], timeout: float, calls: Sequence[Calls],
+                 senders: Sequence[ScriptClient] | None = None) -> None:
         self.clients: list[Any] = list(clients)
+        self.senders: list[ScriptClient] = list(self.clients if senders is None else senders)
         self.quorum: int = len(self.clients) // 2 + 1
         self.timeout: float = timeout
         self.calls: list[Calls] = list(calls)
+        self._connects: dict[int, asyncio.Future[None]] = {}
+
+    def _connect(self, index: int, connection: Connection) -> asyncio.Future[None]:
+        """Master `index`'s connect (a TLS handshake too), shared by its callers.
+
+        A caller gives up after `timeout` (a master_timeout shorter than a
+        handshake to a distant server); the connect goes on for the next
+        round, bounded by its own connect timeout.
+        """
+        connecting = self._connects.get(index)
+        if connecting is None or connecting.done():
+            connecting = self._connects[index] = asyncio.ensure_future(connection.connect())
+            connecting.add_done_callback(_retrieve)
+        return connecting
+
+    def run(self, index: int) -> Callable[..., Awaitable[Any]]:
+        """Send one command to master `index` (the server checks), on the connection its scripts use."""
+        sender = self.senders[index]
+        return sender.execute if isinstance(sender, Connection) else self.clients[index].execute_command
+
+    def figures(self) -> tuple[int, int]:
+        """(connections in use, replies awaited) over every master."""
+        used = waiting = 0
+        for client, sender in zip(self.clients, self.senders):
+            if isinstance(sender, Connection):
+                used, waiting = used + sender.connected, waiting + sender.in_flight
+            else:
+                used += len(getattr(client.connection_pool, "_in_use_connections", ()))
+        return used, waiting
 
     async def call(self, script: Script, keys: Sequence[str], args: Sequence[object], operation: str, name: str,
                    only: Sequence[int] | None = None, record: bool = True) -> list[Any]:
@@ -154,8 +190,11 @@ class Masters:
         began = time.perf_counter()
         try:
             async with asyncio.timeout(self.timeout):
+                sender = self.senders[index]
+                if isinstance(sender, Connection) and not sender.connected:
+                    await asyncio.shield(self._connect(index, sender))
                 with suppressed():
-                    answer = await script(self.clients[index], keys, args)
+                    answer = await script(sender, keys, args)
         except (RedisError, OSError) as exc:  # asyncio's TimeoutError is an OSError
             return self.calls[index].failed(exc, time.perf_counter() - began, operation, name, keys[0])
         if record:
@@ -164,4 +203,16 @@ class Masters:
         return answer
 
     async def aclose(self) -> None:
-        await asyncio.gather(*(client.aclose() for client in self.clients), return_exceptions=True)
+        """Close the lean connections (the clients are the runtime's to close, when it owns them)."""
+        connects, self._connects = list(self._connects.values()), {}
+        for connecting in connects:
+            connecting.cancel()
+        await asyncio.gather(*connects, return_exceptions=True)
+        await asyncio.gather(*(s.aclose() for s in self.senders if isinstance(s, Connection)),
+                             return_exceptions=True)
+
+
+def _retrieve(done: asyncio.Future[None]) -> None:
+    """The connect's error reaches its callers; unawaited, it is not logged as never retrieved."""
+    if not done.cancelled():
+        done.exception()

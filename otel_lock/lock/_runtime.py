@@ -22,10 +22,10 @@ import asyncio
 import logging
 import os
 import weakref
-from typing import Any, AsyncIterator, Awaitable, Callable, Coroutine, Protocol
+from typing import Any, AsyncIterator, Awaitable, Callable, Coroutine
 
 from ._background import Background
-from ._held import Lease
+from ._transport import Transport
 from ._watchdog import Watchdog
 
 log = logging.getLogger("otel_lock")
@@ -35,39 +35,26 @@ log = logging.getLogger("otel_lock")
 _INHERITED: list[Runtime] = []
 
 
-class Transport(Protocol):
-    """One topology on one loop: `_scripted.ScriptTransport` or `_quorum.QuorumTransport`."""
-
-    @property
-    def records(self) -> Any: ...
-
-    async def renew(self, leases: list[Lease]) -> list[bool | BaseException]: ...
-
-    def figures(self) -> tuple[int, int]: ...
-
-    async def aclose(self) -> None: ...
-
-
 class Runtime:
     """A manager's transport, watchdog and background tasks on one event loop."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, transport: Any, watchdog: Watchdog, background: Background,
+    def __init__(self, loop: asyncio.AbstractEventLoop, transport: Transport, watchdog: Watchdog, background: Background,
                  client: Any, owns_client: bool) -> None:
-        self.loop = loop
-        self.transport = transport
-        self.watchdog = watchdog
-        self.background = background
-        self.client = client
-        self.owns_client = owns_client
-        self.closed = False
-        self.checked = False  # the first-use checks (data model, server) passed on this loop
+        self.loop: asyncio.AbstractEventLoop = loop
+        self.transport: Transport = transport
+        self.watchdog: Watchdog = watchdog
+        self.background: Background = background
+        self.client: Any = client  # a redis-py client, or a RedLock quorum's list of them
+        self.owns_client: bool = owns_client
+        self.closed: bool = False
+        self.checked: bool = False  # the first-use checks (data model, server) passed on this loop
         self._checking: asyncio.Future[None] | None = None
         self.guard: asyncio.Future[Any] | None = None  # the guard that stays awake (`_server_watch.py`)
-        self.pid = os.getpid()
+        self.pid: int = os.getpid()
         self._closer = _on_shutdown(weakref.ref(self))
         _start(self._closer)
 
-    async def first_use(self, check: Callable[[Any], Awaitable[None]]) -> None:
+    async def first_use(self, check: Callable[[Transport], Awaitable[None]]) -> None:
         """Run `check(transport)` once for every caller that arrives before it passed; a failure is not kept."""
         if self._checking is None or (self._checking.done() and self._checking.exception() is not None):
             self._checking = asyncio.ensure_future(check(self.transport))
@@ -198,23 +185,3 @@ class Runtimes:
         self._by_loop = {}
         if here is not None:
             await here.aclose()
-
-
-# What every manager of the process wants done after a fork (weakly: a manager's life is its user's).
-_ALL: list[weakref.WeakMethod[Callable[[], None]]] = []
-
-
-def watch_fork(forked: Callable[[], None]) -> None:
-    """Call the bound method `forked()` in the child after every fork, as long as its object lives."""
-    _ALL[:] = [ref for ref in _ALL if ref() is not None]
-    _ALL.append(weakref.WeakMethod(forked))
-
-
-def _after_fork_in_child() -> None:
-    for ref in list(_ALL):
-        forked = ref()
-        if forked is not None:
-            forked()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)

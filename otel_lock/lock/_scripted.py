@@ -13,8 +13,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from functools import partial
-from typing import Any, AsyncIterator, Awaitable, Callable, Coroutine
+from typing import Any, AsyncGenerator, Callable, Coroutine, cast
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError
@@ -30,7 +29,8 @@ from ._listing import held_pages
 from ._options import default_name
 from ._server_checks import ServerReport, check_server
 from ._shapes import EXCLUSIVE, SHARED, SHARED_OWNER, Shape, force_release_shared, renew_members, shape_of_key
-from ._topology import ClusterLink, LeanLink, Link, ReplicatedLink
+from ._topology import Link, ReplicatedLink
+from ._transport import RedisClient, Send, Transport
 
 log = logging.getLogger("otel_lock")
 RELEASE_RETRY = 0.25
@@ -41,7 +41,7 @@ def lock_keys(redis_key: str) -> tuple[str, str, str, str]:
     return redis_key, redis_key + ":fence", redis_key + ":q", redis_key + ":w"
 
 
-class ScriptTransport:
+class ScriptTransport(Transport):
     """Locks on one Redis (or Sentinel, or Cluster) for one event loop."""
 
     def __init__(self, link: Link, calls: Calls, channel: str, fence_ttl_ms: int, poll_cap: float,
@@ -54,17 +54,14 @@ class ScriptTransport:
         self._background = background
         self.acquire_script = link.acquire_script
         # with wait_replicas, a hand-over is confirmed by an ACQUIRE that WAITs
-        self.trust_grants = not isinstance(link, ReplicatedLink)
+        self.trust_grants = link.trusts_grants
         self.waiting = link.waiting(channel, self._pass_on)
         self.polling = False  # no pub/sub rights: waiters poll (one warning)
 
     @property
-    def records(self) -> Any:
+    def records(self) -> RedisClient:
         """This loop's redis-py client (idempotency records, operator calls)."""
-        return self.link.redis
-
-    def background(self, work: Coroutine[Any, Any, Any]) -> asyncio.Future[Any]:
-        return self._background.add(work)
+        return cast(RedisClient, self.link.redis)
 
     def call(self, script: _scripts.Script, keys: tuple[str, ...], args: list[Any], operation: str,
              name: str) -> Coroutine[Any, Any, Any]:
@@ -139,6 +136,13 @@ class ScriptTransport:
         shape = lease.shape
         return self.link.send_now(shape.release, shape.keys(lease.lock_base),
                                   [lease.owner, self.fence_ttl_ms, "1" if whole else "0"], on_orphan)
+
+    def release_answer(self, lease: Lease, seconds: float, reply: Any) -> int | LockError:
+        """The RELEASE reply of `send_release` (or the error that ended it): the depth left, or the error."""
+        if isinstance(reply, BaseException):
+            return self.calls.failed(reply, seconds, "release", lease.name, lease.key)
+        self.calls.ok(seconds, "release", lease.name)
+        return int(reply)
 
     def release_when_back(self, lease: Lease) -> None:
         """A release that Redis did not answer: retried until it does (the next caller gets in then)."""
@@ -215,24 +219,19 @@ class ScriptTransport:
         held = await self.calls(self.link.call(_scripts.model_check, (key,), [model, ttl]), "acquire", name, lock_key)
         return None if int(held) == model else int(held)
 
-    async def servers(self) -> list[tuple[str, Callable[..., Awaitable[Any]]]]:
+    async def servers(self) -> list[tuple[str, Send]]:
         """(address, send one command) for the server, or every Cluster master: the server checks' targets."""
-        link = self.link
-        if isinstance(link, ClusterLink):
-            return await link.masters()
-        await link.prepare()
-        run = link.connection.execute if isinstance(link, LeanLink) else link.redis.execute_command
-        return [(self.calls.where, run)]
+        return await self.link.servers(self.calls.where)
 
     async def server_reports(self, namespace: str, require_noeviction: bool) -> list[ServerReport]:
         """The server checks (`_server_checks.py`) of the server, or of every Cluster master."""
-        cluster = isinstance(self.link, ClusterLink)
+        cluster = self.link.sharded
         reports = []
         for address, send in await self.servers():
             try:
                 reports.append(await check_server(send, namespace=namespace, cluster=cluster,
                                                   require_noeviction=require_noeviction, address=address,
-                                                  subscribe=self._subscriber(address)))
+                                                  subscribe=self.link.subscribe_probe(address)))
             except (OSError, RedisConnectionError, RedisTimeoutError) as exc:
                 if not cluster:
                     raise
@@ -241,27 +240,6 @@ class ScriptTransport:
                 log.warning("otel-lock: server checks skipped for Cluster master %s, unreachable: %s", address,
                             exc)
         return reports
-
-    def _subscriber(self, address: str) -> Callable[[str], Awaitable[None]] | None:
-        """Subscribe once on a connection of its own, as the waiters will (SSUBSCRIBE on a Cluster master)."""
-        if not isinstance(self.link, ClusterLink):
-            return partial(subscribe_once, self.link.redis, False)
-        if not self.link.settings.lean:
-            return None  # TLS or another connection class: the right stays as ACL DRYRUN or the probe found it
-        host, _, port = address.rpartition(":")
-        settings = self.link.settings
-
-        async def on_node(channel: str) -> None:
-            import redis.asyncio as aioredis
-
-            node = aioredis.Redis(host=host, port=int(port), username=settings.username, password=settings.password,
-                                  socket_timeout=settings.timeout or 2.0,
-                                  socket_connect_timeout=settings.connect_timeout or 2.0)
-            try:
-                await subscribe_once(node, True, channel)
-            finally:
-                await node.aclose()
-        return on_node
 
     # -- operators -------------------------------------------------------------
 
@@ -275,7 +253,7 @@ class ScriptTransport:
         released = await self.call(_scripts.force_release, lock_keys(redis_key), [self.fence_ttl_ms], "release", name)
         return bool(released), owner
 
-    def held_pages(self, pattern: str, page: int) -> AsyncIterator[list[LockInfo]]:
+    def held_pages(self, pattern: str, page: int) -> AsyncGenerator[list[LockInfo], None]:
         """The locks held, one SCAN batch at a time (`_listing.py`)."""
         return held_pages(self.link.redis, pattern, page)
 
@@ -285,20 +263,6 @@ class ScriptTransport:
     async def aclose(self) -> None:
         await self.waiting.aclose()
         await self.link.aclose()
-
-
-async def subscribe_once(client: Any, sharded: bool, channel: str, timeout: float = 2.0) -> None:
-    """SUBSCRIBE (SSUBSCRIBE) `channel` on a connection of `client`'s own, then leave: raises if refused."""
-    pubsub = client.pubsub()
-    try:
-        if sharded:
-            await pubsub.execute_command("SSUBSCRIBE", channel)
-            await pubsub.parse_response(block=True, timeout=timeout)
-        else:
-            await pubsub.subscribe(channel)
-            await pubsub.get_message(timeout=timeout)
-    finally:
-        await pubsub.aclose()
 
 
 def _text(value: bytes | str | None) -> str:

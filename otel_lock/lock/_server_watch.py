@@ -30,12 +30,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Awaitable, Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from redis.exceptions import RedisError
 
 from ._errors import LockError
 from ._server_checks import ServerReport, server_identity
+from ._transport import Send, Transport
+
+if TYPE_CHECKING:
+    from ._runtime import Runtime
 
 log = logging.getLogger("otel_lock")
 
@@ -52,14 +56,14 @@ def period(lease: float) -> float:
 class Keeper(Protocol):
     """What the guard asks of the manager core (`_core.Core`)."""
 
-    async def _claim_model(self, transport: Any) -> int | None: ...  # the other model holding it, or None
+    async def _claim_model(self, transport: Transport) -> int | None: ...  # the other model holding it, or None
 
-    async def _run_checks(self, transport: Any) -> tuple[ServerReport, ...]: ...  # run and keep them now
+    async def _run_checks(self, transport: Transport) -> tuple[ServerReport, ...]: ...  # run and keep them now
 
     def _refused(self) -> bool: ...  # did the last checks refuse a server?
 
 
-async def stay_awake(runtime_ref: Callable[[], Any], keeper_ref: Callable[[], Keeper | None], every: float) -> None:
+async def stay_awake(runtime_ref: Callable[[], Runtime | None], keeper_ref: Callable[[], Keeper | None], every: float) -> None:
     """Forever, every `every` seconds: the servers' identity, then the model claim (see the module's docstring).
 
     The runtime and the manager are held weakly across the sleeps: a manager
@@ -88,7 +92,7 @@ async def stay_awake(runtime_ref: Callable[[], Any], keeper_ref: Callable[[], Ke
         del runtime, keeper
 
 
-async def _check_servers(runtime: Any, keeper: Keeper, seen: Identity) -> Identity:
+async def _check_servers(runtime: Runtime, keeper: Keeper, seen: Identity) -> Identity:
     """The server checks again if a server changed (or refused last time); the identity they saw."""
     try:
         now = await identity(runtime.transport)
@@ -105,7 +109,7 @@ async def _check_servers(runtime: Any, keeper: Keeper, seen: Identity) -> Identi
     return now
 
 
-async def identity(transport: Any) -> Identity:
+async def identity(transport: Transport) -> Identity:
     """(address, run_id, role) of every server the locks live on; ("unreachable", None) for one that is down."""
     out = []
     for address, run in await _targets(transport):
@@ -117,13 +121,8 @@ async def identity(transport: Any) -> Identity:
     return tuple(sorted(out))
 
 
-async def _targets(transport: Any) -> list[tuple[str, Callable[..., Awaitable[Any]]]]:
-    servers = getattr(transport, "servers", None)
-    if servers is not None:
-        targets: list[tuple[str, Callable[..., Awaitable[Any]]]] = await servers()
-        return targets
-    masters = transport.masters  # a RedLock quorum: every master
-    return [(calls.where, client.execute_command) for client, calls in zip(masters.clients, masters.calls)]
+async def _targets(transport: Transport) -> list[tuple[str, Send]]:
+    return await transport.servers()
 
 
 def _changes(before: Identity, after: Identity) -> str:

@@ -48,7 +48,7 @@ class ShardedWaiting(Waiting):
 
     def __init__(self, redis: RedisCluster, settings: Settings, channel: str,
                  on_orphan: Callable[[str, str], None] | None) -> None:
-        super().__init__(redis, channel, None, on_orphan)
+        super().__init__(channel, None, on_orphan)
         self._settings = settings
         self._cluster = redis
         self._nodes: dict[tuple[str, int], _Node] = {}

@@ -1,7 +1,7 @@
 """How one event loop reaches a manager's Redis: one server, a Sentinel master, or a Cluster's masters.
 
 A `Link` is built per process and loop (`_runtime.py`) from the client the
-manager was given (or its twin). It offers the same four things whatever
+manager was given (or its twin). It offers the same things whatever
 the topology, so the transport above it has no branch on it:
 
 - `client`: what scripts are sent on (`evalsha` / `script_load`): the lean
@@ -12,7 +12,9 @@ the topology, so the transport above it has no branch on it:
 - `groups(keys)`: which keys may share one script call (a Cluster script
   touches one slot);
 - `waiting(channel, on_orphan)`: the wake-up subscriber (sharded pub/sub on
-  a Cluster).
+  a Cluster);
+- `servers(where)` and `subscribe_probe(address)`: what the server checks
+  run their commands and their SUBSCRIBE on (every master of a Cluster).
 
 `wait_replicas=n` wraps a link so that every write is followed by `WAIT n`
 on the same connection (`_replicas.py`).
@@ -21,34 +23,31 @@ on the same connection (`_replicas.py`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from functools import partial
 from typing import Any, Awaitable, Callable
 
 from redis.asyncio.cluster import RedisCluster
 
 from . import _scripts
-from ._clients import Settings, is_plain, settings_of
+from ._clients import Settings, is_plain, lean_connection, settings_of
 from ._cluster import slot_of
 from ._connection import Connection
 from ._replicas import Replicated, check_acks, with_wait
 from ._routed import RoutedConnections
 from ._sentinel import MasterConnection, MasterWatch
 from ._sharded import ShardedWaiting
-from ._waiting import Waiting
+from ._waiting import PubSubConnection, Waiting
 from ..telemetry._instruments import suppressed
 
 BATCH = 1000  # keys per renewal script call (a batch carries all calls in one round trip)
 
 
-def lean_connection(settings: Settings, **extra: Any) -> Connection:
-    """A lean connection to the server and with the credentials of `settings`."""
-    return Connection(host=settings.host, port=settings.port, path=settings.path, **settings.credentials(), **extra)
-
-
 class Link:
     """One server through redis-py (RESP3, a connection class of the caller's own): the base of every link."""
 
-    sharded = False
+    sharded = False       # wake-ups on shard channels, server checks per master (a Cluster)
+    trusts_grants = True  # a hand-over published by a release is the waiter's without asking again
 
     def __init__(self, redis: Any, settings: Settings) -> None:
         self.redis = redis
@@ -84,8 +83,24 @@ class Link:
     def groups(self, keys: list[str]) -> list[range]:
         return [range(i, min(i + BATCH, len(keys))) for i in range(0, len(keys), BATCH)]
 
+    @property
+    def sender(self) -> Any:
+        """What a batch is sent on, one connection (WAIT counts the writes of its own connection)."""
+        return self.redis
+
+    async def servers(self, where: str) -> list[tuple[str, Callable[..., Awaitable[Any]]]]:
+        """(address, send one command) for every server the locks live on: the server checks' targets."""
+        await self.prepare()
+        return [(where, self.redis.execute_command)]
+
+    def subscribe_probe(self, address: str) -> Callable[[str], Awaitable[None]] | None:
+        """Subscribe once on a connection of its own to the server at `address`, as the waiters will."""
+        return partial(subscribe_once, self.redis, False)
+
     def waiting(self, channel: str, on_orphan: Callable[[str, str], None]) -> Waiting:
-        return Waiting(self.redis, channel, None, on_orphan, self._idle_check())
+        # redis-py's PubSub under the one subscriber loop (its health PING, its re-subscribe)
+        return Waiting(channel, partial(PubSubConnection, self.redis, self.settings.timeout), on_orphan,
+                       self._idle_check())
 
     def _idle_check(self) -> Callable[[], Awaitable[None]] | None:
         return None
@@ -119,8 +134,16 @@ class LeanLink(Link):
         await self.prepare()
         return await self.connection.execute_many(calls)
 
+    @property
+    def sender(self) -> Any:
+        return self.connection
+
+    async def servers(self, where: str) -> list[tuple[str, Callable[..., Awaitable[Any]]]]:
+        await self.prepare()
+        return [(where, self.connection.execute)]
+
     def waiting(self, channel: str, on_orphan: Callable[[str, str], None]) -> Waiting:
-        return Waiting(self.redis, channel, self._make, on_orphan, self._idle_check())
+        return Waiting(channel, self._make, on_orphan, self._idle_check())
 
     def figures(self) -> tuple[int, int]:
         used, _ = super().figures()
@@ -208,6 +231,26 @@ class ClusterLink(Link):
         return [(f"{node.host}:{node.port}", partial(self.redis.execute_command, target_nodes=node))
                 for node in self.redis.get_primaries()]
 
+    async def servers(self, where: str) -> list[tuple[str, Callable[..., Awaitable[Any]]]]:
+        return await self.masters()
+
+    def subscribe_probe(self, address: str) -> Callable[[str], Awaitable[None]] | None:
+        """SSUBSCRIBE on the master at `address`, over a lean connection with the manager's TLS and credentials."""
+        settings = self.settings
+        if not settings.lean:
+            return None  # a connection class of the caller's own: the right stays as ACL DRYRUN or the probe found it
+        host, _, port = address.rpartition(":")
+        node = dataclasses.replace(settings, host=host, port=int(port), path=None, db=0,
+                                   timeout=settings.timeout or 2.0, connect_timeout=settings.connect_timeout or 2.0)
+
+        async def on_node(channel: str) -> None:
+            connection = lean_connection(node)
+            try:
+                await connection.execute("SSUBSCRIBE", channel)
+            finally:
+                await connection.aclose()
+        return on_node
+
     def groups(self, keys: list[str]) -> list[range | list[int]]:  # type: ignore[override]
         by_slot: dict[int, list[int]] = {}
         for i, key in enumerate(keys):
@@ -231,6 +274,8 @@ class ClusterLink(Link):
 class ReplicatedLink(Link):
     """Any one-server link whose writes count only once `replicas` replicas acknowledged them (WAIT)."""
 
+    trusts_grants = False  # a hand-over is confirmed by an ACQUIRE that WAITs
+
     def __init__(self, inner: Link, replicas: int, timeout_ms: int) -> None:
         super().__init__(inner.redis, inner.settings)
         self.inner, self.replicas, self.timeout_ms = inner, replicas, timeout_ms
@@ -246,9 +291,8 @@ class ReplicatedLink(Link):
     async def batch(self, calls: list[tuple[Any, ...]]) -> list[Any]:
         """The calls, then WAIT on the same connection; a short acknowledgement fails every call."""
         await self.inner.prepare()
-        connection = self.inner.connection if isinstance(self.inner, LeanLink) else self.redis
         with suppressed():
-            *results, acked = await with_wait(connection, calls, self.replicas, self.timeout_ms)
+            *results, acked = await with_wait(self.inner.sender, calls, self.replicas, self.timeout_ms)
         try:
             check_acks(acked, self.replicas, self.timeout_ms)
         except Exception as error:
@@ -279,3 +323,17 @@ def link_for(redis: Any, wait_replicas: int = 0, wait_replicas_timeout_ms: int =
     else:
         link = Link(redis, settings)
     return ReplicatedLink(link, wait_replicas, wait_replicas_timeout_ms) if wait_replicas else link
+
+
+async def subscribe_once(client: Any, sharded: bool, channel: str, timeout: float = 2.0) -> None:
+    """SUBSCRIBE (SSUBSCRIBE) `channel` on a connection of `client`'s own, then leave: raises if refused."""
+    pubsub = client.pubsub()
+    try:
+        if sharded:
+            await pubsub.execute_command("SSUBSCRIBE", channel)
+            await pubsub.parse_response(block=True, timeout=timeout)
+        else:
+            await pubsub.subscribe(channel)
+            await pubsub.get_message(timeout=timeout)
+    finally:
+        await pubsub.aclose()

@@ -11,20 +11,27 @@ Locally, waiters of one lock are kept in arrival order and only the first of
 them polls Redis as a fallback (bounded by the holder's remaining TTL), so a
 lost message never strands anybody and the poll rate does not grow with the
 number of waiters. After the subscriber reconnects every waiter polls once.
+
+There is one subscriber loop, whatever carries it: the lean connection
+(`_connection.py`, TLS included), or redis-py's PubSub behind the same face
+(`PubSubConnection`) for a client whose connections are a class of the
+caller's own. Either way an idle subscriber is PINGed every HEALTH_INTERVAL,
+and one whose PING is not answered in time (a flow a load balancer, NAT or
+firewall dropped without a word) is closed and subscribed again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, NamedTuple
+from typing import Any, Awaitable, Callable, NamedTuple, Protocol
 
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
-
-if TYPE_CHECKING:
-    from ._connection import Connection
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 log = logging.getLogger("otel_lock")
 
@@ -43,6 +50,103 @@ _RANK = {None: 0, PROMOTED: 1, POLL: 2}
 
 def _rank(value: object) -> int:
     return 3 if isinstance(value, Grant) else _RANK[value]  # type: ignore[index]
+
+
+class Subscriber(Protocol):
+    """A subscriber connection as `Waiting` drives it: the lean `Connection`, or a `PubSubConnection`."""
+
+    async def execute(self, *args: Any) -> Any: ...  # SUBSCRIBE, PING: raises when not answered in time
+
+    async def aclose(self) -> None: ...
+
+
+class PubSubConnection:
+    """redis-py's PubSub with the lean connection's face, for a client with a connection class of its own.
+
+    `execute("SUBSCRIBE", channel)` and `execute("PING")` wait for their
+    confirmation at most `timeout` seconds (then the connection is closed,
+    as the lean one drops a socket whose reply is late); published messages
+    go to `on_push` as the lean connection's pushes; `on_lost` runs once when
+    the connection ends, including when redis-py reconnected by itself
+    (a subscribe confirmation nobody asked for), so that the loop above
+    subscribes again and its waiters poll for what was missed meanwhile.
+    """
+
+    def __init__(self, redis: Any, timeout: float | None, *, on_push: Callable[[Any], None],
+                 on_lost: Callable[[], None]) -> None:
+        self._pubsub = redis.pubsub()
+        self._timeout = timeout or HEALTH_INTERVAL
+        self._on_push, self._on_lost = on_push, on_lost
+        self._answers: collections.deque[asyncio.Future[Any]] = collections.deque()
+        self._reader: asyncio.Task[None] | None = None
+        self._ended = False
+
+    async def execute(self, *args: Any) -> Any:
+        if self._ended:
+            raise RedisConnectionError("the subscriber connection was closed")
+        answer: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._answers.append(answer)
+        try:
+            command = str(args[0]).upper()
+            if command == "SUBSCRIBE":
+                await self._pubsub.subscribe(*args[1:])  # recorded: redis-py subscribes again on a reconnect
+            elif command == "PING":
+                await self._pubsub.ping()
+            else:
+                raise ValueError(f"a subscriber sends SUBSCRIBE and PING only, not {command}")
+            if self._reader is None:
+                self._reader = asyncio.create_task(self._read(), name="otel-lock subscriber reader")
+            async with asyncio.timeout(self._timeout):
+                return await answer
+        except TimeoutError:
+            self._end()
+            raise RedisTimeoutError(f"the subscriber's {args[0]} was not answered within {self._timeout} s") from None
+        finally:
+            if answer in self._answers:
+                self._answers.remove(answer)
+
+    async def _read(self) -> None:
+        try:
+            while True:
+                message = await self._pubsub.get_message(timeout=None)
+                if message is None:
+                    continue
+                kind = message["type"]
+                kind = kind.decode() if isinstance(kind, bytes) else kind
+                if kind == "message":
+                    self._on_push([b"message", message["channel"], message["data"]])
+                elif self._answers:
+                    answer = self._answers.popleft()
+                    if not answer.done():
+                        answer.set_result(message)
+                elif kind == "subscribe":  # redis-py reconnected and subscribed again: notices were missed
+                    break
+        except Exception:  # noqa: BLE001  # whatever ended the reading, the loop above must hear of it
+            pass
+        self._end()
+
+    def _end(self) -> None:
+        """Stop reading, fail what waits for an answer, tell the loop once (closing is `aclose`'s)."""
+        if self._ended:
+            return
+        self._ended = True
+        reader = self._reader
+        if reader is not None and reader is not asyncio.current_task():
+            reader.cancel()  # before the socket closes: its redis-py retry would reconnect
+        while self._answers:
+            answer = self._answers.popleft()
+            if not answer.done():
+                answer.set_exception(RedisConnectionError("the subscriber connection was lost"))
+        self._on_lost()
+
+    async def aclose(self) -> None:
+        self._ended = True
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._reader
+        with contextlib.suppress(Exception):
+            await asyncio.shield(self._pubsub.aclose())
 
 
 class Waiter:
@@ -89,11 +193,10 @@ class Waiting:
 
     sharded = False  # True: wake channels are per slot, published with SPUBLISH (Redis Cluster)
 
-    def __init__(self, redis: Any, channel: str, subscriber: Callable[..., Connection | None] | None = None,
+    def __init__(self, channel: str, subscriber: Callable[..., Subscriber] | None,
                  on_orphan: Callable[[str, str], None] | None = None,
                  on_idle: Callable[[], Awaitable[None]] | None = None) -> None:
-        self._redis = redis
-        self._subscriber = subscriber  # makes a lean Connection, when the client allows one
+        self._subscriber = subscriber  # makes a subscriber connection (on_push=, on_lost=); None: `start()` is its own
         self._on_orphan = on_orphan
         self._on_idle = on_idle  # called when idle (Sentinel: is the master still it?)
         self.channel = channel
@@ -160,12 +263,6 @@ class Waiting:
         elif self._on_orphan is not None and lock_key:
             self._on_orphan(waiter_id, lock_key)
 
-    async def _listen(self) -> None:
-        if self._subscriber is not None:
-            await self._listen_direct()
-        else:
-            await self._listen_redis_py()
-
     def _set_subscribed(self, error: BaseException | None = None) -> None:
         if self._subscribed is not None and not self._subscribed.done():
             if error is None:
@@ -173,14 +270,13 @@ class Waiting:
             else:
                 self._subscribed.set_exception(error)
 
-    async def _listen_direct(self) -> None:
-        """Subscriber on the lean connection: a reply per message, no timers."""
+    async def _listen(self) -> None:
+        """Subscribe, watch, and subscribe again whenever the connection ends."""
         assert self._subscriber is not None
         lost = asyncio.Event()
         first = True
         while True:
             connection = self._subscriber(on_push=self._on_push, on_lost=lost.set)
-            assert connection is not None  # given only for a client that has a lean connection
             try:
                 await connection.execute("SUBSCRIBE", self.channel)
             except (RedisError, OSError) as exc:
@@ -204,7 +300,7 @@ class Waiting:
             self._poll_all()
             await asyncio.sleep(RECONNECT_DELAY)
 
-    async def _watch(self, connection: Connection, lost: asyncio.Event) -> None:
+    async def _watch(self, connection: Subscriber, lost: asyncio.Event) -> None:
         """Until the connection drops; a PING now and then finds one that went silent (half-open)."""
         while not lost.is_set():
             try:
@@ -221,44 +317,6 @@ class Waiting:
     def _on_push(self, reply: Any) -> None:
         if reply[0] == b"message":
             self._deliver(reply[2])
-
-    async def _listen_redis_py(self) -> None:
-        """Subscriber for clients the lean connection does not cover (RESP3, a connection class of their own)."""
-        pubsub = self._redis.pubsub()
-        first = True
-        try:
-            while True:
-                try:
-                    if not pubsub.subscribed:
-                        await pubsub.subscribe(self.channel)
-                    message = await pubsub.get_message(timeout=1.0)
-                except (RedisError, OSError) as exc:
-                    if first:
-                        self._set_subscribed(exc)
-                        return
-                    log.warning("otel-lock subscriber lost its connection (%s); waiters poll", exc)
-                    self._poll_all()
-                    await asyncio.sleep(RECONNECT_DELAY)
-                    with contextlib.suppress(Exception):
-                        await pubsub.aclose()  # reset() is deprecated (and, under -W error, never ran)
-                    pubsub = self._redis.pubsub()
-                    continue
-                if message is None:
-                    if self._on_idle is not None:
-                        await self._on_idle()
-                    continue
-                kind = message["type"]
-                if kind in ("subscribe", b"subscribe"):
-                    if first:
-                        first = False
-                        self._set_subscribed()
-                    else:
-                        self._poll_all()
-                elif kind in ("message", b"message"):
-                    self._deliver(message["data"])
-        finally:
-            with contextlib.suppress(Exception):
-                await asyncio.shield(pubsub.aclose())
 
     async def aclose(self) -> None:
         if self._task is not None:

@@ -59,7 +59,8 @@ def protocol(signal: str) -> str:
                          "(the OpenTelemetry Python exporters have no http/json)")
     if value == "grpc" and not _installed(_GRPC):
         raise ImportError(f"{variable}=grpc needs the {GRPC_PACKAGE} package: pip install {GRPC_PACKAGE} "
-                          "(or set http/protobuf and the collector's HTTP port, 4318)")
+                          "or 'otel-lock[telemetry-grpc]' (or set http/protobuf and the collector's HTTP port, "
+                          "4318)")
     return value
 
 

@@ -22,7 +22,7 @@ import socket
 import uuid
 from typing import TYPE_CHECKING
 
-from ..lock._runtime import watch_fork
+from .._fork import watch_fork
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.resources import Resource

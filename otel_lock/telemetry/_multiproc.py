@@ -43,7 +43,7 @@ from prometheus_client.multiprocess import MultiProcessCollector, mark_process_d
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from ..lock._runtime import watch_fork
+from .._fork import watch_fork
 from . import _counts
 from ._bounds import Limits
 from ._names import OBSERVED, Spec, prom_label, prom_value

@@ -35,7 +35,7 @@ from opentelemetry.sdk.metrics.export import (AggregationTemporality, Gauge, His
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 from .. import __version__
-from ..lock._runtime import watch_fork
+from .._fork import watch_fork
 from . import _counts
 from ._bounds import Limits
 from ._instruments import NEW_SERIES, Seeded
@@ -247,8 +247,9 @@ class OtlpPush:
         Left out instead, the collector keeps the last age and lease for its
         `metric_expiration`, and OtelLockHoldNearLease goes pending for a lock
         nobody holds. (OTLP's FLAG_NO_RECORDED_VALUE would say "ended" more
-        precisely, but the Python SDK's data points cannot carry it.) Age 0
-        over lease 0 is no ratio at all: the alert reads nothing.
+        precisely, but the Python SDK's NumberDataPoint has no flags and its
+        encoder writes them for exponential histograms only: docs/observability.md,
+        #ended-holds.) Age 0 over lease 0 is no ratio at all: the alert reads nothing.
         """
         current = {tuple(sorted(attributes.items())) for attributes, _ in observed}
         self._showing[which] = current

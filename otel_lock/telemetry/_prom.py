@@ -12,7 +12,10 @@ number of destinations.
 
 Same family names and label sets as the SDK's Prometheus reader (see
 `_names`; a label appears only where an attribute was given), without its
-`otel_scope_*` labels. Exemplars are sampled only when traces are recorded
+`otel_scope_*` labels. Counters and histograms carry ``_created`` (when the
+series started: at start-up for the seeded ones, at the fork in a worker) for
+the OpenMetrics exposition; the Prometheus text one leaves it out
+(`WithoutCreated`). Exemplars are sampled only when traces are recorded
 (`setup()` with OTLP): the last one of each bucket goes with each OTLP
 export and stays on the OpenMetrics exposition of /metrics.
 
@@ -35,11 +38,13 @@ from typing import TYPE_CHECKING, Callable, Iterable, Mapping
 from opentelemetry import trace
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Exemplar as PromExemplar
+from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
-from ..lock._runtime import watch_fork
+from .._fork import watch_fork
 from . import _counts, _multiproc
 from ._bounds import Limits
 from ._names import OBSERVED, RECORDED, Spec, prom_label, prom_value
@@ -48,7 +53,6 @@ if TYPE_CHECKING:
     from opentelemetry.context import Context
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.util.types import Attributes, AttributeValue
-    from prometheus_client.metrics_core import Metric
 
 # The attribute items a record was called with, and the label set they map to.
 _AttributeKey = tuple[tuple[str, "AttributeValue"], ...]
@@ -171,7 +175,7 @@ class FastInstrument:
             for child in children:
                 with child.lock:
                     total = child.total
-                counter.add_metric([child.labels.get(name, "") for name in names], total)
+                counter.add_metric([child.labels.get(name, "") for name in names], total, created=child.started / 1e9)
             return counter
         histogram = HistogramMetricFamily(spec.prom, spec.description, labels=names)
         for child in children:
@@ -188,6 +192,8 @@ class FastInstrument:
                 else:
                     buckets.append((floatToGoString(bound), cumulative, _prom_exemplar(exemplar)))
             histogram.add_metric(values, buckets, total)
+            # HistogramMetricFamily.add_metric takes no `created`: the sample is added as it would add it.
+            histogram.samples.append(Sample(spec.prom + "_created", dict(zip(names, values)), child.started / 1e9))
         return histogram
 
     def add_exemplars(self, metric: Metric) -> None:
@@ -298,3 +304,24 @@ class TargetInfo(Collector):
         family = GaugeMetricFamily("target_info", "Target metadata", labels=list(labels))
         family.add_metric(list(labels.values()), 1)
         yield family
+
+
+class WithoutCreated(Collector):
+    """A registry's families without their ``_created`` samples: the Prometheus text format of /metrics.
+
+    prometheus-client would print them there as extra ``*_created`` gauges, one
+    per series, which the text format has no meaning for; OpenMetrics has
+    (`_setup.metrics_endpoint` serves the registry itself then).
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterable[Metric]:
+        for metric in self._registry.collect():
+            created = metric.name + "_created"
+            if any(sample.name == created for sample in metric.samples):
+                copy = Metric(metric.name, metric.documentation, metric.type, metric.unit)  # never alter a collector's
+                copy.samples = [sample for sample in metric.samples if sample.name != created]
+                metric = copy
+            yield metric

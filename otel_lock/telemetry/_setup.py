@@ -53,13 +53,14 @@ from .. import __version__
 from . import _counts, _env, _multiproc, _signals
 from ._instance import default_instance_id, follow_forks
 from ._instruments import route_default_metrics
-from ._prom import FastMetrics, TargetInfo
+from ._prom import FastMetrics, TargetInfo, WithoutCreated
 from ._redact import MODES, configure_redaction
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.metrics.export import MetricReader
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider as SdkTracerProvider
+    from prometheus_client.registry import Collector
     from starlette.requests import Request
     from starlette.responses import Response
     from starlette.types import ASGIApp
@@ -228,8 +229,12 @@ async def metrics_endpoint(request: Request) -> Response:
     """
     from starlette.responses import Response
 
-    registry = _current.registry if _current is not None and _current.registry is not None else REGISTRY
+    registry: Collector = REGISTRY
     encoder, content_type = choose_encoder(request.headers.get("accept", ""))
+    if _current is not None and _current.registry is not None:
+        # `_created` only where it means something: OpenMetrics (the text format unchanged).
+        openmetrics = content_type.startswith("application/openmetrics-text")
+        registry = _current.registry if openmetrics else WithoutCreated(_current.registry)
     return Response(encoder(registry), media_type=content_type)
 
 

@@ -178,6 +178,19 @@ def quantiles(metric: str, by: str, selector: str = sel(), qs=(0.5, 0.95, 0.99),
     ]
 
 
+def by_mode(metric: str, by: str, selector: str, q: float = 0.95) -> list[dict]:
+    """p`q` of `metric` by lock.mode; an exclusive lock's series have no `lock_mode` and read "exclusive"."""
+    quantile = f"histogram_quantile({q}, sum by ({by}lock_mode, le) (rate({metric}_bucket{selector}{RATE})))"
+    legend = ("{{lock_name}} " if "lock_name" in by else "") + "{{lock_mode}}"
+    return [target(f'label_replace({quantile}, "lock_mode", "exclusive", "lock_mode", "")', legend)]
+
+
+def permits(selector: str) -> list[dict]:
+    """Permits in use (summed over replicas) and the limit, by lock: the two lines meet when a semaphore is full."""
+    return [target(f"sum by (lock_name) (otel_lock_permits_used{selector})", "in use {{lock_name}}"),
+            target(f"max by (lock_name) (otel_lock_permits_limit{selector})", "limit {{lock_name}}", "B")]
+
+
 def layout(panels: list[dict]) -> list[dict]:
     """Rows span the width; other panels flow two per line (stats four per line)."""
     x = y = 0
@@ -220,6 +233,7 @@ TIMEOUT = 'lock_outcome="timeout"'
 CONTENDED = 'lock_contended="true"'
 USED = 'db_client_connection_state="used"'
 HTTP_ERRORS = 'http_status_code=~"[45].."'
+DEADLOCK = 'error_type="deadlock"'
 
 
 def outcome_colors() -> list[dict]:
@@ -321,9 +335,24 @@ def overview() -> dict:
                    [target(events_per_second("lock_name", f"{WAIT}_count{sel(TIMEOUT)}"),
                            "{{lock_name}}")], "reqps", links=True),
         timeseries("Errors by operation and error.type",
-                   "Failed Redis round trips of acquire, release and renew (redis_unavailable, redis_error).",
+                   "Failed Redis round trips of acquire, release and renew (redis_unavailable, redis_error), and "
+                   "waits refused as deadlocks (error.type=deadlock, drawn alone in Deadlocks by lock).",
                    [target(events_per_second("lock_operation, error_type", f"otel_lock_errors_total{sel()}"),
                            "{{lock_operation}} {{error_type}}")], "reqps"),
+        timeseries("Deadlocks by lock",
+                   "Waiters refused with LockDeadlock (409 lock-deadlock): their wait would have closed a cycle of "
+                   "holders waiting on each other, so two code paths take the same keys in opposite orders. "
+                   "Any refusal pages (OtelLockDeadlocks); the acquire span's event names the cycle.",
+                   [target(events_per_second("lock_name", f"otel_lock_errors_total{sel(DEADLOCK)}"),
+                           "{{lock_name}}")], "ops", links=True),
+        timeseries("Permits in use vs limit",
+                   "Semaphores (semaphore(permits=N), @limited): permits held now, summed over replicas, beside "
+                   "the limit. At the limit with callers waiting for 5 minutes pages (OtelLockPermitsSaturated).",
+                   permits(sel()), links=True),
+        timeseries("Wait p95 by lock and lock.mode",
+                   "Wait p95 of each lock name by lock.mode: exclusive, shared (lock(shared=True)), permit "
+                   "(semaphore). Shared waiters queue behind an exclusive holder or a waiting writer.",
+                   by_mode(WAIT, "lock_name, ", sel(NOT_BUSY)), "s", links=True),
         timeseries("Active locks", "Locks held right now (expired holds not counted), summed over replicas.",
                    [target(f"sum by (lock_name) (otel_lock_active{sel()})", "{{lock_name}}")], links=True),
         timeseries("Pending (waiting callers)", "Callers queued for a lock right now, summed over replicas.",
@@ -335,6 +364,10 @@ def overview() -> dict:
                    thresholds=[{"color": "transparent", "value": None},
                                {"color": "orange", "value": DEFAULT_LEASE * 0.8},
                                {"color": "red", "value": DEFAULT_LEASE}]),
+        timeseries("Hold p95 by lock and lock.mode",
+                   "Hold p95 of each lock name by lock.mode (exclusive, shared, permit): shared holds may overlap, "
+                   "and a long one keeps writers waiting.",
+                   by_mode(HOLD, "lock_name, ", sel()), "s", links=True),
         timeseries("Releases by outcome", "How holds ended: released, expired (fixed lease ran out), lost, error.",
                    [target(events_per_second("lock_name, lock_release_outcome", f"{HOLD}_count{sel()}"),
                            "{{lock_name}} {{lock_release_outcome}}")], "ops",
@@ -437,9 +470,16 @@ def one_lock() -> dict:
                            "{{lock_renewal_outcome}}")], "ops",
                    overrides=[color("lock_renewal_outcome", "lost", "red"),
                               color("lock_renewal_outcome", "error", "orange")]),
-        timeseries("Errors by operation and error.type", "Redis failures on acquire, release, renew.",
+        timeseries("Errors by operation and error.type", "Redis failures on acquire, release, renew; refused deadlocks.",
                    [target(events_per_second("lock_operation, error_type", f"otel_lock_errors_total{one}"),
                            "{{lock_operation}} {{error_type}}")], "reqps"),
+        timeseries("Deadlocks refused", "Waiters for this lock refused with LockDeadlock (409 lock-deadlock).",
+                   [target(events_per_second("instance", f"otel_lock_errors_total{sel(name, DEADLOCK)}"),
+                           "{{instance}}")], "ops"),
+        timeseries("Wait and hold p95 by lock.mode",
+                   "This lock's wait and hold p95 by lock.mode (exclusive, shared, permit).",
+                   [{**by_mode(WAIT, "", sel(name, NOT_BUSY))[0], "legendFormat": "wait {{lock_mode}}"},
+                    {**by_mode(HOLD, "", one)[0], "legendFormat": "hold {{lock_mode}}", "refId": "B"}], "s"),
         *redis_row(name)[:2],
     ]
     return dashboard("otel-lock-lock", "otel-lock: one lock",

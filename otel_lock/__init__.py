@@ -4,7 +4,7 @@ __version__ = "0.1.0"
 
 from .lock import (HeldLock, HeldLocks, LockBusy, LockDeadlock, LockError, LockInfo, LockLost, LockManager, Locks,
                    LockTimeout, RedisMisconfigured, RedisUnavailable, RedLockManager)
-from .asgi import LockMiddleware, idempotent, locked
+from .asgi import LockMiddleware, idempotent, limited, locked
 
 __all__ = [
     "HeldLock",
@@ -23,5 +23,6 @@ __all__ = [
     "RedisUnavailable",
     "__version__",
     "idempotent",
+    "limited",
     "locked",
 ]

@@ -407,3 +407,86 @@ async def test_a_replicas_first_redis_error_burst_and_circuit_opening_page_from_
               _silent("OtelLockLeaseLost", "10m")]
     result = _run_case(tmp_path, _timeline(phases), checks)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+# -- issue 27: deadlocks and permit saturation, from the library's own expositions ------
+
+
+@needs_promtool
+async def test_a_replicas_first_deadlock_pages_from_real_expositions(tmp_path, installed, redis_client):
+    """Two tasks take account:1 and account:2 in opposite orders: the second wait is refused (LockDeadlock).
+    Scrapes of the real managers: the alert names the lock at the next evaluation, and no Redis-error alert."""
+    import asyncio
+
+    from _proc_helpers import queued
+    from otel_lock import LockDeadlock, LockManager
+
+    one = LockManager(redis_client, meter_provider=installed.meter_provider)
+    two = LockManager(redis_client, meter_provider=installed.meter_provider)
+    try:
+        async with one.lock("account:1", name="account"):  # the name's first sight: its series at 0
+            pass
+        started = _exposed(installed.registry)
+
+        async def transfer_one_to_two() -> None:
+            async with one.lock("account:1", name="account"), one.lock("account:2", name="account", wait=30):
+                pass
+
+        async with two.lock("account:2", name="account"):
+            first = asyncio.create_task(transfer_one_to_two())
+            await queued(redis_client, "account:2", 1)  # holds account:1, waits for account:2
+            with pytest.raises(LockDeadlock):
+                async with two.lock("account:1", name="account", wait=30):
+                    pass
+            refused = _exposed(installed.registry)
+        async with asyncio.timeout(20):
+            await first  # the cycle was broken: the first transfer went on
+    finally:
+        await one.aclose()
+        await two.aclose()
+    assert refused['otel_lock_errors_total{job="shop",instance="r1",error_type="deadlock",lock_name="account",'
+                   'lock_operation="acquire"}'] == 1
+    assert started['otel_lock_errors_total{job="shop",instance="r1",error_type="deadlock",lock_name="account",'
+                   'lock_operation="acquire"}'] == 0  # the series at 0 from the name's first sight
+    phases = [(started, 5), (refused, 15)]
+    checks = [_silent("OtelLockDeadlocks", "4m"), _firing("OtelLockDeadlocks", "5m", lock_name="account"),
+              _silent("OtelLockRedisErrors", "12m"), _silent("OtelLockDeadlocks", "16m")]
+    result = _run_case(tmp_path, _timeline(phases), checks)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@needs_promtool
+async def test_permits_saturated_pages_only_while_callers_wait_from_real_expositions(
+        tmp_path, installed, redis_client):
+    """A semaphore of 2 permits: both held and a caller queued for 5 minutes pages; both held alone does not."""
+    import asyncio
+
+    from _proc_helpers import until
+    from otel_lock import LockManager
+
+    locks = LockManager(redis_client, meter_provider=installed.meter_provider)
+    try:
+        first = await locks.acquire_permit("export:t1", permits=2, name="export")
+        second = await locks.acquire_permit("export:t1", permits=2, name="export")
+        waiter = asyncio.create_task(locks.acquire_permit("export:t1", permits=2, name="export", wait=30))
+
+        async def counted() -> bool:
+            return _exposed(installed.registry).get('otel_lock_pending{job="shop",instance="r1",lock_name="export"}',
+                                                    0) >= 1
+        await until(counted, "a caller queued for a permit")
+        waiting = _exposed(installed.registry)
+        await first.release()
+        third = await asyncio.wait_for(waiter, 20)
+        at_limit = _exposed(installed.registry)  # both permits held again, nobody waiting
+        await second.release()
+        await third.release()
+    finally:
+        await locks.aclose()
+    assert waiting['otel_lock_permits_used{job="shop",instance="r1",lock_name="export"}'] == 2
+    assert waiting['otel_lock_permits_limit{job="shop",instance="r1",lock_name="export"}'] == 2
+    result = _run_case(tmp_path, _timeline([(at_limit, 20)]), [_silent("OtelLockPermitsSaturated", "15m")])
+    assert result.returncode == 0, result.stdout + result.stderr
+    # waiters from 2m: pending from then, firing once that has lasted 5 minutes
+    checks = [_silent("OtelLockPermitsSaturated", "1m"), _firing("OtelLockPermitsSaturated", "8m", lock_name="export")]
+    result = _run_case(tmp_path, _timeline([(at_limit, 2), (waiting, 10)]), checks)
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -263,6 +263,71 @@ async def test_a_fixed_lease_expiring_under_a_live_holder_pages_before_it_return
     assert alert["labels"]["instance"] == fault_target[1]
 
 
+async def _seen_by_prometheus(client, selector: str, what: str) -> None:
+    deadline = time.monotonic() + REACT_WITHIN
+    while not (await client.get("/api/v1/query", params={"query": selector})).json()["data"]["result"]:
+        assert time.monotonic() < deadline, f"Prometheus never scraped {what}"
+        await asyncio.sleep(0.2)
+
+
+async def test_two_tasks_taking_two_locks_in_opposite_orders_fire_deadlocks(stack, fault_target):
+    """Issue 27: the second of two crossed waits is refused (LockDeadlock), and the first refusal pages."""
+    from otel_lock import LockDeadlock
+
+    one = LockManager.from_url(stack.redis_url, namespace="faults", meter_provider=fault_target[0])
+    two = LockManager.from_url(stack.redis_url, namespace="faults", meter_provider=fault_target[0])
+    try:
+        async with httpx.AsyncClient(base_url=stack.prometheus.url, timeout=5.0) as client, \
+                aioredis.Redis.from_url(stack.redis_url) as redis:
+            async with one.lock("account:1", name="fault:account"):  # the name's first sight: its series at 0
+                pass
+            await _seen_by_prometheus(client, 'otel_lock_errors_total{lock_name="fault:account",error_type="deadlock"}',
+                                      "the deadlock series at 0")
+
+            async def transfer() -> None:
+                async with one.lock("account:1", name="fault:account"), \
+                        one.lock("account:2", name="fault:account", wait=30):
+                    pass
+
+            async with two.lock("account:2", name="fault:account"):
+                first = asyncio.create_task(transfer())
+                deadline = time.monotonic() + REACT_WITHIN
+                while await redis.zcard("faults:{account:2}:q") < 1:  # holds account:1, waits for account:2
+                    assert time.monotonic() < deadline, "the first transfer never waited for account:2"
+                    await asyncio.sleep(0.01)
+                with pytest.raises(LockDeadlock):
+                    async with two.lock("account:1", name="fault:account", wait=30):
+                        pass
+            await asyncio.wait_for(first, REACT_WITHIN)
+            alert = await wait_for_alert(client, "OtelLockDeadlocks", ("firing",), lock_name="fault:account")
+    finally:
+        await one.aclose()
+        await two.aclose()
+    assert alert["labels"]["severity"] == "warning"
+
+
+async def test_a_full_semaphore_with_a_caller_waiting_makes_permits_saturated_pending(stack, fault_target):
+    locks = LockManager.from_url(stack.redis_url, namespace="faults", meter_provider=fault_target[0])
+    held = []
+    try:
+        async with httpx.AsyncClient(base_url=stack.prometheus.url, timeout=5.0) as client:
+            for _ in range(2):
+                held.append(await locks.acquire_permit("export:t1", permits=2, name="fault:export"))
+            waiter = asyncio.create_task(locks.acquire_permit("export:t1", permits=2, name="fault:export",
+                                                              wait=REACT_WITHIN * 2))
+            try:
+                alert = await wait_for_alert(client, "OtelLockPermitsSaturated", lock_name="fault:export")
+            finally:
+                await held.pop().release()
+                held.append(await asyncio.wait_for(waiter, REACT_WITHIN))
+    finally:
+        for permit in held:
+            await permit.release()
+        await locks.aclose()
+    assert alert["state"] == "pending"  # for: 5m
+    assert alert["value"] in ("2e+00", "2")
+
+
 async def test_a_stopped_replica_trips_the_dead_man(stack):
     replica = stack.replicas.replicas[1]
     replica.process.terminate()

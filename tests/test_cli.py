@@ -36,12 +36,17 @@ def test_demo_end_to_end_starts_its_own_redis_and_passes():
     assert re.search(r"^seckill +lock \(POST \.\.\./deduct\) +script \(POST \.\.\./deduct-atomic\)$", out, re.M)
     assert re.search(r"^sold +20 of 20 items +20 of 20 items$", out, re.M)
     assert re.search(r"^oversell +0 +0$", out, re.M)
+    # Carts of two of three products (20 items each), under one lock per product.
+    assert re.search(r"^checkout +\d+ of 40 carts bought", out, re.M)
+    assert re.search(r"^cart items +\d+ of 60 sold, oversell 0, ", out, re.M)
+    assert "wait (cart)" in out
     assert "orders        1 created for 6 copies" in out
     assert "late retry    replayed the stored 201" in out
     assert re.search(r"^job +([1-4]) of 4 ticks ran, \1 runs", out, re.M)  # never twice per tick
     assert "wait (lock)" in out and "hold (lock)" in out and "renewals" in out
     assert "verdict       OK" in out
     assert "buyers: 40/40 answered" in result.stderr and "buyers (script): 40/40 answered" in result.stderr
+    assert "carts: 40/40 answered" in result.stderr
 
 
 @pytest.mark.parametrize("kind, how", [("cluster", "--redis-url"), ("sentinel", "REDIS_URL")])
@@ -69,6 +74,7 @@ def test_demo_exits_1_when_the_locks_are_off():
     assert "6 DUPLICATE(S)" in result.stdout  # 7 orders: 6 copies + the late retry, none deduplicated
     # The lock-free script needs no lock: only the locked way oversells.
     assert re.search(r"^oversell +[1-9]\d* +<-- OVERSOLD +0$", result.stdout, re.M)
+    assert re.search(r"^cart items +\d+ of 60 sold, oversell [1-9]\d*  <-- OVERSOLD", result.stdout, re.M)
     assert "RAN ON SEVERAL REPLICAS" in result.stdout
     assert "verdict       FAILED" in result.stdout
 

@@ -121,6 +121,17 @@ async def test_order_is_created_once_and_listed(client):
      400, "invalid-product-id"),
     ("POST", "/api/orders", {"json": {"product_id": "nope"}, "headers": {**USER, "Idempotency-Key": '"k"'}},
      404, "unknown-product"),
+    ("POST", "/api/checkout", {"json": {"items": []}}, 400, "invalid-body"),
+    ("POST", "/api/checkout", {"json": {"items": "p1"}}, 400, "lock-key-invalid"),
+    ("POST", "/api/checkout", {"json": {"items": [{"quantity": 1}]}}, 400, "lock-key-invalid"),
+    ("POST", "/api/checkout", {"json": {"items": [{"sku": "p1", "quantity": 0}]}}, 400, "invalid-body"),
+    ("POST", "/api/checkout", {"json": {"items": [{"sku": "p1"}, {"sku": "a b"}]}}, 400, "invalid-product-id"),
+    ("POST", "/api/checkout", {"json": {"items": [{"sku": "p1"}, {"sku": "nope"}]}}, 404, "unknown-product"),
+    ("POST", "/api/checkout", {"json": {"items": [{"sku": "p1", "quantity": 6}, {"sku": "p1", "quantity": 5}]}},
+     409, "out-of-stock"),
+    ("POST", "/api/checkout", {"json": {"items": [{"sku": f"p{n}"} for n in range(21)]}}, 422, "lock-keys-too-many"),
+    ("POST", "/api/exports", {}, 400, "lock-key-invalid"),
+    ("POST", "/api/exports", {"headers": {"X-User-Id": "a b"}}, 400, "invalid-user-id"),
     ("DELETE", "/api/stock/p1", {}, 405, "method-not-allowed"),
     ("GET", "/api/nothing", {}, 404, "not-found"),
 ], ids=lambda v: v if isinstance(v, str) else None)
@@ -175,6 +186,88 @@ async def test_an_order_waits_for_the_same_product_lock_as_deduct(client, redis_
     assert busy.status_code == 409 and kind(busy) == "lock-timeout"
     assert busy.headers["retry-after"] == "1"
     assert (await client.get("/api/stock/p1")).json()["stock"] == 10
+
+
+def _cart(*items: tuple[str, int]) -> dict:
+    return {"items": [{"sku": sku, "quantity": quantity} for sku, quantity in items]}
+
+
+async def _stocks(client, *products: str) -> list[int]:
+    return [(await client.get(f"/api/stock/{p}")).json()["stock"] for p in products]
+
+
+async def test_checkout_buys_every_item_of_the_cart_or_none(client):
+    await client.put("/api/stock/a", json={"stock": 5})
+    await client.put("/api/stock/b", json={"stock": 1})
+    bought = await client.post("/api/checkout", json=_cart(("b", 1), ("a", 2), ("a", 1)))
+    assert bought.status_code == 200, bought.text
+    assert bought.json()["items"] == [{"sku": "b", "quantity": 1, "stock_left": 0},
+                                      {"sku": "a", "quantity": 3, "stock_left": 2}]
+    sold_out = await client.post("/api/checkout", json=_cart(("a", 1), ("b", 1)))
+    assert sold_out.status_code == 409 and kind(sold_out) == "out-of-stock" and "product b" in sold_out.text
+    assert await _stocks(client, "a", "b") == [2, 0]  # a was not deducted either
+
+
+async def test_checkout_writes_each_product_with_its_own_locks_token(client, redis_client):
+    await client.put("/api/stock/a", json={"stock": 5})
+    await client.put("/api/stock/b", json={"stock": 5})
+    async with LockManager(redis_client, namespace="t") as other:
+        for _ in range(3):  # b's lock has been taken more often than a's: its token is ahead
+            async with other.lock("stock:b"):
+                pass
+    assert (await client.post("/api/checkout", json=_cart(("a", 1), ("b", 1)))).status_code == 200
+    fences = [int(await redis_client.hget(f"t:demo:stock:{p}", "fence")) for p in "ab"]
+    assert fences[0] < fences[1]
+    # A holder from the future has written b: the checkout's token for b is refused, nothing oversold.
+    await redis_client.hset("t:demo:stock:b", "fence", str(10**30))
+    stale = await client.post("/api/checkout", json=_cart(("b", 1)))
+    assert stale.status_code == 409 and kind(stale) == "stale-fencing-token"
+    assert await _stocks(client, "b") == [4]
+
+
+async def test_a_checkout_waits_for_every_products_lock_and_takes_none_on_timeout(client, redis_client):
+    await client.put("/api/stock/a", json={"stock": 5})
+    await client.put("/api/stock/b", json={"stock": 5})
+    async with LockManager(redis_client, namespace="t") as other:
+        # Another replica deducting b right now, under the stock route's lock (the same key).
+        async with other.lock("stock:b", wait=0):
+            busy = await client.post("/api/checkout", json=_cart(("a", 1), ("b", 1)))
+        assert busy.status_code == 409 and kind(busy) == "lock-timeout"
+        async with other.lock("stock:a", wait=0):  # a was released when b timed out
+            pass
+    assert await _stocks(client, "a", "b") == [5, 5]
+
+
+async def test_carts_naming_products_in_opposite_orders_neither_oversell_nor_deadlock(redis_url):
+    import asyncio
+
+    app, client = shop(redis_url, work=0.002)
+    async with client:
+        for product in ("a", "b", "c"):
+            await client.put(f"/api/stock/{product}", json={"stock": 10})
+        carts = [_cart(("a", 1), ("b", 1), ("c", 1)), _cart(("c", 1), ("b", 1), ("a", 1))] * 20
+        answers = await asyncio.gather(*(client.post("/api/checkout", json=cart) for cart in carts))
+        left = await _stocks(client, "a", "b", "c")
+    await app.state.shop.locks.aclose()
+    assert sum(a.status_code == 200 for a in answers) == 10
+    assert all(a.status_code == 409 and kind(a) == "out-of-stock" for a in answers if a.status_code != 200)
+    assert left == [0, 0, 0]
+
+
+async def test_exports_run_at_most_two_at_once_per_user(client, redis_client):
+    await client.put("/api/stock/p1", json={"stock": 5})
+    await client.post("/api/orders", json={"product_id": "p1", "quantity": 2},
+                      headers={**USER, "Idempotency-Key": '"e-1"'})
+    assert (await client.post("/api/exports", headers=USER)).json() == {
+        "user": "alice", "orders": 1, "items": 2, "replica": (await client.get("/healthz")).json()["replica"]}
+    async with LockManager(redis_client, namespace="t") as other:
+        # Two exports of alice's running elsewhere: both permits of her key are taken.
+        async with other.semaphore("export:user:alice", permits=2), other.semaphore("export:user:alice", permits=2):
+            bob = await client.post("/api/exports", headers={"X-User-Id": "bob"})
+            full = await client.post("/api/exports", headers=USER)
+    assert bob.status_code == 200 and bob.json()["orders"] == 0  # a limit per user
+    assert full.status_code == 429 and kind(full) == "concurrency-limit" and "retry-after" in full.headers
+    assert (await client.post("/api/exports", headers=USER)).status_code == 200  # the permits came back
 
 
 async def test_disabled_locks_take_no_lock(redis_url, monkeypatch):

@@ -19,7 +19,7 @@ import pytest
 
 from _deployments import KINDS, deployment_url
 from otel_lock.cli._redis_server import RedisServer
-from otel_lock.cli._demo_load import cache_missing_sniffio, clients, double_submit, problem_type, seckill
+from otel_lock.cli._demo_load import cache_missing_sniffio, checkout, clients, double_submit, problem_type, seckill
 from otel_lock.cli._replicas import Replicas
 
 JOB_INTERVAL = 0.3
@@ -122,6 +122,29 @@ async def test_without_locks_the_same_seckill_oversells(unlocked_replicas, pool,
     result = await seckill(pool, unlocked_replicas, "seckill", buyers=200)
     assert result.oversold > 0, "the broken shop did not oversell: this scenario cannot catch a broken lock"
     assert result.sold > 100 - result.stock_left
+
+
+async def test_checkouts_on_two_replicas_sell_exactly_the_stock_of_every_product(replicas, pool, client):
+    """Carts of two of three products, named in both orders, one lock per product (`@locked` with `*`)."""
+    two = replicas[:2]
+    products = ["cart-a", "cart-b", "cart-c"]
+    for product in products:
+        await put_stock(client, two[0], product, 40)
+    result = await checkout(pool, two, products, 100)
+    assert not result.failed, result.failed  # no lock-deadlock, no 5xx, nothing given up
+    assert result.bought + result.out_of_stock == 100
+    assert result.oversold == 0
+    for product in products:  # every sale answered is in the stock, and the stock never went below 0
+        assert result.sold[product] == 40 - result.stock_left[product] and result.stock_left[product] >= 0
+    assert sum(result.sold.values()) == 2 * result.bought
+
+
+async def test_without_locks_the_same_checkout_oversells(unlocked_replicas, pool, client):
+    products = ["cart-a", "cart-b", "cart-c"]
+    for product in products:
+        await put_stock(client, unlocked_replicas[0], product, 40)
+    result = await checkout(pool, unlocked_replicas, products, 100)
+    assert result.oversold > 0, "the broken shop did not oversell: this scenario cannot catch a broken lock"
 
 
 async def test_one_idempotency_key_on_two_replicas_creates_one_order(replicas, pool, client):

@@ -115,7 +115,9 @@ def test_crossed_waits_of_two_threads_are_refused_to_the_second(sync_locks, othe
         thread.start()
         assert a_holds.wait(20)
         give_up = time.monotonic() + 20
-        while client.zcard("s:{k2}:q") != 1:   # A is queued on k2
+        # A is queued on k2 and has recorded what it waits for (it does so once it has waited a moment):
+        # from then on the cycle is A's record plus ours, and the closer is us.
+        while client.zcard("s:{k2}:q") != 1 or not client.keys("s:waits:*"):
             assert time.monotonic() < give_up and thread.is_alive()
             time.sleep(0.005)
         with pytest.raises(LockDeadlock) as caught:

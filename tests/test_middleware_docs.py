@@ -66,3 +66,29 @@ async def test_the_session_example_commits_under_the_lock(redis_url):
         await namespace["locks"].aclose()
     assert sorted(a.status_code for a in answers) == [200, 409]
     assert namespace["DATABASE"] == {"p1": 0}
+
+
+async def test_the_several_keys_example_transfers_both_ways_and_sells_each_sku_once(redis_url):
+    import asyncio
+
+    source = next(s for s in SNIPPETS if "lock_all" in s or "json.lines.*.sku" in s)
+    namespace = run(source, redis_url)
+    try:
+        async with client_for(namespace["app"]) as client:
+            transfers = await asyncio.gather(*(client.post("/api/transfers", json={"from_id": a, "to_id": b,
+                                                                                  "amount": 10})
+                                               for a, b in [(1, 2), (2, 1)] * 5))
+            carts = await asyncio.gather(*(client.post("/api/checkout", json={"lines": [
+                {"SKU": "apple", "qty": 2}, {"SKU": "pear", "qty": 1}]})
+                for _ in range(3)))
+            empty = await client.post("/api/checkout", json={"lines": []})
+            export = await client.post("/api/exports", headers={"x-tenant": "t3"})
+            price = await client.put("/api/catalogue/9", params={"price": 99})
+            read = await client.get("/api/catalogue/9")
+    finally:
+        await namespace["locks"].aclose()
+    assert [t.status_code for t in transfers] == [200] * 10 and namespace["BALANCES"] == {1: 100, 2: 100}
+    assert sorted(transfers[0].json()["tokens"]) == ["account:1", "account:2"]
+    assert [c.json()["sold"] for c in carts].count(True) == 1 and namespace["STOCK"] == {"apple": 1, "pear": 4}
+    assert empty.status_code == 422
+    assert export.json() == {"tenant": "t3"} and price.status_code == 200 and read.json() == {"price": 99}

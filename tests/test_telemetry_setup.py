@@ -301,7 +301,9 @@ async def test_openmetrics_counters_and_histograms_carry_created_and_the_text_fo
            'lock_outcome="acquired"}' in waits
     assert all(before <= value <= after for value in [*created.values(), *waits.values()])
     errors = _samples(openmetrics, "otel_lock_errors_created")
-    assert len(errors) == 12  # the manager's seeded series, each with its start
+    # the manager's seeded Redis-error series (no lock name) and the lock name's deadlock series, each with its start
+    assert len([name for name in errors if 'lock_name=""' in name]) == 12
+    assert 'otel_lock_errors_created{error_type="deadlock",lock_name="stock",lock_operation="acquire"}' in errors
     # prometheus-client's strict OpenMetrics parser reads it back: `_created` where the format puts it.
     from prometheus_client.openmetrics.parser import text_string_to_metric_families
 

@@ -1,4 +1,10 @@
-"""`@locked(...)` and `@idempotent(...)`: route annotations read by LockMiddleware.
+"""`@locked(...)`, `@limited(...)` and `@idempotent(...)`: route annotations read by LockMiddleware.
+
+`@locked` names one key or several (templates, lists walked with `*`),
+held exclusively or, for one key, shared; `@limited` caps the holders of one
+key at `permits`. Both are a `Locked` (kind "locked": one per route), so
+routing, key binding, fingerprints and OpenAPI treat them alike; `_shapes`
+picks the manager call.
 
 The decorator records itself in an attribute of the function and returns a
 thin guard around it (`_guard`): placed below `@app.post`, the registered
@@ -16,11 +22,16 @@ from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, TypeVar
 
 from ._attach import ATTR, attach
-from ._keys import KeyTemplate, parse_template
+from ._keys import parse_template
+from ._keyset import KeySet, check_one_wildcard
 from .idempotency import Idempotent, idempotent
 
 MIB = 1024 * 1024
-__all__ = ["ATTR", "Idempotent", "Locked", "annotations_of", "idempotent", "locked"]
+__all__ = ["ATTR", "Idempotent", "Locked", "annotations_of", "idempotent", "limited", "locked"]
+MAX_KEYS = 100        # the default bound on the distinct keys one request may name
+# How a route's keys are held: one holder per key (one key or several), any number of shared
+# holders (`shared=True`), or at most `permits` holders (`@limited`).
+EXCLUSIVE, SHARED, PERMIT = "exclusive", "shared", "permit"
 RELEASE_AFTER = ("app", "response")   # when the app call returns (default), or after the last body message
 # A handler (function, method, HTTPEndpoint class or ASGI app): decorating returns it with its own type.
 F = TypeVar("F", bound=Callable[..., Any])
@@ -36,9 +47,9 @@ def _check_seconds(what: str, value: float | None, *, allow_zero: bool) -> None:
 
 @dataclass(frozen=True)
 class Locked:
-    """What `locked(...)` returns: a route's lock, as a decorator or a `rules=` value."""
+    """What `locked(...)` and `limited(...)` return: a route's lock, as a decorator or a `rules=` value."""
 
-    template: KeyTemplate
+    template: KeySet
     wait: float | None = None
     lease: float | None = None
     status: int = 409
@@ -50,26 +61,45 @@ class Locked:
     max_body: int | None = None             # request body limit; None: the middleware's
     body_idle_timeout: float | None = None  # seconds without a body chunk; None: the middleware's
     after_auth: bool | None = None          # FastAPI: take the lock after the security dependencies; None: if any
+    mode: str = EXCLUSIVE                   # exclusive, shared or permit (`lock.mode`)
+    permits: int | None = None              # @limited: holders at once
+    max_keys: int = MAX_KEYS                # distinct keys one request may name (several templates, `*`)
 
     kind: ClassVar[str] = "locked"
 
     @property
     def lock_name(self) -> str:
-        """The metric/span label: the template or an explicit name, never a concrete key."""
+        """The metric/span label: the template(s) or an explicit name, never a concrete key."""
         return self.name or self.template.template
+
+    @property
+    def several(self) -> bool:
+        """Taken with `lock_all()`: several templates, or a list walked with `*`."""
+        return self.template.several
+
+    @property
+    def annotation(self) -> str:
+        """How the user wrote it, for messages."""
+        return "@limited" if self.mode == PERMIT else "@locked"
 
     def __call__(self, endpoint: F) -> F:
         return attach(endpoint, self.kind, self)
 
 
 def locked(
-    template: str, *, wait: float | None = None, lease: float | None = None, status: int = 409,
+    *templates: str, wait: float | None = None, lease: float | None = None, status: int = 409,
     fail_open: bool = False, hash_parts: bool = False, name: str | None = None, retry_after: float | None = None,
     release_after: str = "app", max_body: int | None = None, body_idle_timeout: float | None = None,
-    after_auth: bool | None = None,
+    after_auth: bool | None = None, shared: bool = False, max_keys: int = MAX_KEYS,
 ) -> Locked:
-    """Take the lock named by `template` before the handler runs; release when the app call returns.
+    """Take the lock(s) named by `templates` before the handler runs; release when the app call returns.
 
+    Several templates (`"account:{json.from_id}", "account:{json.to_id}"`)
+    or a list walked with `*` (`"stock:{json.items.*.sku}"`) name several
+    keys: all are taken with the manager's `lock_all()` (one canonical
+    order, all or nothing within `wait`), duplicates folded, at most
+    `max_keys` per request (more: 422 `lock-keys-too-many`). `shared=True`
+    (one key): any number of shared holders at once, beside no exclusive one.
     `release_after="response"` releases right after the last body message
     instead: background tasks and yield-dependency exit code then run unlocked.
     `max_body` (bytes) and `body_idle_timeout` (seconds without a body chunk)
@@ -78,6 +108,57 @@ def locked(
     dependencies and before its other ones (None: when it has any; False:
     before every dependency; True: insist, failing the start-up without any).
     """
+    keys = _key_set("locked", templates)
+    if not isinstance(shared, bool):
+        raise ValueError(f"shared must be True or False, got {shared!r}")
+    if shared and keys.several:
+        raise ValueError(f"locked({keys.template!r}, shared=True): a shared lock is on one key; several "
+                         f"templates or a '*' list name several (take them exclusively, or one shared key)")
+    if not isinstance(max_keys, int) or isinstance(max_keys, bool) or max_keys < 1:
+        raise ValueError(f"max_keys must be a positive number of keys, got {max_keys!r}")
+    _check_common(wait, lease, retry_after, body_idle_timeout, max_body, status, name, release_after, after_auth)
+    return Locked(keys, wait=wait, lease=lease, status=status, fail_open=fail_open, hash_parts=hash_parts,
+                  name=name, retry_after=retry_after, release_after=release_after, max_body=max_body,
+                  body_idle_timeout=None if body_idle_timeout is None else float(body_idle_timeout),
+                  after_auth=after_auth, mode=SHARED if shared else EXCLUSIVE, max_keys=max_keys)
+
+
+def limited(
+    template: str, *, permits: int, wait: float | None = None, lease: float | None = None, status: int = 429,
+    fail_open: bool = False, hash_parts: bool = False, name: str | None = None, retry_after: float | None = None,
+    release_after: str = "app", max_body: int | None = None, body_idle_timeout: float | None = None,
+    after_auth: bool | None = None,
+) -> Locked:
+    """At most `permits` requests per key run the handler at once (the manager's `semaphore()`).
+
+    A request that gets no permit within `wait` is answered 429
+    `concurrency-limit` with Retry-After (`status` changes the code). The
+    other options are `locked`'s.
+    """
+    keys = _key_set("limited", (template,))
+    if keys.several:
+        raise ValueError(f"limited({template!r}): a limit is on one key; '*' names several")
+    if not isinstance(permits, int) or isinstance(permits, bool) or permits < 1:
+        raise ValueError(f"permits must be a positive number of holders, got {permits!r}")
+    _check_common(wait, lease, retry_after, body_idle_timeout, max_body, status, name, release_after, after_auth)
+    return Locked(keys, wait=wait, lease=lease, status=status, fail_open=fail_open, hash_parts=hash_parts,
+                  name=name, retry_after=retry_after, release_after=release_after, max_body=max_body,
+                  body_idle_timeout=None if body_idle_timeout is None else float(body_idle_timeout),
+                  after_auth=after_auth, mode=PERMIT, permits=permits, max_keys=1)
+
+
+def _key_set(what: str, templates: tuple[str, ...]) -> KeySet:
+    if not templates:
+        raise ValueError(f"{what}() needs a lock key template, e.g. {what}(\"stock:{{path.product_id}}\")")
+    parsed = tuple(parse_template(t) for t in templates)
+    for template in parsed:
+        check_one_wildcard(template)
+    return KeySet(parsed)
+
+
+def _check_common(wait: float | None, lease: float | None, retry_after: float | None, body_idle_timeout: float | None,
+                  max_body: int | None, status: int, name: str | None, release_after: str,
+                  after_auth: bool | None) -> None:
     _check_seconds("wait", wait, allow_zero=True)
     _check_seconds("lease", lease, allow_zero=False)
     _check_seconds("retry_after", retry_after, allow_zero=True)
@@ -92,9 +173,6 @@ def locked(
         raise ValueError(f"release_after must be one of {', '.join(map(repr, RELEASE_AFTER))}, got {release_after!r}")
     if after_auth is not None and not isinstance(after_auth, bool):
         raise ValueError(f"after_auth must be True, False or None, got {after_auth!r}")
-    return Locked(parse_template(template), wait, lease, status, fail_open, hash_parts, name, retry_after,
-                  release_after, max_body, None if body_idle_timeout is None else float(body_idle_timeout),
-                  after_auth)
 
 
 def annotations_of(endpoint: Any, method: str | None = None) -> dict[str, Any]:

@@ -2,7 +2,9 @@
 
 The route's lock (taken around the route's app, or at the handler's call)
 and the idempotency gate answer the same failure the same way: a busy
-resource is the rule's status (409 by default), a lost lease and an
+resource is the rule's status (409 by default; a `@limited` route's
+429 `concurrency-limit`), a wait that would close a cycle of waiters 409
+`lock-deadlock` (the cycle's keys hashed), a lost lease and an
 unavailable Redis are 503 with Retry-After, a misconfigured Redis is a 500
 that names the fix, any other error reply of Redis a 500 `redis-error`.
 """
@@ -15,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.responses import Response
 
-from ..lock import HeldLock, LockError, LockLost, LockTimeout, Locks, RedisMisconfigured, RedisUnavailable
+from ..lock import HeldLock, LockDeadlock, LockError, LockLost, LockTimeout, Locks, RedisMisconfigured, RedisUnavailable
+from ..telemetry._redact import _hash
 from ._problem import CONTENT_TYPE, problem_body, retry_after_value, send_problem
 from ._types import Send
 
@@ -59,6 +62,13 @@ def redis_answer(error: LockError, service: str, retry_after: float) -> Answer:
 
 def lock_answer(error: LockError, rule: Locked) -> Answer:
     """What a route's lock that was not taken (or was lost) answers."""
+    if isinstance(error, LockDeadlock):
+        return Answer(409, "lock-deadlock", f"the wait for lock {rule.lock_name!r} would close a cycle of requests "
+                      f"waiting on each other ({_cycle_text(error)}); it was refused at once: retry",
+                      retry_after(rule))
+    if isinstance(error, LockTimeout) and rule.mode == "permit":
+        return Answer(rule.status, "concurrency-limit", f"too many requests run at once (limit {rule.lock_name!r}: "
+                      f"{rule.permits} at a time); no permit came within the wait", retry_after(rule))
     if isinstance(error, LockTimeout):
         return Answer(rule.status, "lock-timeout",
                       f"the resource is busy (lock {rule.lock_name!r} not acquired within the wait)",
@@ -69,6 +79,16 @@ def lock_answer(error: LockError, rule: Locked) -> Answer:
     if not isinstance(error, RedisUnavailable):
         log.error("otel-lock: %s", error)
     return redis_answer(error, "the lock service", retry_after(rule))
+
+
+def _cycle_text(error: LockDeadlock) -> str:
+    """The cycle's keys as the client may see them: hashed (they are other requests' keys), in its order.
+
+    The hash is the one `OTEL_LOCK_REDACT=hash` puts on spans, so an operator finds the cycle there;
+    owners and holders are left out.
+    """
+    keys = [_hash(key) for key, _owner, _holder in error.cycle]
+    return "keys " + " -> ".join(keys) if keys else "its keys are on the acquire span"
 
 
 def runs_unlocked(error: LockError, rule: Locked, manager: Locks) -> bool:
@@ -94,9 +114,15 @@ def count_fail_open(manager: Locks, rule: Locked) -> None:
     log.warning("otel-lock: Redis unavailable, running %s without its lock (fail_open)", rule.lock_name)
 
 
-async def release_quietly(held: HeldLock) -> None:
-    """Release after the response: a Redis that is gone now only delays the lock's expiry."""
+async def release_quietly(held: HeldLock | Any) -> None:
+    """Release after the response: a Redis that is gone now only delays the lock's expiry.
+
+    `held` is whatever the route's shape holds (a HeldLock, lock_all()'s holds, a permit) or None (no keys).
+    """
+    if held is None:
+        return
     try:
         await held.release()
     except RedisUnavailable as error:
-        log.warning("otel-lock: could not release %s, it will expire by itself: %s", held.key, error)
+        log.warning("otel-lock: could not release %s, it will expire by itself: %s", getattr(held, "key", held),
+                    error)

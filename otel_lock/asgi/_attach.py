@@ -27,7 +27,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 def attach(obj: F, kind: str, annotation: Locked | Idempotent) -> F:
     existing = getattr(obj, ATTR, None) or {}
     if kind in existing:
-        raise ValueError(f"{getattr(obj, '__qualname__', obj)!r} already has a @{kind} annotation")
+        spelled = "@locked or @limited" if kind == "locked" else f"@{kind}"
+        raise ValueError(f"{getattr(obj, '__qualname__', obj)!r} already has a {spelled} annotation: one per "
+                         f"route (several keys go in one @locked(\"a:{{...}}\", \"b:{{...}}\"))")
     # A new dict, never an update: functools.wraps shares __dict__ between a
     # wrapper and its target, and annotating one must not annotate the other.
     setattr(obj, ATTR, {**existing, kind: annotation})

@@ -30,8 +30,9 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from ._declared import MISSING, Unbindable, check_optional, check_path, info_names, model_field, model_of
-from ._keys import PRINCIPAL, KeyTemplate, Part, TemplateValueError
-from ._values import RawValues, detach, parse_form, principal_value, render, walk
+from ._keys import PRINCIPAL, Part, TemplateValueError
+from ._keyset import KeySet, Value
+from ._values import RawValues, detach, parse_form, principal_value, render, render_each, walk, walk_each
 from ._types import Scope
 
 __all__ = ["INVALID", "RouteBinding", "Unbindable", "Unrenderable", "render"]
@@ -57,7 +58,7 @@ class Bound:
 class RouteBinding:
     """How one route's handler receives each value of one key template."""
 
-    def __init__(self, template: KeyTemplate, dependant: Any = None, embed: bool = False) -> None:
+    def __init__(self, template: KeySet, dependant: Any = None, embed: bool = False) -> None:
         self.template = template
         own = _Declared(dependant, top_only=True) if dependant is not None else None
         declared = _Declared(dependant) if dependant is not None else None
@@ -111,9 +112,9 @@ class RouteBinding:
 
     # -- per request ------------------------------------------------------------
 
-    async def request_values(self, scope: Scope, body: bytes) -> dict[Part, str | None] | Any:
+    async def request_values(self, scope: Scope, body: bytes) -> dict[Part, Value] | Any:
         """The rendered values, or INVALID; raises TemplateValueError (400) for absent raw values."""
-        found: dict[Part, str | None] = {}
+        found: dict[Part, Value] = {}
         validated: Any = MISSING
         raw = RawValues(scope, body)
         for bound in self.bounds:
@@ -125,20 +126,19 @@ class RouteBinding:
                     validated = await self._validate_body(scope, body)
                 if validated is INVALID:
                     return INVALID
-                value = walk(validated.get(bound.field.name, MISSING), bound.steps)
+                value = validated.get(bound.field.name, MISSING)
             else:
                 value = _validate_param(bound.field, scope)
                 if value is INVALID:
                     return INVALID
-                value = walk(value, bound.steps)
-            found[bound.part] = render(value, bound.part)
+            found[bound.part] = _rendered(value, bound)
         return found
 
-    async def call_values(self, arguments: Mapping[str, Any]) -> dict[Part, str | None]:
+    async def call_values(self, arguments: Mapping[str, Any]) -> dict[Part, Value]:
         """The rendered values from a handler's arguments; raises Unrenderable if they lack one."""
         if all(b.part.source == PRINCIPAL or b.argument is not None and b.argument in arguments for b in self.bounds):
             return {b.part: principal_value(b.part) if b.part.source == PRINCIPAL
-                    else render(walk(arguments[b.argument or ""], b.steps), b.part) for b in self.bounds}
+                    else _rendered(arguments[b.argument or ""], b) for b in self.bounds}
         request = _request_among(arguments)
         if request is None:
             raise Unrenderable(self.call_problem() or "the handler's arguments do not carry the key's values")
@@ -146,7 +146,7 @@ class RouteBinding:
         values = await self.request_values(request.scope, body)
         if values is INVALID:
             raise TemplateValueError("a value of the lock key is not valid for the handler's declared types")
-        result: dict[Part, str | None] = values
+        result: dict[Part, Value] = values
         return result
 
     async def _validate_body(self, scope: Scope, body: bytes) -> Any:
@@ -160,6 +160,13 @@ class RouteBinding:
         values, errors = await request_body_to_args(body_fields=self.body_fields, received_body=document,
                                                     embed_body_fields=self.embed)
         return INVALID if errors else values
+
+
+def _rendered(value: Any, bound: Bound) -> Value:
+    """The text of a validated value at the placeholder's steps (one per element for `*`)."""
+    if bound.part.many:
+        return render_each(walk_each(value, bound.steps, bound.part), bound.part)
+    return render(walk(value, bound.steps), bound.part)
 
 
 # -- what a FastAPI route declares ---------------------------------------------------

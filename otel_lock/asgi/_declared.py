@@ -22,7 +22,7 @@ import uuid
 from typing import Any
 
 from ._canonical import scalar_type
-from ._keys import Part
+from ._keys import WILDCARD, Part
 
 MISSING: Any = object()
 FILE_ATTRS = ("filename", "content_type", "size")
@@ -120,6 +120,8 @@ def check_path(annotation: Any, steps: tuple[str, ...], part: Part) -> None:
 def _child(node: Any, step: str, part: Part, before: tuple[str, ...]) -> Any:
     """The declared type of `node`'s member `step`; MISSING where only the request can tell."""
     where = ".".join((part.field.split(".")[0], *before)) if before else "the field"
+    if step == WILDCARD:
+        return _elements(node, part, before[-1] if before else part.field.split(".")[0])
     model = model_of(node)
     if model is not None:
         return _model_child(model, step, part)
@@ -160,6 +162,18 @@ def _container_child(node: Any, step: str, part: Part, where: str) -> Any:
     if node in (bytes, decimal.Decimal, uuid.UUID) or _is_scalar_type(node):
         raise Unbindable(f"{part.text}: {where} is a single value, it has no field {step!r}")
     return MISSING
+
+
+def _elements(node: Any, part: Part, where: str) -> Any:
+    """The declared type of a list's elements, for a `*` step; Unbindable if it is not a list."""
+    origin = typing.get_origin(node) or node
+    if origin in (list, tuple, set, frozenset) or _is_sequence(origin):
+        args = [a for a in typing.get_args(node) if a is not Ellipsis]
+        return strip(args[0]) if len(args) == 1 or (args and origin is not tuple) else MISSING
+    if node is Any or node is object or typing.get_origin(node) in (typing.Union, types.UnionType):
+        return MISSING   # only the request can tell
+    name = getattr(node, "__name__", None) or repr(node)
+    raise Unbindable(f"{part.text}: '*' walks a list, but {where} is declared as {name}")
 
 
 def _is_upload(node: Any) -> bool:

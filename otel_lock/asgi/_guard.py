@@ -33,6 +33,8 @@ from ._after_auth import DEFERRED
 from ._answers import Answer, lock_answer, release_quietly, runs_unlocked
 from ._binding import RouteBinding, Unrenderable
 from ._keys import TemplateValueError
+from ._keyset import TooManyKeys
+from ._shapes import holding
 
 if TYPE_CHECKING:
     from ._annotations import Locked
@@ -67,9 +69,10 @@ class Hold:
     binding: RouteBinding
     route: str
 
-    async def name(self, arguments: Mapping[str, Any]) -> str:
+    async def keys(self, arguments: Mapping[str, Any]) -> tuple[str, ...]:
         values = await self.binding.call_values(arguments)
-        return self.locked.template.render(values.__getitem__, self.secret() if self.locked.hash_parts else None)
+        rule = self.locked
+        return rule.template.render(values.__getitem__, self.secret() if rule.hash_parts else None, rule.max_keys)
 
 
 @dataclass(frozen=True)
@@ -89,7 +92,7 @@ class Mark:
     guards: frozenset[int]
     hold: Hold | None = None
     scope: Scope | None = None
-    taken: str | None = None        # at_call: the key the middleware holds already (None: none)
+    taken: tuple[str, ...] | None = None   # at_call: the keys the middleware holds already (None: none)
     used: bool = False
 
     @classmethod
@@ -308,13 +311,12 @@ class _DirectHold(_Entry):
         if manager is None:
             raise DirectCallRefused(f"{_name(fn)}: LockMiddleware has no lock manager yet to hold this call")
         try:
-            name = await hold.name(_arguments(fn, args, kwargs))
+            keys = await hold.keys(_arguments(fn, args, kwargs))
         except Unrenderable as error:
             raise DirectCallRefused(f"{_name(fn)} was called directly and its lock key "
                                     f"{hold.locked.template.template!r} cannot be built from the call: {error}") \
                 from None
-        rule = hold.locked
-        async with manager.lock(name, wait=rule.wait, lease=rule.lease, name=rule.lock_name, cancel_on_lost=True):
+        async with holding(manager, hold.locked, keys, cancel_on_lost=True):
             yield
 
     def refusal(self, fn: Callable[..., Any]) -> Exception:
@@ -339,11 +341,11 @@ class _RouteHold(_Entry):
     the event loop while the worker thread waits for it).
     """
 
-    def __init__(self, hold: Hold, scope: Scope | None, taken: str | None) -> None:
+    def __init__(self, hold: Hold, scope: Scope | None, taken: tuple[str, ...] | None) -> None:
         self.hold, self.scope, self.taken = hold, scope, taken
 
     async def run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        found = await self._name(_arguments(fn, args, kwargs))
+        found = await self._keys(_arguments(fn, args, kwargs))
         if isinstance(found, Answer):
             return found.response()
         rule, manager = self.hold.locked, self.hold.locks()
@@ -351,8 +353,7 @@ class _RouteHold(_Entry):
             return await fn(*args, **kwargs)
         entered = False
         try:
-            async with manager.lock(found, wait=rule.wait, lease=rule.lease, name=rule.lock_name,
-                                    cancel_on_lost=True) as held:
+            async with holding(manager, rule, found, cancel_on_lost=True) as held:
                 entered = True
                 self._remember(held)
                 return await fn(*args, **kwargs)
@@ -383,34 +384,37 @@ class _RouteHold(_Entry):
             return lock_answer(LockLost("the lock was lost", key=taken.key), self.hold.locked).response()
         return result
 
-    async def _name(self, arguments: dict[str, Any]) -> str | Answer | None:
-        """The key to take now; None: run as it is (the middleware holds this key already)."""
+    async def _keys(self, arguments: dict[str, Any]) -> tuple[str, ...] | Answer | None:
+        """The keys to take now; None: run as it is (the middleware holds these keys already)."""
         if self.hold.locks() is None:
             return Answer(500, "lock-manager-missing", "LockMiddleware has no lock manager")
         try:
-            name = await self.hold.name(arguments)
+            keys = await self.hold.keys(arguments)
+        except TooManyKeys as error:
+            return Answer(422, "lock-keys-too-many", str(error))
         except TemplateValueError as error:
             return Answer(400, "lock-key-invalid", str(error))
         except Unrenderable as error:
             return Answer(500, "lock-route-unsupported", str(error))
-        return None if name == self.taken else name
+        return None if keys == self.taken else keys
 
     async def _acquire(self, arguments: dict[str, Any]) -> Answer | HeldLock | None:
         """For a worker thread: the held lock (None: run as it is), never cancelled when lost (a thread cannot be)."""
-        found = await self._name(arguments)
-        if not isinstance(found, str):
+        found = await self._keys(arguments)
+        if not isinstance(found, tuple):
             return found
         rule, manager = self.hold.locked, self.hold.locks()
-        assert manager is not None   # _name answers for a missing one
+        assert manager is not None   # _keys answers for a missing one
+        # Only a plain one-key lock reaches here: start-up refuses a plain handler for other shapes.
         try:
-            held = await manager.acquire(found, wait=rule.wait, lease=rule.lease, name=rule.lock_name,
+            held = await manager.acquire(found[0], wait=rule.wait, lease=rule.lease, name=rule.lock_name,
                                          cancel_on_lost=False)
         except LockError as error:
             return None if runs_unlocked(error, rule, manager) else lock_answer(error, rule)
         self._remember(held)
         return held
 
-    def _remember(self, held: HeldLock) -> None:
+    def _remember(self, held: Any) -> None:
         if self.scope is not None:
             self.scope.setdefault("state", {})["lock"] = held
 

@@ -9,6 +9,10 @@ Escaped values never contain a separator (a safe-set outsider other than
 mapping from value tuples to keys injective, so no request can forge
 another one's key.
 
+A json or form placeholder may walk every element of a list with `*`
+(`{json.items.*.sku}`): such a placeholder has many values, and its
+template one key per value (`_keyset` expands, folds and bounds them).
+
 A placeholder may end in `?` (`{json.email?}`): the value when the request
 has one, else the marker `%n` (no value of a request escapes to it, so every
 request without one shares that lock and none can pose as one). It may name
@@ -29,11 +33,12 @@ import hmac
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from ._canonical import number_text
 
 SOURCES = ("path", "query", "header", "cookie", "json", "form")
+WILDCARD = "*"            # a json/form step that walks every element of a list
 PRINCIPAL = "principal"   # `{principal}`: the caller, as the app's `principal=` names it (no field)
 MAX_NAME = 512            # the lock core's limit on a lock name
 MAX_PART = 64             # escaped values longer than this are hashed
@@ -101,6 +106,11 @@ class Part:
     @property
     def json_path(self) -> tuple[str, ...]:
         return tuple(self.field.split("."))
+
+    @property
+    def many(self) -> bool:
+        """`{json.items.*.sku}`: one value per element of a list."""
+        return WILDCARD in self.json_path
 
 
 @dataclass(frozen=True)
@@ -176,8 +186,11 @@ def _parse_part(template: str, inner: str, text: str) -> Part:
             + ", ".join(f"{{{s}.NAME}}" for s in SOURCES) + " or {principal}"
         )
     names = field.split(".") if source in ("json", "form") else [field]
-    if not all(_FIELD.match(n) for n in names):
-        raise ValueError(f"lock key template {template!r}: {text} names an empty or ill-formed field")
+    # `*` walks a list: `{json.*.sku}` a body that is one, `{form.tags.*}` a field sent several times.
+    if not all(_FIELD.match(n) or (n == WILDCARD and (i > 0 or source == "json")) for i, n in enumerate(names)):
+        raise ValueError(f"lock key template {template!r}: {text} names an empty or ill-formed field"
+                         + (" ('*' walks a list: write it after the list's field, e.g. {json.items.*.sku})"
+                            if WILDCARD in field else ""))
     if source == "header":
         field = field.lower()
     return Part(source, field, text, optional, tuple(normalisers))
@@ -198,8 +211,37 @@ def json_value(body: Any, part: Part) -> str | None:
 
     None: the field is absent or null and the placeholder is optional.
     """
-    node = body
-    for step in part.json_path:
+    return _json_text(_json_walk(body, part.json_path, part), part)
+
+
+def json_values(body: Any, part: Part) -> Iterator[str | None]:
+    """Every value of a `{json.items.*.sku}` placeholder, in the body's order.
+
+    An absent or null list is no values when the placeholder is optional
+    (`{json.items.*.sku?}`), else a 400; anything but a list where `*` stands
+    is a 400 naming the field.
+    """
+    nodes: list[Any] = [body]
+    path = part.json_path
+    start = 0
+    for i, step in enumerate(path):
+        if step != WILDCARD:
+            continue
+        lists = [_json_walk(node, path[start:i], part, path[:start]) for node in nodes]
+        nodes = []
+        for found in lists:
+            if found is None:
+                continue   # optional and absent: no elements
+            if not isinstance(found, list):
+                raise TemplateValueError(f"JSON field {'.'.join(path[:i])!r} must be a list (needed by {part.text})")
+            nodes.extend(found)
+        start = i + 1
+    return (_json_text(_json_walk(node, path[start:], part, path[:start]), part) for node in nodes)
+
+
+def _json_walk(node: Any, steps: tuple[str, ...], part: Part, before: tuple[str, ...] = ()) -> Any:
+    """The node at `steps`; None for an absent one of an optional placeholder."""
+    for step in steps:
         if isinstance(node, dict) and step in node:
             node = node[step]
         elif isinstance(node, list) and step.isdigit() and int(step) < len(node):
@@ -208,10 +250,15 @@ def json_value(body: Any, part: Part) -> str | None:
             return None
         else:
             raise TemplateValueError(f"JSON body has no field {part.field!r} (needed by {part.text})")
+    if node is None and not part.optional:
+        where = ".".join((*before, *steps)) if part.many else part.field
+        raise TemplateValueError(f"JSON field {where!r} is null (needed by {part.text})")
+    return node
+
+
+def _json_text(node: Any, part: Part) -> str | None:
     if node is None:
-        if part.optional:
-            return None
-        raise TemplateValueError(f"JSON field {part.field!r} is null (needed by {part.text})")
+        return None
     if isinstance(node, bool):
         return "true" if node else "false"
     if isinstance(node, str):

@@ -32,6 +32,7 @@ from .idempotency._principal import check_callable
 from ._keys import PRINCIPAL, resolve_secret
 from ._openapi import document
 from ._request import Protection, ProtectedRequest
+from ._shapes import missing_method
 from ._routing import (Annotated, ForeignRouter, Problem, Refuse, RouteHandle, RoutePlan, RouteTemplate, RuleMatcher, Rules, _Rule,
                        find_routes, foreign_annotated, install, is_starlette_routes, original_handle, parse_rules, plan)
 from ._types import ASGIApp, Message, Receive, Scope, Send
@@ -258,6 +259,9 @@ class LockMiddleware:
     def _protection(self, template: str, annotated: Annotated, target: Any, route: Any,
                     method: str | None) -> Protection:
         locked = annotated.locked
+        missing = missing_method(self._manager, locked) if locked is not None else None
+        if missing is not None:
+            raise _Unsupported(missing)
         endpoint = getattr(target, "endpoint", None) if target is not None else None
         guards = guard_functions(endpoint, method) if endpoint is not None else []
         binding = at_call = None
@@ -327,6 +331,10 @@ def _key_at_call(route: Any, locked: Locked, binding: RouteBinding, guards: list
                            f"{locked.template.template!r} is checked against the handler's arguments, which a "
                            f"generator handler cannot be held around: return the response instead of yielding it, "
                            f"and write @locked right below @app.<method>")
+    if (locked.several or locked.mode != "exclusive") and not all(inspect.iscoroutinefunction(fn) for fn in guards):
+        raise _Unsupported(f"the route class {name} may change the request before FastAPI reads it, so the keys "
+                           f"of {locked.annotation}({locked.template.template!r}) are taken at the handler's call, "
+                           f"which a plain (def) handler only supports for one exclusive key: make it async def")
     problem = binding.call_problem()
     if problem is not None:
         raise _Unsupported(f"the route class {name} may change the request before FastAPI reads it, so the key "

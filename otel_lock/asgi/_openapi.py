@@ -88,7 +88,14 @@ def answers(rules: Iterable[Locked], idem: Idempotent | None) -> dict[str, Answe
     add(500, "A mistake in the server's set-up (named in `detail`)")
     for rule in rules:
         add(400, "A value the lock key needs is missing or ill-formed")
-        add(rule.status, "The resource is busy: its lock was not acquired within the wait", "Retry-After")
+        if rule.mode == "permit":
+            add(rule.status, "Too many requests run at once: no permit came within the wait", "Retry-After")
+        else:
+            add(rule.status, "The resource is busy: its lock was not acquired within the wait", "Retry-After")
+            add(409, "Waiting for the lock would close a cycle of requests waiting on each other (a deadlock)",
+                "Retry-After")
+        if rule.several:
+            add(422, f"The request names more than {rule.max_keys} distinct lock keys")
         add(503, "The lock service is unavailable, or the lock was lost while the request ran", "Retry-After")
         if any(p.source == PRINCIPAL and not p.optional for p in rule.template.parts):
             add(401, "No caller was identified, and the lock is per caller", "WWW-Authenticate")

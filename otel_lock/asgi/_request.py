@@ -19,7 +19,7 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..lock import HeldLock, LockError, LockLost, Locks, RedisUnavailable
+from ..lock import LockDeadlock, LockError, LockLost, Locks, RedisUnavailable
 from ._after_auth import DEFERRED, Deferred, NotTaken
 from ._annotations import Idempotent, Locked
 from ._answers import lock_answer, release_quietly, runs_unlocked
@@ -27,6 +27,8 @@ from ._binding import INVALID, RouteBinding
 from ._body import BodyLimits, BodyRefused, Client, ClientGone, read_body
 from ._guard import AT_CALL, Hold, Mark, marked
 from ._keys import PRINCIPAL, TemplateValueError
+from ._keyset import TooManyKeys
+from ._shapes import holding
 from ._values import CALLER
 from .idempotency._principal import PrincipalProblem, request_of, resolve
 from ._problem import send_problem
@@ -106,20 +108,23 @@ class ProtectedRequest:
     async def _protect(self, manager: Locks, body: bytes, principal: str | None) -> None:
         client = Client(body, self.receive)
         locked, idem = self.protection.locked, self.protection.idempotent
-        name: str | None = None
+        keys: tuple[str, ...] | None = None
         if locked is not None:
             try:
-                name = await self._key(locked, body)
+                keys = await self._keys(locked, body)
+            except TooManyKeys as error:   # refused before anything is taken, at_call or not
+                await send_problem(self.send, 422, "lock-keys-too-many", str(error))
+                return
             except TemplateValueError as error:
                 if not self.protection.at_call:
                     await send_problem(self.send, 400, "lock-key-invalid", str(error))
                     return
-            if name is None and not self.protection.at_call:
+            if keys is None and not self.protection.at_call:
                 # The framework rejects a value of the key with its own 422: nothing to lock, nothing to store.
                 with marked(Mark.unbound(self.protection.guards)):
                     await self.app(self.scope, client.receive, self.send)
                 return
-        inner = LockedApp(manager, self.protection, name, self.app, client)
+        inner = LockedApp(manager, self.protection, keys, self.app, client)
         send = BoundedSend(self.send, self.mw.send_timeout)
         try:
             if idem is None:
@@ -131,14 +136,15 @@ class ProtectedRequest:
             log.warning("otel-lock: %s %s: %s; the response was cut off and the lock released",
                         self.scope.get("method"), self.protection.route, error)
 
-    async def _key(self, locked: Locked, body: bytes) -> str | None:
-        """The lock name, or None when the framework will reject a value (422) anyway."""
+    async def _keys(self, locked: Locked, body: bytes) -> tuple[str, ...] | None:
+        """The lock names, or None when the framework will reject a value (422) anyway."""
         binding = self.protection.binding
         assert binding is not None  # every locked protection has one
         values = await binding.request_values(self.scope, body)
         if values is INVALID:
             return None
-        return locked.template.render(values.__getitem__, self.mw.secret if locked.hash_parts else None)
+        return locked.template.render(values.__getitem__, self.mw.secret if locked.hash_parts else None,
+                                      locked.max_keys)
 
 
 class LockedApp:
@@ -147,13 +153,13 @@ class LockedApp:
     The idempotency gate calls this as its `inner`.
     """
 
-    def __init__(self, manager: Locks, protection: Protection, name: str | None, app: ASGIApp,
+    def __init__(self, manager: Locks, protection: Protection, keys: tuple[str, ...] | None, app: ASGIApp,
                  client: Client) -> None:
-        self.manager, self.protection, self.name, self.app, self.client = manager, protection, name, app, client
+        self.manager, self.protection, self.keys, self.app, self.client = manager, protection, keys, app, client
 
     async def _run_app(self, scope: Scope, receive: Receive, send: Send, deferred: Deferred | None = None) -> None:
         p = self.protection
-        mark = Mark(AT_CALL, p.guards, p.hold, scope, taken=self.name) if p.at_call else Mark.held(p.guards)
+        mark = Mark(AT_CALL, p.guards, p.hold, scope, taken=self.keys) if p.at_call else Mark.held(p.guards)
         token = DEFERRED.set(deferred)
         try:
             with marked(mark):
@@ -163,11 +169,11 @@ class LockedApp:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> bool:
         rule = self.protection.locked
-        if rule is None or self.name is None:
+        if rule is None or self.keys is None:
             await self._run_app(scope, receive, send)
             return True
-        name = self.name
-        held: HeldLock | None = None
+        keys = self.keys
+        held: Any = None   # a HeldLock, lock_all()'s holds, a permit; None: no keys at all (an empty list)
         started = entered = app_done = False
         end = ResponseEnd()
         early = rule.release_after == "response"
@@ -190,8 +196,8 @@ class LockedApp:
                     nonlocal held, entered
                     try:
                         async with self.client.cancel_on_disconnect():
-                            held = await stack.enter_async_context(self.manager.lock(
-                                name, wait=rule.wait, lease=rule.lease, name=rule.lock_name, cancel_on_lost=True))
+                            held = await stack.enter_async_context(
+                                holding(self.manager, rule, keys, cancel_on_lost=True))
                     except LockError as error:
                         if not after_auth:
                             raise
@@ -219,6 +225,12 @@ class LockedApp:
                 raise  # half a response is out: abort it, the server drops the connection
             await lock_answer(error, rule).send(send)
             return True
+        except LockDeadlock as error:
+            if entered and started:
+                raise  # half a response is out
+            # Ours, or one the handler took by hand (it holds ours and waits for another): the same 409.
+            await lock_answer(error, rule).send(send)
+            return entered   # whether the handler ran (the idempotency gate keeps its outcome)
         except LockError as error:
             if isinstance(error, RedisUnavailable) and app_done:
                 return True  # the release failed; the lease expires by itself

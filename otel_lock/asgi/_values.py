@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
-from typing import Any, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 from urllib.parse import parse_qsl
 
 from ._canonical import NotCanonical, loads, scalar_text
 from ._declared import FILE_ATTRS, MISSING, model_field
 
-from ._keys import PRINCIPAL, Part, TemplateValueError, json_value
+from ._keys import PRINCIPAL, WILDCARD, Part, TemplateValueError, json_value, json_values
+from ._keyset import Each, Value
 from ._types import Message, Scope
 
 # The caller of the request being protected (`{principal}`), set once it is resolved; None: nobody.
@@ -52,6 +53,33 @@ def render(value: Any, part: Part) -> str | None:
         return scalar_text(value)
     except NotCanonical:
         raise TemplateValueError(f"{part.text} must be a string or a number, not {type(value).__name__}") from None
+
+
+def render_each(values: Iterable[Any], part: Part) -> Each:
+    """The texts of a `*` placeholder's values, one per element, rendered as they are read."""
+    return Each(render(value, part) for value in values)
+
+
+def walk_each(node: Any, steps: tuple[str, ...], part: Part) -> Iterator[Any]:
+    """The values at a path with `*` steps: every element's, flattened (a set's in any order: keys are sorted).
+
+    Lazily, element by element. An absent or null list is no values for an
+    optional placeholder; anything but a list where `*` stands is a
+    TemplateValueError (400) naming it.
+    """
+    star = steps.index(WILDCARD) if WILDCARD in steps else len(steps)
+    found = walk(node, steps[:star])
+    if star == len(steps):
+        yield found
+        return
+    if found is MISSING or found is None:
+        if part.optional:
+            return
+        raise TemplateValueError(f"{part.text}: the list before '*' is missing or null")
+    if not isinstance(found, (list, tuple, set, frozenset)):
+        raise TemplateValueError(f"{part.text}: '*' walks a list, but the request has a {type(found).__name__} there")
+    for element in found:
+        yield from walk_each(element, steps[star + 1:], part)
 
 
 def walk(node: Any, steps: tuple[str, ...]) -> Any:
@@ -91,7 +119,11 @@ class RawValues:
         self._json: Any = MISSING
         self._form: Any = MISSING
 
-    async def value(self, part: Part) -> str | None:
+    async def value(self, part: Part) -> Value:
+        if part.many:
+            if part.source == "json":
+                return Each(json_values(self._document(), part))
+            return render_each(walk_each(await self._form_values(part), part.json_path[1:], part), part)
         if part.source == PRINCIPAL:
             return principal_value(part)
         if part.source == "cookie":
@@ -123,7 +155,8 @@ class RawValues:
                 raise TemplateValueError("the request body is not valid JSON") from None
         return self._json
 
-    async def _form_value(self, part: Part) -> str | None:
+    async def _form_values(self, part: Part) -> list[Any]:
+        """Every value sent for the form field `part` names first."""
         if self._form is MISSING:
             try:
                 form = await parse_form(self.scope, self.body)
@@ -133,8 +166,11 @@ class RawValues:
                 self._form = [(key, detach(value)) for key, value in form.multi_items()]
             finally:
                 await form.close()
+        return [v for k, v in self._form if k == part.json_path[0]]
+
+    async def _form_value(self, part: Part) -> str | None:
         steps = part.json_path
-        values = [v for k, v in self._form if k == steps[0]]
+        values = await self._form_values(part)
         return render(walk(_single(values, f"form field {steps[0]!r}", part), steps[1:]), part)
 
 

@@ -125,16 +125,18 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     demo = commands.add_parser(
-        "demo", help="two replicas, a seckill and a double-submit burst, and a summary",
+        "demo", help="two replicas, a seckill, a multi-product checkout and a double-submit burst, and a summary",
         description="Start Redis (unless --redis-url/REDIS_URL is given) and two demo-shop replicas, "
-                    "fire a seckill burst and a double-submit burst, print a summary. Exit status 1 "
-                    "if anything was oversold or an order was created twice.")
+                    "fire a seckill burst, a burst of multi-product checkouts and a double-submit burst, "
+                    "print a summary. Exit status 1 if anything was oversold or an order was created twice.")
     demo.add_argument("--redis-url", type=_redis_url, default=os.environ.get("REDIS_URL"),
                       help="use this Redis (default: $REDIS_URL, else a redis-server from PATH on a free port)")
     demo.add_argument("--namespace", type=_namespace, default="otel-lock-demo", help="key prefix (default: %(default)s)")
     demo.add_argument("--replicas", type=_count, default=2, help="replica processes (default: %(default)s)")
-    demo.add_argument("--buyers", type=_count, default=200, help="concurrent buyers (default: %(default)s)")
-    demo.add_argument("--items", type=_count, default=100, help="items in stock (default: %(default)s)")
+    demo.add_argument("--buyers", type=_count, default=200,
+                      help="concurrent buyers, and concurrent carts at checkout (default: %(default)s)")
+    demo.add_argument("--items", type=_count, default=100,
+                      help="items in stock, of each product at checkout (default: %(default)s)")
     demo.add_argument("--double-submits", type=_count, default=20,
                       help="concurrent copies of one order (default: %(default)s)")
     demo.add_argument("--job-interval", type=_positive_interval, default=0.5,

@@ -1,8 +1,9 @@
-"""`otel-lock demo`: Redis + two replicas + two bursts + the job + a summary, then clean up.
+"""`otel-lock demo`: Redis + two replicas + three bursts + the job + a summary, then clean up.
 
 Everything it starts (a redis-server, the replica processes) it stops again
 by pid, also on Ctrl-C. The exit status is the verdict: 0 only when nothing
-was oversold, no order was created twice and no job tick ran twice.
+was oversold (by the seckill or a checkout), no order was created twice and no
+job tick ran twice.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ from typing import TYPE_CHECKING, Sequence, TextIO
 
 from ._redis_server import RedisServer, RedisServerNotFound, redact_url
 
-from ..demo._app import STOCK_LOCK
-from ._demo_load import (DoubleSubmitResult, JobResult, SeckillResult, cache_missing_sniffio, clients, double_submit,
-                         job_runs, percentiles, seckill)
+from ..demo._app import CART_LOCK, STOCK_LOCK
+from ._demo_load import (CheckoutResult, DoubleSubmitResult, JobResult, SeckillResult, cache_missing_sniffio, checkout,
+                         clients, double_submit, job_runs, percentiles, seckill)
 from ._scrape import Histogram, Scrape, scrape
 from ._replicas import ReplicaFailed, Replicas
 
@@ -39,6 +40,7 @@ class DemoOptions:
     namespace: str = "otel-lock-demo"
     job_interval: float = 0.5
     job_ticks: int = 4
+    cart_products: int = 3  # products of the checkout burst; each cart takes one item of two of them
 
 
 class Progress:
@@ -124,8 +126,10 @@ async def _bursts(options: DemoOptions, urls: list[str], out: TextIO) -> int:
         client = pool[0]
         # One product per way: the locked read-modify-write and the script must not share a counter.
         product, atomic_product, order_product = f"seckill-{run}", f"seckill-atomic-{run}", f"gift-{run}"
+        cart_products = [f"cart-{n}-{run}" for n in range(1, options.cart_products + 1)]
         for pid, stock in ((product, options.items), (atomic_product, options.items),
-                           (order_product, options.double_submits)):
+                           (order_product, options.double_submits),
+                           *((cart_product, options.items) for cart_product in cart_products)):
             (await client.put(f"{urls[0]}/api/stock/{pid}", json={"stock": stock})).raise_for_status()
 
         _say(out, f"\nseckill   : {options.buyers} concurrent buyers, {options.items} items, "
@@ -139,6 +143,13 @@ async def _bursts(options: DemoOptions, urls: list[str], out: TextIO) -> int:
                                  progress.step, endpoint=endpoint)
             sales.append(Way(label, endpoint, sale, time.perf_counter() - began))
 
+        _say(out, f"checkout  : {options.buyers} concurrent carts of 2 of {len(cart_products)} products "
+                  f"({options.items} items each), the same products named in both orders")
+        progress = Progress("carts", options.buyers, sys.stderr)
+        began = time.perf_counter()
+        carts = await checkout(pool, urls, cart_products, options.buyers, progress.step)
+        carts_elapsed = time.perf_counter() - began
+
         _say(out, f"double    : {options.double_submits} concurrent copies of one order "
                   f"(same Idempotency-Key), then one late retry")
         dup = await double_submit(pool, urls, order_product, f"user-{run}", f"order-{run}",
@@ -146,9 +157,13 @@ async def _bursts(options: DemoOptions, urls: list[str], out: TextIO) -> int:
         _say(out, f"job       : every {options.job_interval:g}s on each replica, once per tick if the lock works")
         jobs = await job_runs(client, urls[0], first_tick, options.job_ticks, options.job_interval)
         metrics = await scrape(client, urls)
-    _summary(out, sales, dup, jobs, metrics)
-    oversold = sum(way.sale.oversold for way in sales)
-    return 0 if oversold == 0 and dup.duplicates == 0 and jobs.doubled == 0 else 1
+    _summary(out, sales, carts, carts_elapsed, dup, jobs, metrics)
+    return 0 if _passed(sales, carts, dup, jobs) else 1
+
+
+def _passed(ways: list[Way], carts: CheckoutResult, dup: DoubleSubmitResult, jobs: JobResult) -> bool:
+    oversold = sum(way.sale.oversold for way in ways) + carts.oversold
+    return oversold == 0 and dup.duplicates == 0 and jobs.doubled == 0
 
 
 async def _warm_up(pool: list[httpx.AsyncClient], urls: list[str]) -> None:
@@ -193,13 +208,30 @@ def _ms(value: float | None) -> str:
     return "n/a" if value is None else f"{value * 1000:.1f} ms"
 
 
-def _summary(out: TextIO, ways: list[Way], dup: DoubleSubmitResult, jobs: JobResult, metrics: Scrape) -> None:
-    oversold = sum(way.sale.oversold for way in ways)
+def checkout_lines(carts: CheckoutResult, elapsed: float) -> list[str]:
+    """The checkout burst: carts bought, items sold against the stock, oversell, what was retried."""
+    items, sold = sum(carts.items.values()), sum(carts.sold.values())
+    other = sum(carts.failed.values())
+    return [
+        f"checkout      {carts.bought} of {carts.carts} carts bought in {elapsed:.2f}s (POST /api/checkout, "
+        f"one lock per product), {carts.out_of_stock} x 409 out-of-stock"
+        + (f", other: {dict(carts.failed)}" if other else ""),
+        f"cart items    {sold} of {items} sold, oversell {carts.oversold}"
+        + ("" if carts.oversold == 0 else "  <-- OVERSOLD")
+        + ", stock left " + ", ".join(f"{left}" for left in carts.stock_left.values())
+        + ", retried " + (", ".join(f"{n} x {k}" for k, n in carts.retries.items()) or "none"),
+    ]
+
+
+def _summary(out: TextIO, ways: list[Way], carts: CheckoutResult, carts_elapsed: float, dup: DoubleSubmitResult,
+             jobs: JobResult, metrics: Scrape) -> None:
+    passed = _passed(ways, carts, dup, jobs)
     lines = [
         "",
         "== summary ==",
         *seckill_table(ways),
         "              ^ request: deduct round trip, measured client-side",
+        *checkout_lines(carts, carts_elapsed),
         f"orders        {dup.orders_created} created for {dup.requests} copies of one order"
         + ("" if dup.duplicates == 0 else f"   <-- {dup.duplicates} DUPLICATE(S)"),
         f"duplicates    {dup.replayed} replayed (Idempotent-Replayed: true), {dup.in_flight} rejected 409 "
@@ -211,14 +243,15 @@ def _summary(out: TextIO, ways: list[Way], dup: DoubleSubmitResult, jobs: JobRes
         _quantiles("wait (lock)", metrics.histogram("otel_lock_wait_duration_seconds", STOCK_LOCK)),
         _quantiles("hold (lock)", metrics.histogram("otel_lock_hold_duration_seconds", STOCK_LOCK)),
         "              ^ stock lock, from the replicas' /metrics histograms (histogram_quantile)",
+        _quantiles("wait (cart)", metrics.histogram("otel_lock_wait_duration_seconds", CART_LOCK)),
+        "              ^ each product's lock of a checkout (the same keys as the stock lock's)",
         f"renewals      ok {metrics.counter('otel_lock_renewals_total', lock_renewal_outcome='ok'):.0f}, "
         f"lost {metrics.counter('otel_lock_renewals_total', lock_renewal_outcome='lost'):.0f}, "
         f"error {metrics.counter('otel_lock_renewals_total', lock_renewal_outcome='error'):.0f}"
         "   (the watchdog renews a lease every lease/3; short holds need none)",
         "",
         "verdict       " + ("OK: no oversell, no duplicate order, one job run per tick"
-                            if oversold == 0 and dup.duplicates == 0 and jobs.doubled == 0
-                            else "FAILED: a lock or the idempotency key did not hold"),
+                            if passed else "FAILED: a lock or the idempotency key did not hold"),
     ]
     _say(out, "\n".join(lines))
 

@@ -1,7 +1,7 @@
-"""The two bursts of `otel-lock demo`: a seckill and a double submit.
+"""The bursts of `otel-lock demo`: a seckill, a multi-product checkout and a double submit.
 
 Buyers are spread round-robin over the replicas, so the lock has to work
-across processes, not just inside one event loop. Both bursts return plain
+across processes, not just inside one event loop. The bursts return plain
 counts; judging them (oversell, duplicates) is the caller's job.
 """
 
@@ -141,6 +141,84 @@ async def seckill(pool: "httpx.AsyncClient | Sequence[httpx.AsyncClient]", urls:
     start.set()
     await asyncio.gather(*tasks)
     result.stock_left = (await client.get(f"{urls[0]}/api/stock/{product}")).json()["stock"]
+    return result
+
+
+@dataclass
+class CheckoutResult:
+    carts: int
+    items: dict[str, int]  # stock of each product before the burst
+    bought: int = 0  # carts answered 200
+    sold: Counter[str] = field(default_factory=Counter)  # items per product, as the 200 answers say
+    out_of_stock: int = 0
+    retries: Counter[str] = field(default_factory=Counter)
+    failed: Counter[str] = field(default_factory=Counter)  # anything else (a lock-deadlock among them)
+    latencies: list[float] = field(default_factory=list)
+    stock_left: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def oversold(self) -> int:
+        """Per product, sales the stock never recorded (lost updates) plus sales beyond its items."""
+        return sum(max(0, self.sold[p] - (self.items[p] - left)) + max(0, -left) for p, left in self.stock_left.items())
+
+
+def carts(products: Sequence[str], count: int, size: int = 2) -> list[list[str]]:
+    """`count` carts of `size` products each, every pair of neighbours named in both orders.
+
+    Cart i takes `size` products starting at product i (round the list), reversed for odd i: carts
+    that share products name them in opposite orders, which stacked `lock()` calls would deadlock on.
+    """
+    made = []
+    for index in range(count):
+        cart = [products[(index // 2 + k) % len(products)] for k in range(min(size, len(products)))]
+        made.append(cart[::-1] if index % 2 else cart)
+    return made
+
+
+async def checkout(pool: "httpx.AsyncClient | Sequence[httpx.AsyncClient]", urls: list[str], products: Sequence[str],
+                   count: int, on_answer: Callable[[], None] = lambda: None, size: int = 2) -> CheckoutResult:
+    """`count` concurrent checkouts of one item of each of `size` products; retries only what the server says."""
+    client = _pick(pool, 0)
+    stock = {p: (await client.get(f"{urls[0]}/api/stock/{p}")).json()["stock"] for p in products}
+    result = CheckoutResult(carts=count, items=stock)
+    start = asyncio.Event()
+
+    async def buyer(index: int, cart: list[str]) -> None:
+        url = f"{urls[index % len(urls)]}/api/checkout"
+        mine = _pick(pool, index // len(urls))
+        body = {"items": [{"sku": sku, "quantity": 1} for sku in cart]}
+        await start.wait()
+        for _ in range(MAX_ATTEMPTS):
+            began = time.perf_counter()
+            try:
+                response = await mine.post(url, json=body)
+            except httpx.HTTPError as exc:
+                result.failed[type(exc).__name__] += 1
+                break
+            result.latencies.append(time.perf_counter() - began)
+            kind = problem_type(response)
+            if response.status_code == 200:
+                result.bought += 1
+                for item in response.json()["items"]:
+                    result.sold[item["sku"]] += item["quantity"]
+                break
+            if kind == "out-of-stock":
+                result.out_of_stock += 1
+                break
+            if kind in RETRYABLE:
+                result.retries[kind] += 1
+                await asyncio.sleep(retry_after(response) * random.uniform(0.5, 1.0))
+                continue
+            result.failed[f"{response.status_code} {kind}".strip()] += 1
+            break
+        else:
+            result.failed["gave up after retries"] += 1
+        on_answer()
+
+    tasks = [asyncio.create_task(buyer(i, cart)) for i, cart in enumerate(carts(products, count, size))]
+    start.set()
+    await asyncio.gather(*tasks)
+    result.stock_left = {p: (await client.get(f"{urls[0]}/api/stock/{p}")).json()["stock"] for p in products}
     return result
 
 

@@ -1,8 +1,10 @@
 """A steady, contended load on the demo replicas, so dashboards always have something to show.
 
 Workers buy from a few hot products spread over every replica (the stock lock
-is contended across processes), restock a product when it sells out, and
-submit orders with Idempotency-Keys: fresh ones, retries of the same request
+is contended across processes), check out carts of two or three of them named
+in any order (one lock per product, the same keys), export their orders
+(a semaphore of two permits per user), restock a product when it sells out,
+and submit orders with Idempotency-Keys: fresh ones, retries of the same request
 (replayed), reused keys with another body (422 mismatch), concurrent
 duplicates (409 conflict) and, now and then, a missing or ill-formed key
 (400). Used by the compose stack's `loadgen` service and by
@@ -56,8 +58,12 @@ class LoadLoop:
         user = f"load-user-{number}"
         while not self._stopped.is_set():
             roll = self.random.random()
-            if roll < 0.75:
+            if roll < 0.55:
                 await self._buy(client)
+            elif roll < 0.7:
+                await self._checkout(client)
+            elif roll < 0.75:
+                await self._call(client, "POST", "/api/exports", headers={"X-User-Id": user})
             elif roll < 0.95:
                 await self._order(client, user)
             else:
@@ -72,6 +78,15 @@ class LoadLoop:
         response = await self._call(client, "POST", f"/api/stock/{product}/deduct", json={"quantity": 1})
         if response is not None and response.status_code == 409 and "out-of-stock" in response.text:
             await self._call(client, "PUT", f"/api/stock/{product}", json={"stock": RESTOCK})
+
+    async def _checkout(self, client: httpx.AsyncClient) -> None:
+        """A cart of two or three hot products in a random order: the checkout locks them in one order."""
+        cart = self.random.sample(self.products, min(len(self.products), self.random.choice((2, 3))))
+        body = {"items": [{"sku": product, "quantity": 1} for product in cart]}
+        response = await self._call(client, "POST", "/api/checkout", json=body)
+        if response is not None and response.status_code == 409 and "out-of-stock" in response.text:
+            for product in cart:
+                await self._call(client, "PUT", f"/api/stock/{product}", json={"stock": RESTOCK})
 
     async def _order(self, client: httpx.AsyncClient, user: str) -> None:
         key = f'"{uuid.uuid4().hex}"'

@@ -4,7 +4,11 @@ Read it as the how-to: `@locked` on the stock routes, `@idempotent` +
 `@locked` on order submission, a nested `locks.lock(...)` for the product
 inside the order handler, the fencing token on every stock write, a
 `try_lock` job that runs on one replica per tick, and, for comparison,
-`deduct-atomic`: the same sale as one Lua script, no lock.
+`deduct-atomic`: the same sale as one Lua script, no lock; and a checkout of
+a cart of several products under `@locked("stock:{json.items.*.sku}")`: one
+lock per product, taken in one canonical order, each write fenced by its own
+product's token; and order exports limited to two at once per user with
+`@limited(..., permits=2)`.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from .. import HeldLock, LockLost, LockManager, LockMiddleware, LockTimeout, RedisUnavailable, idempotent, locked
+from .. import (HeldLock, LockLost, LockManager, LockMiddleware, LockTimeout, RedisUnavailable, idempotent, limited,
+                locked)
 from ..asgi._keys import escape
 from ..telemetry import metrics_endpoint
 from ._job import run_job
@@ -42,6 +47,14 @@ MAX_QUANTITY = 1000
 MAX_STOCK = 1_000_000_000
 LOCK_WAIT = 2.0  # seconds a buyer queues for a product before 409 lock-timeout
 STOCK_LOCK = "stock:{path.product_id}"
+# One lock per product of the cart: the same keys as STOCK_LOCK's (`stock:<id>`), so a checkout
+# excludes the deduct and order routes on those products, on every replica.
+CART_LOCK = "stock:{json.items.*.sku}"
+MAX_CART_ITEMS = 20
+# At most EXPORT_PERMITS exports of one user's orders run at once, on all replicas together.
+EXPORT_LOCK = "export:user:{header.x-user-id}"
+EXPORT_PERMITS = 2
+EXPORT_WORK = 0.05  # seconds an export takes (think: rendering a file), so that exports overlap
 MAX_REDIS_CONNECTIONS = 1000
 
 
@@ -227,6 +240,70 @@ async def deduct_atomic(request: Request) -> JSONResponse:
     return _stock_body(product_id, stock)
 
 
+# -- checkout: several products at once -------------------------------------
+
+
+def _cart(body: dict[str, Any]) -> dict[str, int]:
+    """The cart's quantity per product, in the order first named (one product named twice: added up)."""
+    items = body.get("items")
+    if not isinstance(items, list) or not 1 <= len(items) <= MAX_CART_ITEMS:
+        raise Problem(400, "invalid-body", f"'items' must be a list of 1 to {MAX_CART_ITEMS} "
+                                           "{\"sku\": ..., \"quantity\": n} objects")
+    cart: dict[str, int] = {}
+    for item in items:
+        if not isinstance(item, dict):
+            raise Problem(400, "invalid-body", "each item must be an object {\"sku\": ..., \"quantity\": n}")
+        sku = _product_id(item.get("sku"))
+        cart[sku] = cart.get(sku, 0) + _int_field(item, "quantity", 1, MAX_QUANTITY, default=1)
+    if any(quantity > MAX_QUANTITY for quantity in cart.values()):
+        raise Problem(400, "invalid-body", f"at most {MAX_QUANTITY} of one product per cart")
+    return cart
+
+
+def _product_token(request: Request, product_id: str) -> int | None:
+    """The fencing token of the product's lock (`stock:<id>`) among those the middleware took for this request.
+
+    None only when the shop runs without locks; a product the locks missed is a bug (KeyError, a 500).
+    """
+    held = getattr(request.state, "lock", None)
+    return None if held is None else int(held.tokens[f"stock:{escape(product_id)}"])
+
+
+@locked(CART_LOCK, wait=LOCK_WAIT, max_keys=MAX_CART_ITEMS)
+async def checkout(request: Request) -> JSONResponse:
+    """Buy every item of the cart or none: all products' stock is checked before any is written.
+
+    The middleware holds one lock per product (`lock_all`, one canonical order whatever the cart's, so
+    two carts naming the same products in opposite orders never wait on each other). Each product's
+    write carries its own lock's fencing token. The writes are one per product (products live in
+    different Cluster slots): a lease lost between two of them has that product's write refused (409,
+    nothing oversold) and the rest not tried, leaving the products written before it sold without a
+    checkout answer.
+    """
+    cart = _cart(await _json_object(request))
+    shop = _shop(request)
+    store = shop.store
+    stocks = await asyncio.gather(*(store.get_stock(sku) for sku in cart))
+    for (sku, quantity), stock in zip(cart.items(), stocks):
+        if stock is None:
+            raise Problem(404, "unknown-product", f"no product {sku}; create it with PUT first")
+        if stock < quantity:
+            raise Problem(409, "out-of-stock", f"product {sku} has {stock} left, {quantity} asked")
+    if shop.settings.work:
+        await asyncio.sleep(shop.settings.work)
+    left: list[dict[str, Any]] = []
+    for (sku, quantity), stock in zip(cart.items(), stocks):
+        assert stock is not None
+        written = await store.write_stock(sku, stock - quantity, _product_token(request, sku))
+        if written == 0:
+            raise Problem(409, "stale-fencing-token", f"the lock of product {sku} was lost before its write; "
+                                                      "retry", {"Retry-After": "1"})
+        if written < 0:
+            raise Problem(404, "unknown-product", f"product {sku} was removed")
+        left.append({"sku": sku, "quantity": quantity, "stock_left": stock - quantity})
+    return JSONResponse({"checkout_id": uuid.uuid4().hex, "items": left, "replica": shop.settings.replica_name})
+
+
 # -- orders --------------------------------------------------------------
 
 
@@ -262,6 +339,18 @@ async def create_order(request: Request) -> JSONResponse:
 async def list_orders(request: Request) -> JSONResponse:
     user = _user_id(request.query_params.get("user"))
     return JSONResponse({"orders": await _shop(request).store.orders(user)})
+
+
+@limited(EXPORT_LOCK, permits=EXPORT_PERMITS, wait=LOCK_WAIT)
+async def export_orders(request: Request) -> JSONResponse:
+    """A slow report of the user's orders: at most EXPORT_PERMITS at once per user (429 + Retry-After past it)."""
+    user = _user_id(request.headers.get("x-user-id"))
+    shop = _shop(request)
+    orders = await shop.store.orders(user)
+    await asyncio.sleep(EXPORT_WORK + shop.settings.work)
+    return JSONResponse({"user": user, "orders": len(orders),
+                         "items": sum(int(order.get("quantity", 0)) for order in orders),
+                         "replica": shop.settings.replica_name})
 
 
 # One route per path, so that a 405 names every method the path allows (RFC 9110 15.5.6).
@@ -304,8 +393,10 @@ ENDPOINTS = {("/api/stock/{product_id}", "GET"): get_stock, ("/api/stock/{produc
              ("/api/stock/{product_id}/deduct", "POST"): deduct,
              ("/api/stock/{product_id}/deduct-atomic", "POST"): deduct_atomic,
              ("/api/orders", "GET"): list_orders, ("/api/orders", "POST"): create_order,
+             ("/api/checkout", "POST"): checkout, ("/api/exports", "POST"): export_orders,
              ("/api/jobs", "GET"): list_jobs, ("/healthz", "GET"): healthz, ("/metrics", "GET"): metrics_endpoint}
-OPENAPI = openapi_document(ENDPOINTS, {"max_body": MAX_BODY, "max_quantity": MAX_QUANTITY, "max_stock": MAX_STOCK})
+OPENAPI = openapi_document(ENDPOINTS, {"max_body": MAX_BODY, "max_quantity": MAX_QUANTITY, "max_stock": MAX_STOCK,
+                                       "max_cart_items": MAX_CART_ITEMS})
 
 
 async def openapi_endpoint(request: Request) -> JSONResponse:
@@ -355,6 +446,8 @@ def create_app(settings: DemoSettings | None = None, locks: LockManager | None =
             Route("/api/stock/{product_id}/deduct", deduct, methods=["POST"]),
             Route("/api/stock/{product_id}/deduct-atomic", deduct_atomic, methods=["POST"]),
             Route("/api/orders", Orders, methods=["GET", "POST"]),
+            Route("/api/checkout", checkout, methods=["POST"]),
+            Route("/api/exports", export_orders, methods=["POST"]),
             Route("/api/jobs", list_jobs, methods=["GET"]),
             Route("/healthz", healthz, methods=["GET"]),
             Route("/metrics", metrics_endpoint, methods=["GET"]),

@@ -23,6 +23,13 @@ _ORDER_FIELDS: dict[str, Any] = {"order_id": {"type": "string"}, "user": {"type"
                                  "product_id": {"type": "string"}, "quantity": {"type": "integer"},
                                  "replica": {"type": "string"}}
 ORDER = {"type": "object", "required": list(_ORDER_FIELDS), "properties": _ORDER_FIELDS}
+# The answer to a checkout: each product of the cart, what was bought and what is left.
+CHECKED_OUT = {"type": "object", "required": ["checkout_id", "items", "replica"], "properties": {
+    "checkout_id": {"type": "string"}, "replica": {"type": "string"},
+    "items": {"type": "array", "items": {"type": "object", "required": ["sku", "quantity", "stock_left"],
+                                         "properties": {"sku": {"type": "string"},
+                                                        "quantity": {"type": "integer", "minimum": 1},
+                                                        "stock_left": {"type": "integer", "minimum": 0}}}}}}
 # The answer to an order: the order, and the stock left after it.
 CREATED = {"type": "object", "required": [*_ORDER_FIELDS, "stock_left"],
            "properties": {**_ORDER_FIELDS, "stock_left": {"type": "integer", "minimum": 0}}}
@@ -96,6 +103,33 @@ def operations(limits: dict[str, int]) -> dict[str, dict[str, dict[str, Any]]]:
                     "responses": {"200": _json({"type": "object", "required": ["orders"], "properties": {
                         "orders": {"type": "array", "items": ORDER}}}, "The user's orders"),
                         **_problems((400, "The user id is ill-formed (invalid-user-id)"))}},
+        },
+        "/api/checkout": {
+            "post": {"summary": "Buy a cart of several products, all or nothing (one lock per product)",
+                     "operationId": "checkout",
+                     "requestBody": _body({"type": "object", "required": ["items"], "properties": {
+                         "items": {"type": "array", "minItems": 1, "maxItems": limits["max_cart_items"],
+                                   "items": {"type": "object", "required": ["sku"], "properties": {
+                                       "sku": ID,
+                                       "quantity": {"type": "integer", "minimum": 1,
+                                                    "maximum": limits["max_quantity"]}}}}}}),
+                     "responses": {"200": _json(CHECKED_OUT, "What was bought, and the stock left of each product"),
+                                   **_problems((400, f"{bad_body[1]}, or a product id is ill-formed"), not_found,
+                                               (409, "A product is out of stock, busy (lock-timeout), or a newer "
+                                                     "lock holder wrote first"), too_large)}},
+        },
+        "/api/exports": {
+            "post": {"summary": "A report of the user's orders (at most two at once per user)",
+                     "operationId": "exportOrders",
+                     "parameters": [{"name": "X-User-Id", "in": "header", "required": True, "schema": ID,
+                                     "description": "The user whose orders are exported (demo only)"}],
+                     "responses": {"200": _json({"type": "object", "required": ["user", "orders", "items", "replica"],
+                                                 "properties": {"user": {"type": "string"},
+                                                                "orders": {"type": "integer", "minimum": 0},
+                                                                "items": {"type": "integer", "minimum": 0},
+                                                                "replica": {"type": "string"}}},
+                                                "How many orders and items the user has"),
+                                   **_problems((400, "The X-User-Id is ill-formed (invalid-user-id)"))}},
         },
         "/api/jobs": {"get": {"summary": "Runs of the once-per-tick job", "responses": {
             "200": _json({"type": "object", "required": ["runs"], "properties": {"runs": {"type": "array", "items": {

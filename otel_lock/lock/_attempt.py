@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, Coroutine
 
-from . import _deadlock
 from redis.exceptions import NoScriptError, RedisError
 
+from . import _deadlock, _scripts
 from ._errors import LockDeadlock, LockError, LockTimeout, RedisUnavailable, is_unavailable
 from ._shapes import EXCLUSIVE, Shape
 from ._waiting import POLL, PROMOTED, Grant, Waiter

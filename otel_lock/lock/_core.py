@@ -393,8 +393,10 @@ class Core:
         ctx = current_traceparent() if current.get_span_context().is_valid else ""
         request = Request((lock_base,), name, waiter_id, owner or waiter_id, int(lease * 1000), wait, ctx,
                           private=owner is None, shape=shape, permits=permits)
-        if wait > 0 and owner is None:
-            request.probe = probe_for(self.id, self.namespace)  # only a waiter that holds locks can close a cycle
+        if wait > 0 and owner is None and shape is EXCLUSIVE:
+            # Only a waiter that holds locks can close a cycle; a shared or permit key names no one owner
+            # to follow, so those waits are not checked (docs/lock.md, "Deadlocks").
+            request.probe = probe_for(self.id, self.namespace)
         with self.telemetry.acquire_span(name) if recording else _NO_SPAN as span:
             outcome, error = "error", None  # type: str, BaseException | None
             try:

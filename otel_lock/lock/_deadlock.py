@@ -64,9 +64,10 @@ class Probe:
     __slots__ = ("_owners", "_who", "namespace", "owners", "recorded")
 
     def __init__(self, owners: Callable[[], list[str]], who: Callable[[], str], namespace: str) -> None:
-        self._owners, self._who, self.namespace = owners, who, namespace
+        self._owners, self._who = owners, who
+        self.namespace: str = namespace
         self.owners: list[str] = []
-        self.recorded = False
+        self.recorded: bool = False
 
     def own_owners(self) -> list[str]:
         """The owner ids of the locks the waiter holds in this manager (its own, not shared by `owner=`)."""

@@ -40,16 +40,6 @@ class Locks(Protocol):
         """Acquire and return the hold; release it with `await held.release()`."""
         ...
 
-    def lock_all(self, keys: Iterable[str], *, wait: float | None = None, lease: float | None = None,
-                 name: str | None = None, cancel_on_lost: bool | None = None) -> MultiLockContext:
-        """`async with locks.lock_all(["a", "b"]) as held:`: every key in the canonical order, or LockTimeout."""
-        ...
-
-    async def acquire_all(self, keys: Iterable[str], *, wait: float | None = None, lease: float | None = None,
-                          name: str | None = None, cancel_on_lost: bool | None = None) -> HeldLocks:
-        """Acquire every key (all or nothing); release them with `await held.release()`."""
-        ...
-
     def semaphore(self, key: str, *, permits: int, wait: float | None = None, lease: float | None = None,
                   name: str | None = None, cancel_on_lost: bool | None = None) -> LockContext:
         """`async with locks.semaphore("export:t3", permits=2) as held:` at most `permits` holders at once."""
@@ -58,6 +48,16 @@ class Locks(Protocol):
     async def acquire_permit(self, key: str, *, permits: int, wait: float | None = None, lease: float | None = None,
                              name: str | None = None, cancel_on_lost: bool | None = None) -> HeldLock:
         """A permit of `key`; release it with `await held.release()`."""
+        ...
+
+    def lock_all(self, keys: Iterable[str], *, wait: float | None = None, lease: float | None = None,
+                 name: str | None = None, cancel_on_lost: bool | None = None) -> MultiLockContext:
+        """`async with locks.lock_all(["a", "b"]) as held:`: every key in the canonical order, or LockTimeout."""
+        ...
+
+    async def acquire_all(self, keys: Iterable[str], *, wait: float | None = None, lease: float | None = None,
+                          name: str | None = None, cancel_on_lost: bool | None = None) -> HeldLocks:
+        """Acquire every key (all or nothing); release them with `await held.release()`."""
         ...
 
     async def held_locks(self) -> list[LockInfo]:

@@ -122,6 +122,8 @@ NAME_SEEDS: tuple[tuple[str, dict[str, object]], ...] = (
     ("wait_duration", {"lock.outcome": "acquired", "lock.contended": False}),
     ("wait_duration", {"lock.outcome": "acquired", "lock.contended": True}),
     ("wait_duration", {"lock.outcome": "timeout", "lock.contended": True}),
+    # a refused deadlock (LockDeadlock): OtelLockDeadlocks pages on the first
+    ("errors", {"lock.operation": "acquire", "error.type": "deadlock"}),
 )
 # Per manager, when it starts: Redis errors by operation and type (no lock
 # name: the first errors may come before any name is seen, with Redis down

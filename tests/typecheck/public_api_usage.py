@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp
 
 from otel_lock import (HeldLock, HeldLocks, LockDeadlock, LockError, LockInfo, LockLost, LockManager, LockMiddleware,
-                       LockTimeout, RedisUnavailable, idempotent, locked)
+                       LockTimeout, RedisUnavailable, idempotent, limited, locked)
 from otel_lock.sync import SyncHeldLock, SyncHeldLocks, SyncLockManager
 
 
@@ -79,7 +79,25 @@ async def order() -> dict[str, str]:
     return {}
 
 
+@locked("account:{json.from_id}", "account:{json.to_id}", max_keys=2)
+async def transfer(from_id: int, to_id: int) -> int:
+    return from_id
+
+
+@locked("catalogue:{path.item}", shared=True)
+async def read_price(item: str) -> int:
+    return 0
+
+
+@limited("export:{header.x-tenant}", permits=2, wait=5.0)
+async def export(x_tenant: str) -> bytes:
+    return b""
+
+
 async def decorated_handlers_keep_their_types() -> None:
+    assert_type(await transfer(1, 2), int)
+    assert_type(await read_price("9"), int)
+    assert_type(await export("t3"), bytes)
     assert_type(await deduct(1), dict[str, int])
     assert_type(await order(), dict[str, str])
     await deduct("1")  # type: ignore[arg-type]  # the point: the decorator kept `product_id: int`

@@ -688,19 +688,31 @@ class SyncLockManager:
         start = time.monotonic()
         taken: list[SyncHeldLock] = []
         try:
-            for key in ordered:
-                remaining = wait_s if wait_s == float("inf") else max(0.0, start + wait_s - time.monotonic())
-                try:
-                    taken.append(self.acquire(key, wait=remaining, lease=lease, name=name,
-                                              cancel_on_lost=cancel_on_lost))
-                except LockTimeout as exc:
-                    kind = LockBusy if wait_s == 0 else LockTimeout
-                    raise kind(f"locks {', '.join(ordered)} were not all acquired within {wait_s} s: {exc.key} "
-                               f"was held by another owner", key=exc.key, waited=time.monotonic() - start) from exc
+            while True:
+                for key in ordered:
+                    remaining = wait_s if wait_s == float("inf") else max(0.0, start + wait_s - time.monotonic())
+                    try:
+                        taken.append(self.acquire(key, wait=remaining, lease=lease, name=name,
+                                                  cancel_on_lost=cancel_on_lost))
+                    except LockTimeout as exc:
+                        kind = LockBusy if wait_s == 0 else LockTimeout
+                        raise kind(f"locks {', '.join(ordered)} were not all acquired within {wait_s} s: "
+                                   f"{exc.key} was held by another owner", key=exc.key,
+                                   waited=time.monotonic() - start) from exc
+                # As LockManager.acquire_all: a key that ran out while a later one was waited for is
+                # never handed out as held; let go and take them again within the same wait.
+                gone = [held for held in taken[:-1] if held.lost.is_set()]
+                if not gone:
+                    return SyncHeldLocks(ordered, taken)
+                letting_go, taken = taken, []
+                _release_each(letting_go)
+                if wait_s != float("inf") and time.monotonic() >= start + wait_s:
+                    raise LockTimeout(f"locks {', '.join(ordered)} were not all held at once within {wait_s} s: "
+                                      f"{gone[0].key} ran out while a later key was waited for", key=gone[0].key,
+                                      waited=time.monotonic() - start)
         except BaseException:
             _release_each(taken)
             raise
-        return SyncHeldLocks(ordered, taken)
 
     def held_locks(self) -> list[LockInfo]:
         """Every lock held in the namespace (see `LockManager.held_locks`)."""

@@ -31,8 +31,6 @@ async def managers(redis_url):
     await other.aclose()
 
 
-@pytest.mark.xfail(reason="lock_all returns a key whose lease ran out while it waited for a later key "
-                          "(found by the safety checker's lock_all runs); expected: it retakes that key or fails", strict=True)
 async def test_a_key_lost_while_waiting_for_a_later_one_is_not_returned_as_held(managers, redis_client):
     ours, other = managers
     b = await other.acquire("b", lease=LEASE)  # no renewal: it ends by itself at its lease

@@ -130,23 +130,41 @@ async def acquire_all(acquire: Callable[..., Awaitable[HeldLock]], keys: list[st
     deadline = start + wait
     taken: list[HeldLock] = []
     try:
-        for key in keys:
-            remaining = math.inf if math.isinf(wait) else max(0.0, deadline - loop.time())
-            try:
-                taken.append(await acquire(key, wait=remaining, **options))
-            except LockTimeout as exc:
-                waited = loop.time() - start
-                kind = LockBusy if wait == 0 else LockTimeout
-                raise kind(f"locks {', '.join(keys)} were not all acquired within {wait} s: {redis_key(key)} "
-                           f"was held by another owner", key=redis_key(key), waited=waited) from exc
+        while True:
+            for key in keys:
+                remaining = math.inf if math.isinf(wait) else max(0.0, deadline - loop.time())
+                try:
+                    taken.append(await acquire(key, wait=remaining, **options))
+                except LockTimeout as exc:
+                    waited = loop.time() - start
+                    kind = LockBusy if wait == 0 else LockTimeout
+                    raise kind(f"locks {', '.join(keys)} were not all acquired within {wait} s: {redis_key(key)} "
+                               f"was held by another owner", key=redis_key(key), waited=waited) from exc
+            # A key taken first may have run out while a later one was waited for (the process
+            # stalled past its lease: nothing renewed it, another caller may have had it since).
+            # All or nothing: never hand out a set with a lost key; let go and take them again.
+            gone = [held for held in taken[:-1] if held.lost.is_set()]
+            if not gone:
+                return HeldLocks(keys, taken)
+            log.warning("otel-lock: lock_all lost %s while it waited for a later key; taking the keys again",
+                        ", ".join(held.key for held in gone))
+            letting_go, taken = taken, []
+            await _let_go(letting_go)
+            if not math.isinf(wait) and loop.time() >= deadline:
+                raise LockTimeout(f"locks {', '.join(keys)} were not all held at once within {wait} s: "
+                                  f"{gone[0].key} ran out while a later key was waited for",
+                                  key=gone[0].key, waited=loop.time() - start)
     except BaseException:
         if taken:
-            # Run to its end even if the caller is cancelled again meanwhile: nothing may stay held.
-            letting_go = asyncio.ensure_future(release_all(taken))
-            letting_go.add_done_callback(_log_failure)
-            await asyncio.wait({letting_go})
+            await _let_go(taken)
         raise
-    return HeldLocks(keys, taken)
+
+
+async def _let_go(taken: list[HeldLock]) -> None:
+    """Release a partly taken set; run to its end even if the caller is cancelled again meanwhile."""
+    letting_go = asyncio.ensure_future(release_all(taken))
+    letting_go.add_done_callback(_log_failure)
+    await asyncio.wait({letting_go})
 
 
 def _log_failure(task: asyncio.Future[bool]) -> None:

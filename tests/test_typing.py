@@ -79,7 +79,7 @@ def test_every_topology_implements_the_one_transport_and_the_core_types_it():
     import re
 
     from otel_lock.lock._quorum import QuorumTransport
-    from otel_lock.lock._scripted import ScriptTransport
+    from otel_lock.lock._script_transport import ScriptTransport
     from otel_lock.lock._transport import Transport
 
     for implementation in (ScriptTransport, QuorumTransport):

@@ -30,7 +30,7 @@ from ._shapes import EXCLUSIVE, Shape
 from ._waiting import POLL, PROMOTED, Grant, Waiter
 
 if TYPE_CHECKING:
-    from ._scripted import ScriptTransport
+    from ._script_transport import ScriptTransport
 
 log = logging.getLogger("otel_lock")
 
@@ -41,7 +41,7 @@ GIVE_UP_WAIT = 0.1     # how long a cancelled or timed-out caller waits for its 
 
 
 @dataclass
-class Request:
+class Acquisition:
     """One acquisition as a transport sees it; the transport fills in what it found on the way."""
 
     keys: tuple[str, ...]
@@ -86,7 +86,7 @@ def poll_delay(pttl_ms: int, cap: float) -> float:
 class Attempt:
     """Take `request.keys` within `request.wait` seconds; `run()` returns the Reply or raises."""
 
-    def __init__(self, transport: ScriptTransport, request: Request) -> None:
+    def __init__(self, transport: ScriptTransport, request: Acquisition) -> None:
         self.transport, self.request = transport, request
         self.loop = asyncio.get_running_loop()
         self.deadline = self.loop.time() + request.wait

@@ -2,7 +2,7 @@
 
 `LockManager` (one Redis, Sentinel, Cluster) and `RedLockManager` (a quorum
 of masters) are this class with a constructor each; what differs between
-them is the transport (`_scripted.py`, `_quorum.py`), made per process and
+them is the transport (`_script_transport.py`, `_quorum.py`), made per process and
 event loop (`_runtime.py`).
 
 Re-entry belongs to one task: the current context records which leases its
@@ -30,7 +30,7 @@ from opentelemetry import trace
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError
 
-from ._attempt import Reply, Request
+from ._attempt import Acquisition, Reply
 from ._background import Background
 from ._breaker import Breaker
 from ._deadlock import probe_for
@@ -391,7 +391,7 @@ class Core:
         current = trace.get_current_span()
         recording = current.is_recording()  # no trace (a job, a benchmark): no span work at all
         ctx = current_traceparent() if current.get_span_context().is_valid else ""
-        request = Request((lock_base,), name, waiter_id, owner or waiter_id, int(lease * 1000), wait, ctx,
+        request = Acquisition((lock_base,), name, waiter_id, owner or waiter_id, int(lease * 1000), wait, ctx,
                           private=owner is None, shape=shape, permits=permits)
         if wait > 0 and owner is None and shape is not PERMIT:
             # Only a waiter that holds locks can close a cycle. A shared waiter is checked too (the walk
@@ -444,7 +444,7 @@ class Core:
             remember((self.id, key), held)
         return HeldLock(held, reply.depth, outer=True)
 
-    def _acquired(self, span: trace.Span, request: Request, outcome: str, error: BaseException | None,
+    def _acquired(self, span: trace.Span, request: Acquisition, outcome: str, error: BaseException | None,
                   waited: float) -> None:
         """The telemetry of one acquisition: the wait metric, and the acquire span's attributes."""
         kind = _error_type(error)
@@ -476,7 +476,7 @@ class Core:
         """A key as spans may carry it (`lock.key` redaction: hashed, or dropped to '')."""
         return str(self.telemetry.redact({"lock.key": key}).get("lock.key", ""))
 
-    async def _first_take(self, runtime: Runtime, request: Request) -> Reply | None:
+    async def _first_take(self, runtime: Runtime, request: Acquisition) -> Reply | None:
         """The first acquisition on a loop: the first-use checks, then the take (both behind the breaker)."""
         what, key = f"acquire of {request.keys[0]}", request.keys[0]
         try:

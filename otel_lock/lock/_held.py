@@ -20,7 +20,7 @@ import math
 from contextvars import ContextVar
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from opentelemetry import trace
 
@@ -28,6 +28,7 @@ from ._errors import LockError, LockLost, RedisUnavailable
 from ._shapes import EXCLUSIVE, Shape
 
 if TYPE_CHECKING:
+    from ._ending import HoldEnds
     from ._runtime import Runtime
 
 log = logging.getLogger("otel_lock")
@@ -44,14 +45,6 @@ class LockInfo:
     depth: int
     ttl: float
     token: int
-
-
-class Ends(Protocol):
-    """How a hold ends (the manager core, kept abstract so this module imports no manager)."""
-
-    def release(self, lease: Lease, *, outer: bool, child: bool) -> Any: ...  # a task, or a Releasing
-
-    def lose(self, lease: Lease, reason: str) -> None: ...
 
 
 class _Holds:
@@ -136,11 +129,11 @@ class Lease:
 
     runtime: Runtime  # the manager's runtime on the loop it was acquired on (set by the core, once taken)
 
-    def __init__(self, ends: Ends, key: str, redis_key: str, name: str, owner: str, token: int, lease: float,
+    def __init__(self, ends: HoldEnds, key: str, redis_key: str, name: str, owner: str, token: int, lease: float,
                  renew_every: float, cancel_on_lost: bool, valid_from: float, acquired_at: float, *,
                  explicit_owner: bool = False, share_with_children: bool = False, planned: bool = False,
                  shape: Shape = EXCLUSIVE, lock_base: str | None = None, permits: int | None = None) -> None:
-        self.ends: Ends = ends
+        self.ends: HoldEnds = ends
         self.shape: Shape = shape            # exclusive, shared or permit (`_shapes.py`)
         self.lock_base: str = lock_base or redis_key  # `S:{N}`: what the shape's keys are made from
         self.permits: int | None = permits   # a permit's limit

@@ -2,7 +2,7 @@
 
 The manager core (`_core.py`) is shared with RedLockManager; this module
 only says how to reach the servers: which client each event loop gets, and
-the transport of `_scripted.py` over the link of `_topology.py`.
+the transport of `_script_transport.py` over the link of `_topology.py`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from ._cluster import cluster_client
 from ._core import Core, Topology
 from ._options import ManagerOptions, check_seconds, refuse_theirs
 from ._replicas import check_replicas
-from ._scripted import ScriptTransport
+from ._script_transport import ScriptTransport
 from ._sentinel import SCHEME as SENTINEL_SCHEME
 from ._sentinel import master_client
 from ._topology import link_for

@@ -10,7 +10,7 @@ released on every master at once and retried after a jittered pause, until
 `poll_cap` and never past the holder's remaining TTL; a manager that just
 released a key others were polling for lets them go first.
 
-One transport per process and event loop, like `_scripted.ScriptTransport`:
+One transport per process and event loop, like `_script_transport.ScriptTransport`:
 the manager core above it is the same for every topology.
 """
 
@@ -29,7 +29,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from . import _redlock_scripts as scripts
-from ._attempt import Reply, Request, validity
+from ._attempt import Acquisition, Reply, validity
 from ._background import Background
 from ._breaker import Breaker
 from ._calls import batch_outcomes, record_batch
@@ -90,7 +90,7 @@ class QuorumTransport(Transport):
 
     # -- taking ----------------------------------------------------------------
 
-    async def take(self, request: Request) -> Reply | None:
+    async def take(self, request: Acquisition) -> Reply | None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + request.wait
         await self._let_others_first(request.keys[0], deadline)
@@ -135,7 +135,7 @@ class QuorumTransport(Transport):
             return
         await asyncio.sleep(random.uniform(0.5, 1.0) * (min(until, deadline) - now))
 
-    async def _round(self, request: Request, owner: str) -> Round:
+    async def _round(self, request: Acquisition, owner: str) -> Round:
         """One acquire round on all masters; on failure every master is released before it returns."""
         loop = asyncio.get_running_loop()
         found = Round()
@@ -226,7 +226,7 @@ class QuorumTransport(Transport):
         self.background(self._release_all(lock_keys(lease.key), lease.owner, None, name=lease.name,
                                           lease=lease.lease_seconds))
 
-    async def _release_all(self, keys: tuple[str, str], owner: str, request: Request | None,
+    async def _release_all(self, keys: tuple[str, str], owner: str, request: Acquisition | None,
                            only: list[int] | None = None, *, name: str = "", lease: float = 0.0) -> None:
         if request is not None:
             name, lease = request.name, request.lease_ms / 1000

@@ -4,7 +4,7 @@ The core (`_core.py`, `_ending.py`, `_watchdog.py`, `_server_watch.py`)
 takes, releases and renews locks the same way on every topology; what a
 call costs on the wire is the transport's business. There are two:
 
-- `_scripted.ScriptTransport`: one Redis, a Sentinel master or a Cluster
+- `_script_transport.ScriptTransport`: one Redis, a Sentinel master or a Cluster
   (the scripts of `_scripts.py` over a link of `_topology.py`);
 - `_quorum.QuorumTransport`: a RedLock quorum of independent masters.
 
@@ -26,7 +26,7 @@ from redis.asyncio.cluster import RedisCluster
 from ._background import Background
 
 if TYPE_CHECKING:
-    from ._attempt import Reply, Request
+    from ._attempt import Acquisition, Reply
     from ._errors import LockError
     from ._held import Lease, LockInfo
     from ._server_checks import ServerReport
@@ -48,7 +48,7 @@ class Transport(ABC):
     # -- a lock's life ---------------------------------------------------------
 
     @abstractmethod
-    async def take(self, request: Request) -> Reply | None:
+    async def take(self, request: Acquisition) -> Reply | None:
         """The lock within `request.wait` (LockTimeout), or at once (None when busy) with wait=0."""
 
     @abstractmethod

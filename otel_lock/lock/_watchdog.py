@@ -14,31 +14,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 from ._held import NEVER, Lease
+
+if TYPE_CHECKING:
+    from ._ending import HoldEnds
+    from ._transport import Transport
 
 log = logging.getLogger("otel_lock")
 
 RETRY_AFTER_ERROR = 0.5
 
 
-class Renewing(Protocol):
-    """What the watchdog renews through: the loop's transport."""
-
-    async def renew(self, leases: list[Lease]) -> list[bool | BaseException]: ...
-
-
-class Ending(Protocol):
-    """What the watchdog tells: the manager core."""
-
-    def lose(self, lease: Lease, reason: str) -> None: ...
-
-    def renewed(self, lease: Lease, outcome: str, error: BaseException | None = None) -> None: ...
-
-
 class Watchdog:
-    def __init__(self, transport: Renewing, ends: Ending) -> None:
+    def __init__(self, transport: Transport, ends: HoldEnds) -> None:
         self._transport = transport
         self._ends = ends
         self._leases: set[Lease] = set()

@@ -20,7 +20,7 @@ from redis.exceptions import NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from . import _scripts
-from ._attempt import Attempt, Reply, Request, cancelling
+from ._attempt import Acquisition, Attempt, Reply, cancelling
 from ._background import Background
 from ._calls import Calls, batch_outcomes, record_batch
 from ._errors import LockError, RedisUnavailable
@@ -91,7 +91,7 @@ class ScriptTransport(Transport):
         """The ACQUIRE of `shape` on this link (the exclusive one WAITs for replicas with wait_replicas)."""
         return self.acquire_script if shape is EXCLUSIVE else shape.acquire
 
-    async def take(self, request: Request) -> Reply | None:
+    async def take(self, request: Acquisition) -> Reply | None:
         """The lock within `request.wait` (LockTimeout), or at once (None when busy) with wait=0."""
         if request.shape is not EXCLUSIVE and isinstance(self.link, ReplicatedLink):
             raise LockError(f"{request.shape.mode} holds are not offered with wait_replicas (each grant would "

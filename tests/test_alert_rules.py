@@ -418,7 +418,7 @@ async def test_a_replicas_first_deadlock_pages_from_real_expositions(tmp_path, i
     Scrapes of the real managers: the alert names the lock at the next evaluation, and no Redis-error alert."""
     import asyncio
 
-    from _proc_helpers import queued
+    from _proc_helpers import queued, until
     from otel_lock import LockDeadlock, LockManager
 
     one = LockManager(redis_client, meter_provider=installed.meter_provider)
@@ -435,6 +435,8 @@ async def test_a_replicas_first_deadlock_pages_from_real_expositions(tmp_path, i
         async with two.lock("account:2", name="account"):
             first = asyncio.create_task(transfer_one_to_two())
             await queued(redis_client, "account:2", 1)  # holds account:1, waits for account:2
+            # and has recorded that wait, so the second wait is the one that closes the cycle
+            await until(lambda: redis_client.keys("otel-lock:waits:*"), "the first wait recorded")
             with pytest.raises(LockDeadlock):
                 async with two.lock("account:1", name="account", wait=30):
                     pass

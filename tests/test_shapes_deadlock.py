@@ -4,11 +4,11 @@ Task A holds k1 (exclusively, shared, or a permit of it) and waits for k2;
 task B holds k2 and then waits for k1, which A's hold keeps from it: a cycle
 of holders waiting on each other, which `LockDeadlock` promises to refuse at
 once instead of both waiting out `wait`. Through exclusive holds and waits it
-is refused (the first case, the reference). The other cases are xfail: the
-core checks only exclusive waits (`Core._take` gives shared and permit waits
-no probe: "a shared or permit key names no one owner to follow"), so a cycle
-closed by a shared or permit wait, or running through a shared or permit
-hold, is waited out; each test passes once the check covers that case.
+is refused (the first case, the reference), and so is a cycle closed by a
+shared wait (the walk starts at the key's exclusive owner). The xfail cases
+run through a shared hold or a permit: such a key names no one owner to
+follow, so the cycle is waited out; each test passes once the check covers
+that case.
 """
 
 from __future__ import annotations
@@ -73,7 +73,6 @@ async def test_through_an_exclusive_hold_one_is_refused(managers):
     refused_once(await crossed(*managers, lambda m: m.lock("k1"), lambda m: m.lock("k1", wait=WAIT)))
 
 
-@pytest.mark.xfail(reason="shared waits are not checked for deadlocks: the cycle is waited out", strict=True)
 async def test_an_exclusive_holder_waited_for_by_a_shared_request_is_in_the_cycle(managers):
     refused_once(await crossed(*managers, lambda m: m.lock("k1"), lambda m: m.lock("k1", shared=True, wait=WAIT)))
 

@@ -388,6 +388,24 @@ def test_a_reused_pid_never_overwrites_the_counts_of_the_process_that_had_it(tmp
     assert [s.value for s in _samples(text, "otel_lock_errors_total")] == [7.0]
 
 
+def test_a_scrape_while_a_worker_creates_its_file_answers(tmp_path):
+    """A worker's new file is empty for a moment (created, not yet sized): a scrape then answered 500."""
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.exposition import generate_latest
+
+    from otel_lock.telemetry import _multiproc
+    from otel_lock.telemetry._prom import FastMetrics
+
+    registry = CollectorRegistry()
+    fast = FastMetrics(registry, shared=str(tmp_path))
+    _multiproc.serve(registry, str(tmp_path), fast, dict)
+    fast.instruments["errors"].add(1, {"lock.name": "a", "lock.operation": "acquire", "error.type": "x"})
+    for kind in ("counter", "histogram", "gauge_livesum"):  # another worker, between open and truncate
+        (tmp_path / f"{kind}_{os.getpid() + 100_000}.db").touch()
+    text = generate_latest(registry).decode()
+    assert [s.value for s in _samples(text, "otel_lock_errors_total")] == [1.0]
+
+
 def test_every_observed_gauge_has_a_chosen_multiprocess_mode():
     """Regression: a gauge added without a mode (server_verdict) broke every worker's gauge files."""
     from otel_lock.telemetry._multiproc import GAUGE_MODES

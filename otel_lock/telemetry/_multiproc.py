@@ -32,6 +32,7 @@ import atexit
 import glob
 import logging
 import os
+import struct
 import threading
 import time
 import uuid
@@ -274,7 +275,7 @@ class SharedCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         self._publisher.publish()  # the answering process's gauges as of now
         sweep(self._path)
-        merged: list[Metric] = list(MultiProcessCollector.merge(glob.glob(os.path.join(self._path, "*.db"))))
+        merged = _merged(self._path)
         for metric in merged:
             if metric.name in _WHILE_HELD:
                 metric.samples = [s for s in metric.samples if s.value != 0]
@@ -284,6 +285,31 @@ class SharedCollector(Collector):
 
     def describe(self) -> Iterable[Metric]:
         return []  # families appear with the files; nothing to check against other collectors
+
+
+def _merged(path: str) -> list[Metric]:
+    """The files summed, read while other workers write them.
+
+    A worker creates a file empty and sizes it a moment later (prometheus-client's
+    `MmapedDict`): read in that moment it has no header. Such a file holds no value yet
+    and is left out; a file renamed aside (a reused pid) or dropped (a dead process's
+    gauges) between the listing and the read sends the scrape round once more.
+    """
+    for attempt in range(3):
+        files = [name for name in glob.glob(os.path.join(path, "*.db")) if _started(name)]
+        try:
+            return list(MultiProcessCollector.merge(files))
+        except (FileNotFoundError, struct.error):
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _started(name: str) -> bool:
+    try:
+        return os.path.getsize(name) >= 8  # the header: how much of the file is used
+    except FileNotFoundError:
+        return False
 
 
 def sweep(path: str) -> None:

@@ -97,7 +97,8 @@ async def test_the_second_of_two_crossed_waits_is_refused_and_the_first_proceeds
     await b.finish()                                            # B lets go of k2: A gets it
     assert isinstance(await a.finish(), int)
     for record in await redis_client.keys("otel-lock:waits:*"):  # a record outlives its wait, as no edge
-        waits_for, waiter, _, in_queue = json.loads(await redis_client.get(record))
+        waits_for, waiter, _, in_queue, how = json.loads(await redis_client.get(record))
+        assert how == "x"  # an exclusive wait
         assert in_queue == 1 and await redis_client.zscore(waits_for + ":q", waiter) is None
 
 

@@ -126,3 +126,34 @@ def test_crossed_waits_of_two_threads_are_refused_to_the_second(sync_locks, othe
         assert caught.value.cycle[0][2].startswith("transfer-a#")
     thread.join(20)
     assert isinstance(outcome["a"], int)
+
+
+def test_a_thread_holding_a_permit_closes_a_cycle_and_is_refused(sync_locks, other, client):
+    """As above, with k1 a semaphore of one permit: a permit held by a waiting thread is followed too."""
+    from otel_lock import LockDeadlock
+
+    a_holds = threading.Event()
+    outcome: dict[str, object] = {}
+
+    def a():
+        with sync_locks.semaphore("k1", permits=1):
+            a_holds.set()
+            try:
+                with sync_locks.lock("k2", wait=60.0) as then:
+                    outcome["a"] = then.token
+            except Exception as exc:  # noqa: BLE001  (the outcome under test)
+                outcome["a"] = exc
+
+    with other.lock("k2"):
+        thread = threading.Thread(target=a, name="export-a")
+        thread.start()
+        assert a_holds.wait(20)
+        give_up = time.monotonic() + 20
+        while client.zcard("s:{k2}:q") != 1 or not client.keys("s:waits:*"):
+            assert time.monotonic() < give_up and thread.is_alive()
+            time.sleep(0.005)
+        with pytest.raises(LockDeadlock) as caught:
+            other.acquire_permit("k1", permits=1, wait=60.0)
+        assert [step[0] for step in caught.value.cycle] == ["s:{k1}:permits", "s:{k2}"]
+    thread.join(20)
+    assert isinstance(outcome["a"], int)

@@ -81,16 +81,23 @@ async def test_lock_all_on_a_redlock_quorum(masters):
             assert [h.key for h in await one.held_locks()] == ["otel-lock:{acct:2}"]
 
 
-async def crossed(one, two, first: str, second: str, wait: float) -> tuple[object, object]:
+async def crossed(one, two, first: str, second: str, wait: float, **shape) -> tuple[object, object]:
     """Task A holds `first` and waits for `second`; task B holds `second` and then waits for `first`.
 
     Both waits overlap whichever starts first (each holds what the other asks for until its wait ends).
+    `shape`: how A holds `first` (`shared=True`: B waits to hold it exclusively; `permits=1`: B waits for
+    the permit).
     """
+    def take_first(locks, **kw):
+        if "permits" in shape:
+            return locks.semaphore(first, permits=shape["permits"], **kw)
+        return locks.lock(first, **(shape if "wait" not in kw else {}), **kw)
+
     a_holds, a_waits, b_holds = asyncio.Event(), asyncio.Event(), asyncio.Event()
     outcomes: dict[str, object] = {}
 
     async def a() -> None:
-        async with one.lock(first):
+        async with take_first(one):
             a_holds.set()
             await b_holds.wait()
             try:
@@ -106,7 +113,7 @@ async def crossed(one, two, first: str, second: str, wait: float) -> tuple[objec
             await a_holds.wait()
             await a_waits.wait()
             try:
-                async with two.lock(first, wait=wait) as then:
+                async with take_first(two, wait=wait) as then:
                     outcomes["b"] = then.token
             except Exception as exc:  # noqa: BLE001
                 outcomes["b"] = exc
@@ -127,6 +134,20 @@ async def test_crossed_waits_on_cluster_masters_are_refused(cluster):
         assert refusals, (a, b)
         assert all(isinstance(o, (int, LockDeadlock)) for o in (a, b)), (a, b)
         assert {step[0] for step in refusals[0].cycle} == {f"otel-lock:{{{first}}}", f"otel-lock:{{{second}}}"}
+
+
+@pytest.mark.parametrize("shape", [{"shared": True}, {"permits": 1}], ids=["shared hold", "permit"])
+async def test_crossed_waits_through_a_shared_hold_or_a_permit_on_cluster_masters_are_refused(cluster, shape):
+    """The Cluster's stepwise walk follows a shared lock's holders and a semaphore's, as the script does."""
+    from otel_lock import LockDeadlock
+
+    per_master = await cluster.keys_per_master(1, prefix="ds")
+    first, second = [ks[0] for ks in per_master.values()][:2]
+    async with LockManager.from_url(cluster.url) as one, LockManager.from_url(cluster.url) as two:
+        a, b = await crossed(one, two, first, second, wait=30.0, **shape)
+        refusals = [o for o in (a, b) if isinstance(o, LockDeadlock)]
+        assert refusals, (a, b)
+        assert all(isinstance(o, (int, LockDeadlock)) for o in (a, b)), (a, b)
 
 
 async def test_crossed_waits_on_redlock_are_not_detected_and_end_at_wait(masters):

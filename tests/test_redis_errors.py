@@ -453,3 +453,16 @@ async def test_a_redis_refusing_writes_answers_the_same_from_a_locked_and_an_ide
     for answer in (from_lock, from_store):
         assert answer.status_code == 503, (answer.request.url, answer.request.headers, answer.text)
         assert answer.json()["type"].endswith("/redis-unavailable") and answer.headers["retry-after"]
+
+
+def test_the_acl_rule_a_refusal_names_covers_every_command_of_every_script():
+    """A refusal's fix (`ACL SETUSER ... LOCK_COMMANDS`) must let every script run, the shapes' included."""
+    import re
+    from pathlib import Path
+
+    import otel_lock.lock
+
+    sources = "".join(p.read_text() for p in Path(otel_lock.lock.__file__).parent.glob("*.py"))
+    called = {c.lower() for c in re.findall(r"redis\.call\('([A-Z]+)'", sources)}
+    called |= {c.lower() for c in re.findall(r"publish = '([A-Z]+)'", sources)}
+    assert called - {rule[1:] for rule in LOCK_COMMANDS.split()} == set()

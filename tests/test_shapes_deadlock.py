@@ -1,14 +1,12 @@
-"""Deadlocks through a shared hold or a permit: refused at once, as through an exclusive hold?
+"""Deadlocks through a shared hold or a permit: refused at once, as through an exclusive hold.
 
 Task A holds k1 (exclusively, shared, or a permit of it) and waits for k2;
 task B holds k2 and then waits for k1, which A's hold keeps from it: a cycle
 of holders waiting on each other, which `LockDeadlock` promises to refuse at
-once instead of both waiting out `wait`. Through exclusive holds and waits it
-is refused (the first case, the reference), and so is a cycle closed by a
-shared wait (the walk starts at the key's exclusive owner). The xfail cases
-run through a shared hold or a permit: such a key names no one owner to
-follow, so the cycle is waited out; each test passes once the check covers
-that case.
+once instead of both waiting out `wait`. What blocks a wait depends on its
+kind: an exclusive wait is stuck if any holder is (it needs them all gone),
+a permit wait only if every permit holder is (one leaving is enough), so a
+permit held by somebody outside the cycle is no deadlock and is not refused.
 """
 
 from __future__ import annotations
@@ -77,13 +75,89 @@ async def test_an_exclusive_holder_waited_for_by_a_shared_request_is_in_the_cycl
     refused_once(await crossed(*managers, lambda m: m.lock("k1"), lambda m: m.lock("k1", shared=True, wait=WAIT)))
 
 
-@pytest.mark.xfail(reason="a cycle through a shared hold is not seen: both wait out `wait` ",
-                   strict=True)
 async def test_a_shared_holder_waited_for_by_an_exclusive_request_is_in_the_cycle(managers):
     refused_once(await crossed(*managers, lambda m: m.lock("k1", shared=True), lambda m: m.lock("k1", wait=WAIT)))
 
 
-@pytest.mark.xfail(reason="a cycle through a permit is not seen: both wait out `wait`", strict=True)
 async def test_a_permit_holder_waited_for_by_a_permit_request_is_in_the_cycle(managers):
     refused_once(await crossed(*managers, lambda m: m.semaphore("k1", permits=1),
                                lambda m: m.semaphore("k1", permits=1, wait=WAIT)))
+
+
+async def test_a_permit_also_held_outside_the_cycle_is_no_deadlock(managers, redis_client):
+    """k1 has 2 permits: A's and C's. A waits for k2, B holds k2 and waits for a permit: C will give one back.
+
+    Not refused (no false positive): B gets C's permit, lets k2 go, and A goes on."""
+    one, two = managers
+    c_in, b_in, c_go = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    outcome: dict[str, str] = {}
+
+    async def c() -> None:
+        async with one.semaphore("k1", permits=2):
+            c_in.set()
+            await c_go.wait()
+
+    async def a() -> None:
+        await c_in.wait()
+        async with one.semaphore("k1", permits=2):
+            await b_in.wait()
+            async with one.lock("k2", wait=WAIT * 5):
+                outcome["a"] = "held"
+
+    async def b() -> None:
+        async with two.lock("k2"):
+            b_in.set()
+            async with two.semaphore("k1", permits=2, wait=WAIT * 5):
+                outcome["b"] = "held"
+
+    async def release_c_once_both_waits_are_checked() -> None:
+        while len(await redis_client.keys("t:waits:*")) < 2:  # A's and B's records: both checked, none refused
+            await asyncio.sleep(0.005)
+        c_go.set()
+
+    async with asyncio.timeout(WAIT * 4):
+        await asyncio.gather(a(), b(), c(), release_c_once_both_waits_are_checked())
+    assert outcome == {"a": "held", "b": "held"}
+
+
+@pytest.mark.parametrize("b_first", [False, True], ids=["holders wait first", "B waits first"])
+async def test_every_permit_holder_in_the_cycle_is_a_deadlock(managers, redis_client, b_first):
+    """k1 has 2 permits, both held by tasks that then wait for k2; B holds k2 and waits for a permit.
+
+    Whichever wait comes last closes the cycle and is refused: B's (it follows both holders back to
+    itself), or the second holder's (through B to the permits, one of them its own, the other held by a
+    holder already on its walk)."""
+    one, two = managers
+    both_in, b_in = asyncio.Barrier(3), asyncio.Event()
+    outcome: dict[str, str] = {}
+
+    async def recorded(n: int) -> None:
+        while len(await redis_client.keys("t:waits:*")) < n:  # that many waits checked and recorded
+            await asyncio.sleep(0.005)
+
+    async def holder(name: str) -> None:
+        async with one.semaphore("k1", permits=2):
+            await both_in.wait()
+            await b_in.wait()
+            await recorded(1 if b_first else 0)
+            try:
+                async with one.lock("k2", wait=WAIT):
+                    outcome[name] = "held"
+            except (LockDeadlock, LockTimeout) as exc:
+                outcome[name] = type(exc).__name__
+
+    async def b() -> None:
+        await both_in.wait()
+        async with two.lock("k2"):
+            b_in.set()
+            await recorded(0 if b_first else 2)
+            try:
+                async with two.semaphore("k1", permits=2, wait=WAIT):
+                    outcome["b"] = "held"
+            except (LockDeadlock, LockTimeout) as exc:
+                outcome["b"] = type(exc).__name__
+
+    async with asyncio.timeout(WAIT * 4):
+        await asyncio.gather(holder("a1"), holder("a2"), b())
+    assert "LockTimeout" not in outcome.values(), outcome
+    assert list(outcome.values()).count("LockDeadlock") == 1, outcome

@@ -178,7 +178,7 @@ class Attempt:
 
     def _deadlock_check(self, probe: _deadlock.Probe, key: str) -> Coroutine[Any, Any, None]:
         return _deadlock.check(self.transport, probe, key, self.request.waiter_id, self.deadline - self.loop.time(),
-                               self._waiter is not None, self.request.name)
+                               self._waiter is not None, self.request.name, self.request.shape.mode)
 
     def _start_check(self, probe: _deadlock.Probe, key: str, waiter: Waiter) -> None:
         self._check_timer = None

@@ -393,10 +393,8 @@ class Core:
         ctx = current_traceparent() if current.get_span_context().is_valid else ""
         request = Acquisition((lock_base,), name, waiter_id, owner or waiter_id, int(lease * 1000), wait, ctx,
                           private=owner is None, shape=shape, permits=permits)
-        if wait > 0 and owner is None and shape is not PERMIT:
-            # Only a waiter that holds locks can close a cycle. A shared waiter is checked too (the walk
-            # starts at the lock's exclusive owner); a permit's key names no owner to follow, and a
-            # shared hold none to follow through (docs/lock.md, "Deadlocks").
+        if wait > 0 and owner is None:
+            # Only a waiter that holds locks can close a cycle, whatever the shape (docs/lock.md, "Deadlocks").
             request.probe = probe_for(self.id, self.namespace)
         with self.telemetry.acquire_span(name) if recording else _NO_SPAN as span:
             outcome, error = "error", None  # type: str, BaseException | None
@@ -440,8 +438,7 @@ class Core:
         if permits:
             self._counts.permit_taken(name, permits)
         runtime.watchdog.add(held)
-        if shape is not PERMIT:  # every semaphore() call takes a permit of its own: nothing to re-enter
-            remember((self.id, key), held)
+        remember((self.id, held.held_as), held)  # a permit under its own name: every semaphore() takes one
         return HeldLock(held, reply.depth, outer=True)
 
     def _acquired(self, span: trace.Span, request: Acquisition, outcome: str, error: BaseException | None,

@@ -13,7 +13,11 @@ its own owner id), naming the lock it waits for, its waiter id and the task
 (`task-name@pid/manager-id`, for the message). The wait-for graph is then
 lock -> its owner (the lock's hash) -> the lock that owner waits for (its
 record) -> ..., and a walk that comes back to one of the waiter's own
-owners is a cycle. A record whose waiter has left that lock's queue (it got
+owners is a cycle. Shared holds and permits are followed too: an exclusive
+wait on a shared hold is stuck if any shared holder is, a permit wait only
+if every permit holder is (one that leaves frees it), and a holder met again
+on the walk is assumed stuck (the greatest fixpoint: a knot), while only a
+path back to the caller's own holds is refused. A record whose waiter has left that lock's queue (it got
 the lock, gave up) is no edge, so a record that outlives its wait by a
 round trip (it is deleted in the background) never makes a cycle; its
 expiry (the wait's budget) covers a process that died.
@@ -124,8 +128,11 @@ def _cycle(flat: list[Any]) -> tuple[tuple[str, str, str], ...]:
     return tuple((text[i], text[i + 1], text[i + 2]) for i in range(0, len(text) - 2, 3))
 
 
+HOW = {"exclusive": "x", "shared": "s", "permit": "p"}  # how a wait waits, in its record (`WAIT_FOR`)
+
+
 async def check(transport: Any, probe: Probe, want: str, waiter_id: str, wait_left: float, queued: bool,
-                name: str) -> None:
+                name: str, mode: str = "exclusive") -> None:
     """Refuse (LockDeadlock) or record the wait. A check that fails (Redis down, a refused command) is skipped,
     with a warning: the wait goes on without it, as it would have before."""
     probe.owners = probe.own_owners()
@@ -133,12 +140,13 @@ async def check(transport: Any, probe: Probe, want: str, waiter_id: str, wait_le
         return
     from ._topology import ClusterLink
 
+    how = HOW[mode]
     try:
         if isinstance(transport.link, ClusterLink):
-            cycle = await _walk_stepwise(transport, probe, want, waiter_id, wait_left, queued)
+            cycle = await _walk_stepwise(transport, probe, want, waiter_id, wait_left, queued, how)
         else:
             args = [probe.namespace, want, waiter_id, ttl_ms(wait_left), probe.holder(), "1" if queued else "0",
-                    *probe.owners]
+                    how, *probe.owners]
             answer = await transport.calls(transport.link.call(_scripts.wait_for, (), args), "deadlock_check",
                                            name, want)
             probe.recorded = answer[0] == 0
@@ -165,40 +173,95 @@ async def over(transport: Any, probe: Probe, waiter_id: str, name: str) -> None:
 
 
 async def _walk_stepwise(transport: Any, probe: Probe, want: str, waiter_id: str, wait_left: float,
-                         queued: bool) -> tuple[tuple[str, str, str], ...]:
+                         queued: bool, how: str) -> tuple[tuple[str, str, str], ...]:
     """Redis Cluster: record first, then walk one step per round trip, and read a cycle twice before refusing."""
     redis = transport.link.redis
     await transport.link.prepare()
-    record = json.dumps([want, waiter_id, probe.holder(), 1 if queued else 0])
+    record = json.dumps([want, waiter_id, probe.holder(), 1 if queued else 0, how])
     await asyncio.gather(*(redis.set(probe.record_key(owner), record, px=ttl_ms(wait_left))
                            for owner in probe.owners))
     probe.recorded = True
-    first = await _walk(redis, probe, want)
-    if not first or await _walk(redis, probe, want) != first:
+    first = await _Walk(redis, probe).cycle(want, how)
+    if not first or await _Walk(redis, probe).cycle(want, how) != first:
         return ()
     return first
 
 
-async def _walk(redis: Any, probe: Probe, want: str) -> tuple[tuple[str, str, str], ...]:
-    mine = set(probe.owners)
-    steps: list[tuple[str, str, str]] = []
-    key = want
-    for _ in range(MAX_STEPS):
-        owner = _text(await redis.hget(key, "owner"))
+Path = tuple[tuple[str, str, str], ...]
+
+
+class _Walk:
+    """`WAIT_FOR`'s walk, one read per round trip (the keys of a cycle live in other slots of a Cluster).
+
+    A holder is stuck (a path back to the caller), stuck if the holders already on the walk are
+    (True: they are assumed stuck, as the script does), or not (None).
+    """
+
+    def __init__(self, redis: Any, probe: Probe) -> None:
+        self.redis, self.probe = redis, probe
+        self.mine = set(probe.owners)
+        self.walking: set[str] = set()
+        self.steps = 0
+        self.now_ms: int | None = None
+
+    async def cycle(self, want: str, how: str) -> Path:
+        found = await self._stuck(want, how)
+        return found if isinstance(found, tuple) else ()
+
+    async def _holders(self, key: str, how: str) -> tuple[list[str], bool]:
+        """Who keeps a wait of kind `how` for `key` from ending, and whether all of them must be stuck."""
+        if how == "p":
+            held = await self._live(key)
+            limit = int(_text(await self.redis.hget(key + ":t", "#limit")) or 0)
+            return ([] if len(held) < limit else held), True
+        owner = _text(await self.redis.hget(key, "owner"))
         if not owner:
-            return ()
-        if owner in mine:
-            steps.append((key, owner, probe.holder()))
-            return tuple(steps)
-        raw = await redis.get(probe.record_key(owner))
+            return [], False
+        if owner != "(shared)":
+            return [owner], False
+        return ([] if how == "s" else await self._live(key + ":sh")), False
+
+    async def _live(self, holders: str) -> list[str]:
+        if self.now_ms is None:
+            seconds, micros = await self.redis.time()
+            self.now_ms = seconds * 1000 + micros // 1000
+        return [_text(m) for m in await self.redis.zrangebyscore(holders, f"({self.now_ms}", "+inf")]
+
+    async def _stuck(self, key: str, how: str) -> Path | bool | None:
+        held, every = await self._holders(key, how)
+        found: Path | bool | None = None
+        for owner in held:
+            through = await self._through(key, owner)
+            if every and not through:
+                return None
+            if isinstance(through, tuple):
+                if not every:
+                    return through
+                if not isinstance(found, tuple):
+                    found = through
+            elif through and not found:
+                found = True
+        return found
+
+    async def _through(self, key: str, owner: str) -> Path | bool | None:
+        if owner in self.mine:
+            return ((key, owner, self.probe.holder()),)
+        if owner in self.walking:
+            return True
+        self.steps += 1
+        if self.steps > MAX_STEPS:
+            return None
+        raw = await self.redis.get(self.probe.record_key(owner))
         if raw is None:
-            return ()
-        waits_for, waiter, holder, in_queue = json.loads(raw)
-        if in_queue and await redis.zscore(waits_for + ":q", waiter) is None:
-            return ()
-        steps.append((key, owner, holder))
-        key = waits_for
-    return ()
+            return None
+        record = json.loads(raw)
+        waits_for, waiter, holder, in_queue = record[:4]
+        if in_queue and await self.redis.zscore(waits_for + ":q", waiter) is None:
+            return None
+        self.walking.add(owner)
+        rest = await self._stuck(waits_for, record[4] if len(record) > 4 else "x")
+        self.walking.discard(owner)
+        return ((key, owner, holder), *rest) if isinstance(rest, tuple) else rest
 
 
 def _text(value: bytes | str | None) -> str:

@@ -120,7 +120,7 @@ class HoldEnds:
             return
         lease.ended = True
         lease.runtime.watchdog.discard(lease)
-        forget((self.identity(), lease.lock_key), lease)
+        forget((self.identity(), lease.held_as), lease)
         self._finish(lease, outcome)
         self.counts.hold_ended(lease)  # a lost hold stays in the age gauge until its holder lets go
 

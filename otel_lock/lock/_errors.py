@@ -106,7 +106,8 @@ UNAVAILABLE, MISCONFIGURED, ERROR = "redis_unavailable", "redis_misconfigured", 
 
 # What the lock sends (its scripts' commands included), for the ACL rule a refusal names.
 LOCK_COMMANDS = ("+evalsha +eval +script|load +ping +subscribe +ssubscribe +publish +spublish +time +get +set +del "
-                 "+exists +pexpire +pttl +hget +hset +hdel +hincrby +hgetall +zadd +zrem +zpopmin +zscore +scan")
+                 "+exists +pexpire +pexpireat +pexpiretime +pttl +hget +hset +hdel +hincrby +hgetall +zadd +zrem "
+                 "+zpopmin +zscore +zcard +zrange +zrangebyscore +zremrangebyscore +scan")
 
 # Coarse (a refused password is a ConnectionError in redis-py): classify with is_unavailable().
 _UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, OSError, ClusterDownError, ReadOnlyError, TryAgainError)

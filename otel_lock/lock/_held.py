@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 from opentelemetry import trace
 
 from ._errors import LockError, LockLost, RedisUnavailable
-from ._shapes import EXCLUSIVE, Shape
+from ._shapes import EXCLUSIVE, PERMIT, Shape
 
 if TYPE_CHECKING:
     from ._ending import HoldEnds
@@ -170,6 +170,12 @@ class Lease:
         self.renewing: asyncio.Future[Any] | None = None  # a renewal in flight (a release waits for it)
         self.seq: int = 0
         self.holds: _Holds | None = None
+
+    @property
+    def held_as(self) -> str:
+        """What the hold is known by among its task's holds: its key, or a permit's own name (never re-entered,
+        listed only so that a wait of its task can be followed through it to a deadlock)."""
+        return self.lock_key if self.shape is not PERMIT else f"{self.lock_key} {self.owner}"
 
     def check_validity(self) -> None:
         if not self.ended and not self.lost_reason and self.loop.time() >= self.expires_at:

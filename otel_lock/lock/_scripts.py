@@ -216,38 +216,89 @@ return 1
 """
 
 
-# WAIT_FOR: a waiter that holds locks is about to wait for one more. Walk lock -> its owner -> the lock
-# that owner waits for -> ... ; reaching an owner of the caller's is a cycle: refuse. Otherwise record that
+# WAIT_FOR: a waiter that holds locks is about to wait for one more. Walk lock -> its holders -> the
+# lock each waits for -> ... ; reaching an owner of the caller's is a cycle: refuse. Otherwise record that
 # the caller's owners wait for the lock. Atomic on one Redis: of two waiters closing one cycle at the same
 # moment, the first records its wait and the second finds the cycle.
+# What blocks a wait depends on how it waits (the record's 5th element; a record without it, exclusive):
+#   x  an exclusive wait: the lock's owner, or every shared holder; one of them stuck is enough
+#   s  a shared wait: the exclusive owner (shared holders let it in)
+#   p  a permit wait: every permit holder when none is free; stuck only if all of them are
+# Only a cycle through the caller's own holds is refused (one of others it merely waits behind is not);
+# a walk longer than 64 holders is no cycle (never a false refusal).
 # KEYS: none (the walk reads the keys it finds: one Redis or a Sentinel master only, never a Cluster)
 # ARGV: namespace, lock key waited for, waiter id, ttl_ms, holder (task label), queued ('1': the waiter
-#       is in the lock's queue), then the owner of each lock the caller holds
+#       is in the lock's queue), how it waits (x, s, p), then the owner of each lock the caller holds
 # Returns {0} when recorded, or {1, key, owner, holder, key, owner, holder, ...}: the cycle, from the
 # lock waited for to the caller's own.
 WAIT_FOR = r"""
 local ns, want, me = ARGV[1], ARGV[2], ARGV[5]
 local mine = {}
-for i = 7, #ARGV do mine[ARGV[i]] = true end
-local cycle = {1}
-local key = want
-for _ = 1, 64 do
-  local owner = redis.call('HGET', key, 'owner')
-  if not owner then break end
-  if mine[owner] then
-    table.insert(cycle, key); table.insert(cycle, owner); table.insert(cycle, me)
-    return cycle
+for i = 8, #ARGV do mine[ARGV[i]] = true end
+local t = redis.call('TIME')
+local now_ms = math.floor((tonumber(t[1]) * 1000000 + tonumber(t[2])) / 1000)
+local steps, walking = 0, {}
+
+-- who keeps a wait of kind `how` for `key` from ending, and whether all of them must be stuck
+local function holders(key, how)
+  if how == 'p' then
+    local held = redis.call('ZRANGEBYSCORE', key, '(' .. now_ms, '+inf')
+    if #held < tonumber(redis.call('HGET', key .. ':t', '#limit') or '0') then return {}, true end
+    return held, true
   end
+  local owner = redis.call('HGET', key, 'owner')
+  if not owner then return {}, false end
+  if owner ~= '(shared)' then return {owner}, false end
+  if how == 's' then return {}, false end
+  return redis.call('ZRANGEBYSCORE', key .. ':sh', '(' .. now_ms, '+inf'), false
+end
+
+-- Is the holder `owner` of `key` stuck? nil: no; a table: yes, by way of the caller (the path to it);
+-- true: yes if the holders on the walk already are (they are assumed stuck: a cycle of others, or one
+-- that a permit's other holder closes through the caller)
+local stuck
+local function through(key, owner)
+  if mine[owner] then return {key, owner, me} end
+  if walking[owner] then return true end
+  steps = steps + 1
+  if steps > 64 then return nil end
   local edge = redis.call('GET', ns .. ':waits:' .. owner)
-  if not edge then break end
+  if not edge then return nil end
   local e = cjson.decode(edge)
   -- a wait that ended without its record being deleted yet (granted, left): no edge
-  if e[4] == 1 and not redis.call('ZSCORE', e[1] .. ':q', e[2]) then break end
-  table.insert(cycle, key); table.insert(cycle, owner); table.insert(cycle, e[3])
-  key = e[1]
+  if e[4] == 1 and not redis.call('ZSCORE', e[1] .. ':q', e[2]) then return nil end
+  walking[owner] = true
+  local rest = stuck(e[1], e[5] or 'x')
+  walking[owner] = nil
+  if type(rest) ~= 'table' then return rest end
+  local path = {key, owner, e[3]}
+  for i = 1, #rest do path[#path + 1] = rest[i] end
+  return path
 end
-local edge = cjson.encode({want, ARGV[3], me, tonumber(ARGV[6])})
-for i = 7, #ARGV do redis.call('SET', ns .. ':waits:' .. ARGV[i], edge, 'PX', ARGV[4]) end
+
+stuck = function(key, how)
+  local held, all = holders(key, how)
+  local found = nil
+  for i = 1, #held do
+    local r = through(key, held[i])
+    if all and not r then return nil end
+    if type(r) == 'table' then
+      if not all then return r end
+      if type(found) ~= 'table' then found = r end
+    elseif r and not found then
+      found = true
+    end
+  end
+  return found
+end
+
+local cycle = stuck(want, ARGV[7])
+if type(cycle) == 'table' then
+  table.insert(cycle, 1, 1)
+  return cycle
+end
+local edge = cjson.encode({want, ARGV[3], me, tonumber(ARGV[6]), ARGV[7]})
+for i = 8, #ARGV do redis.call('SET', ns .. ':waits:' .. ARGV[i], edge, 'PX', ARGV[4]) end
 return {0}
 """
 

@@ -296,6 +296,24 @@ async def test_wait_replicas_refuses_shared_holds_and_permits_at_their_first_use
             await locks.acquire("cat", shared=True, wait=0)
 
 
+async def test_a_manager_says_which_shapes_it_refuses_before_any_call(redis_url):
+    """`unsupported_reason(mode)`: what a start-up check (the middleware's) asks, without a round trip."""
+    from otel_lock import RedLockManager
+
+    async with LockManager.from_url(redis_url, namespace="t") as plain, \
+            LockManager.from_url(redis_url, namespace="t", wait_replicas=1) as replicated:
+        assert [plain.unsupported_reason(m) for m in ("exclusive", "shared", "permit")] == [None, None, None]
+        assert replicated.unsupported_reason("exclusive") is None
+        assert "wait_replicas" in replicated.unsupported_reason("permit")
+        with pytest.raises(ValueError, match="mode must be one of exclusive, shared, permit, not 'reader'"):
+            plain.unsupported_reason("reader")
+    quorum = RedLockManager.from_urls(["redis://127.0.0.1:1", "redis://127.0.0.1:2", "redis://127.0.0.1:3"])
+    try:
+        assert "quorum" in quorum.unsupported_reason("shared")
+    finally:
+        await quorum.aclose()
+
+
 # -- the scripts' hand-over paths, driven directly ---------------------------------
 
 

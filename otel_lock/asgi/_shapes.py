@@ -42,12 +42,10 @@ def missing_method(manager: Locks | None, rule: Locked) -> str | None:
                 f"{type(manager).__name__} does not have: use otel_lock's LockManager (or RedLockManager) of a "
                 f"version with it")
     # A quorum of masters (RedLockManager) holds one exclusive owner per round, and a grant confirmed by
-    # WAIT (wait_replicas) is one owner's: no shared holds, no permits. Their calls would refuse each
-    # request; the start-up refuses the route instead. (The manager has no public word for it yet.)
-    topology = getattr(manager, "_topology", None)
-    why = ("a quorum holds one exclusive owner per round" if not getattr(topology, "shapes", True)
-           else "its grants are confirmed by WAIT (wait_replicas)" if getattr(topology, "wait_replicas", 0)
-           else None)
+    # WAIT (wait_replicas) is one owner's: their calls would refuse each request; the start-up refuses the
+    # route instead.
+    ask = getattr(manager, "unsupported_reason", None)
+    why = ask(rule.mode) if callable(ask) else None
     if rule.mode != "exclusive" and why is not None:
         what = "semaphore()" if rule.mode == "permit" else "lock(shared=True)"
         return (f"{rule.annotation}({rule.template.template!r}) needs the lock manager's {what}, which "

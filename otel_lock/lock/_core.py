@@ -48,7 +48,7 @@ from ._transport import Transport
 from ._scripts import MODEL, MODEL_TTL, script_refused
 from ._server_checks import ServerHealth, ServerReport
 from ._server_watch import period, stay_awake
-from ._shapes import EXCLUSIVE, PERMIT, SHARED, Shape
+from ._shapes import EXCLUSIVE, PERMIT, SHAPES, SHARED, Shape
 from ._watchdog import Watchdog
 from opentelemetry.metrics import MeterProvider
 
@@ -64,6 +64,10 @@ class Topology:
     owners = True        # an explicit `owner=` is offered
     shapes = True        # shared holds and permits are offered (`_shapes.py`)
     counts_depth = True  # nested holds are counted in Redis too (explicit owners share the depth)
+
+    def shapes_refused(self) -> str | None:
+        """Why shared holds and permits are not offered here, or None."""
+        return None if self.shapes else "a quorum of masters holds one exclusive owner per round"
 
     def open(self, identity: str, next_owner: Callable[[], str], index: int,
              background: Background) -> tuple[Transport, Any, bool]:
@@ -201,6 +205,15 @@ class Core:
         wait_s, lease_s, cancel = self._check_common(wait, lease, name, cancel_on_lost)
         return await self._take(key, wait_s, lease_s, self.options.renew_interval if lease is None else NEVER,
                                 None, name or default_name(key), cancel, False, shape=PERMIT, permits=permits)
+
+    def unsupported_reason(self, mode: str) -> str | None:
+        """Why this manager cannot take holds of `mode` (exclusive, shared or permit), or None.
+
+        For a start-up check (the middleware refuses a route it could never serve); a call of that
+        shape would be refused at its first use."""
+        if mode not in SHAPES:
+            raise ValueError(f"mode must be one of {', '.join(SHAPES)}, not {mode!r}")
+        return None if mode == EXCLUSIVE.mode else self._topology.shapes_refused()
 
     def _check_shapes(self, what: str) -> None:
         if not self._topology.shapes:

@@ -53,6 +53,10 @@ class OneRedis(Topology):
         self._home_free = True
         self._spare: Any = None
 
+    def shapes_refused(self) -> str | None:
+        return ("its grants are confirmed by WAIT (wait_replicas), and each shared or permit grant would need "
+                "its own" if self.wait_replicas else None)
+
     def own(self, make: Callable[[], Any]) -> None:
         """The given client was built for this manager (from_url): it closes it, and builds the next ones."""
         self.make, self.owns_given = make, True

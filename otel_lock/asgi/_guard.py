@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, TypeVar, cas
 
 from anyio import from_thread
 
-from ..lock import HeldLock, LockError, LockLost, Locks
+from ..lock import HeldLock, LockDeadlock, LockError, LockLost, Locks
 from ._after_auth import DEFERRED
 from ._answers import Answer, lock_answer, release_quietly, runs_unlocked
 from ._binding import RouteBinding, Unrenderable
@@ -94,10 +94,13 @@ class Mark:
     scope: Scope | None = None
     taken: tuple[str, ...] | None = None   # at_call: the keys the middleware holds already (None: none)
     used: bool = False
+    # held, behind a route class that wraps the handler: the handler's own deadlock is answered at the
+    # guard (the class might make any exception a 500)
+    answers: Locked | None = None
 
     @classmethod
-    def held(cls, guards: frozenset[int]) -> Mark:
-        return cls(HELD, guards)
+    def held(cls, guards: frozenset[int], answers: Locked | None = None) -> Mark:
+        return cls(HELD, guards, answers=answers)
 
     @classmethod
     def unbound(cls, guards: frozenset[int]) -> Mark:
@@ -209,6 +212,12 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
     return guarded
 
 
+def plain_function(fn: Any) -> bool:
+    """A plain `def` handler (FastAPI runs it in its threadpool)."""
+    return inspect.isfunction(fn) and not (inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn)
+                                           or inspect.iscoroutinefunction(fn))
+
+
 def _deferred_taken() -> bool:
     deferred = DEFERRED.get()
     return deferred is None or deferred.done
@@ -223,6 +232,8 @@ def _entry(guard_fn: Any, fn: Callable[..., Any]) -> _Entry | None:
             return _Refusal(500, "lock-not-taken", _name(fn) + ": the route's lock is taken by a dependency "
                             "LockMiddleware added after the security dependencies, and it did not run (was it "
                             "overridden?); the handler refuses to run unlocked")
+        if mark.kind == HELD and mark.answers is not None and (inspect.iscoroutinefunction(fn) or plain_function(fn)):
+            return _AnsweringDeadlocks(mark.answers)
         if mark.kind in (HELD, UNLOCKED):
             return None
         if mark.kind == UNBOUND:
@@ -330,6 +341,29 @@ class _DirectHold(_Entry):
                                 f"`async def`, or move the work into a function without the annotation")
 
 
+class _AnsweringDeadlocks(_Entry):
+    """The route's call, held by the middleware, behind a route class: a handler's own deadlock is the 409.
+
+    On a plain route that exception reaches the middleware, which answers it;
+    a route class that wraps the handler could make it a 500 first.
+    """
+
+    def __init__(self, rule: Locked) -> None:
+        self.rule = rule
+
+    async def run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        try:
+            return await fn(*args, **kwargs)
+        except LockDeadlock as error:
+            return lock_answer(error, self.rule).response()
+
+    def call_sync(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except LockDeadlock as error:
+            return lock_answer(error, self.rule).response()
+
+
 class _RouteHold(_Entry):
     """The route's call on a route whose class may change the request: the key of the handler's arguments.
 
@@ -349,8 +383,19 @@ class _RouteHold(_Entry):
         if isinstance(found, Answer):
             return found.response()
         rule, manager = self.hold.locked, self.hold.locks()
-        if found is None or manager is None:
-            return await fn(*args, **kwargs)
+        try:
+            if found is None or manager is None:
+                return await fn(*args, **kwargs)
+            return await self._held(fn, args, kwargs, manager, found)
+        except LockDeadlock as error:
+            # A wait of the handler's own (it holds ours and took another by hand) closed a cycle: the
+            # 409 the middleware answers, given here, before a route class that turns any exception of
+            # its handler into a 500 sees it.
+            return lock_answer(error, rule).response()
+
+    async def _held(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], manager: Locks,
+                    found: tuple[str, ...]) -> Any:
+        rule = self.hold.locked
         entered = False
         try:
             async with holding(manager, rule, found, cancel_on_lost=True) as held:
@@ -374,12 +419,15 @@ class _RouteHold(_Entry):
                           f"so its lock cannot be taken around it: {error}").response()
         if isinstance(taken, Answer):
             return taken.response()
-        if taken is None:
-            return fn(*args, **kwargs)
         try:
-            result = fn(*args, **kwargs)
-        finally:
-            from_thread.run(release_quietly, taken)
+            if taken is None:
+                return fn(*args, **kwargs)
+            try:
+                result = fn(*args, **kwargs)
+            finally:
+                from_thread.run(release_quietly, taken)
+        except LockDeadlock as error:  # the handler's own wait (the blocking facade's), as in run()
+            return lock_answer(error, self.hold.locked).response()
         if taken.lost.is_set():
             return lock_answer(LockLost("the lock was lost", key=taken.key), self.hold.locked).response()
         return result

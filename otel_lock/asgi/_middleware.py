@@ -26,7 +26,7 @@ from ._annotations import MIB, Idempotent, Locked
 from ._binding import RouteBinding
 from ._declared import Unbindable
 from ._body import BodyLimits
-from ._guard import DirectCalls, Hold, guard_functions, install_direct_calls
+from ._guard import DirectCalls, Hold, guard_functions, install_direct_calls, plain_function
 from .idempotency import IdempotencyGate, IdempotencyStore, Principal
 from .idempotency._principal import check_callable
 from ._keys import PRINCIPAL, resolve_secret
@@ -278,7 +278,8 @@ class LockMiddleware:
         for fn in guards:
             install_direct_calls(fn, DirectCalls(hold, annotated.idempotent is not None, self.enabled))
         return Protection(template, locked, annotated.idempotent, binding, limits,
-                          frozenset(id(fn) for fn in guards), bool(at_call), hold, after_auth, principal)
+                          frozenset(id(fn) for fn in guards), bool(at_call), hold, after_auth, principal,
+                          route_class=locked is not None and _transforms_request(route))
 
     def _key_principal(self, locked: Locked | None, idem: Idempotent | None) -> Principal | None:
         """Where `{principal}` in the route's key comes from: the route's @idempotent principal, else ours."""
@@ -326,7 +327,7 @@ def _key_at_call(route: Any, locked: Locked, binding: RouteBinding, guards: list
     if not locked.template.needs_body or not _transforms_request(route):
         return False
     name = type(route).__name__
-    if not guards or not all(inspect.iscoroutinefunction(fn) or _plain(fn) for fn in guards):
+    if not guards or not all(inspect.iscoroutinefunction(fn) or plain_function(fn) for fn in guards):
         raise _Unsupported(f"the route class {name} may change the request before FastAPI reads it, so the key "
                            f"{locked.template.template!r} is checked against the handler's arguments, which a "
                            f"generator handler cannot be held around: return the response instead of yielding it, "
@@ -355,12 +356,6 @@ def _after_auth(target: Any, locked: Locked, template: str) -> bool:
                          f"on one, or Security(...)), or drop after_auth=True")
     after_security(dependant, template)
     return True
-
-
-def _plain(fn: Any) -> bool:
-    """A plain `def` handler (FastAPI runs it in its threadpool)."""
-    return inspect.isfunction(fn) and not (inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn)
-                                           or inspect.iscoroutinefunction(fn))
 
 
 def _transforms_request(route: Any) -> bool:

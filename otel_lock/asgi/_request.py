@@ -58,6 +58,7 @@ class Protection:
     hold: Hold | None = None        # how the guard takes it then
     after_auth: bool = False        # taken by our dependency, after the route's security dependencies
     principal: Any = None           # where `{principal}` of the key comes from (None: the key has none)
+    route_class: bool = False       # a route class wraps the handler (overrides get_route_handler)
 
 
 class SendTimeout(OSError):
@@ -159,7 +160,8 @@ class LockedApp:
 
     async def _run_app(self, scope: Scope, receive: Receive, send: Send, deferred: Deferred | None = None) -> None:
         p = self.protection
-        mark = Mark(AT_CALL, p.guards, p.hold, scope, taken=self.keys) if p.at_call else Mark.held(p.guards)
+        mark = (Mark(AT_CALL, p.guards, p.hold, scope, taken=self.keys) if p.at_call
+                else Mark.held(p.guards, p.locked if p.route_class else None))
         token = DEFERRED.set(deferred)
         try:
             with marked(mark):

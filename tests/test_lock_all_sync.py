@@ -94,16 +94,20 @@ def test_sync_lock_all_tells_a_lost_lease(redis_url, client):
         assert held(client) == [b"s:{b}"]
 
 
-def test_crossed_waits_of_two_threads_are_refused_to_the_second(sync_locks, other, client):
+@pytest.mark.parametrize("first", ["lock", "permit"])
+def test_crossed_waits_of_two_threads_are_refused_to_the_second(sync_locks, other, client, first):
+    """Thread A holds k1 (a lock, or the one permit of a semaphore) and waits for k2, which we hold;
+    our wait for k1 closes the cycle and is refused; A then goes on."""
     from otel_lock import LockDeadlock
 
-    a_holds, a_waits = threading.Event(), threading.Event()
+    a_holds = threading.Event()
     outcome: dict[str, object] = {}
+    take_k1 = ((lambda locks: locks.lock("k1")) if first == "lock"
+               else (lambda locks: locks.semaphore("k1", permits=1)))
 
     def a():
-        with sync_locks.lock("k1"):
+        with take_k1(sync_locks):
             a_holds.set()
-            a_waits.set()
             try:
                 with sync_locks.lock("k2", wait=60.0) as then:
                     outcome["a"] = then.token
@@ -121,39 +125,12 @@ def test_crossed_waits_of_two_threads_are_refused_to_the_second(sync_locks, othe
             assert time.monotonic() < give_up and thread.is_alive()
             time.sleep(0.005)
         with pytest.raises(LockDeadlock) as caught:
-            other.acquire("k1", wait=60.0)
-        assert [step[0] for step in caught.value.cycle] == ["s:{k1}", "s:{k2}"]
+            if first == "lock":
+                other.acquire("k1", wait=60.0)
+            else:
+                other.acquire_permit("k1", permits=1, wait=60.0)
+        assert [step[0] for step in caught.value.cycle] == ["s:{k1}" + ("" if first == "lock" else ":permits"),
+                                                            "s:{k2}"]
         assert caught.value.cycle[0][2].startswith("transfer-a#")
-    thread.join(20)
-    assert isinstance(outcome["a"], int)
-
-
-def test_a_thread_holding_a_permit_closes_a_cycle_and_is_refused(sync_locks, other, client):
-    """As above, with k1 a semaphore of one permit: a permit held by a waiting thread is followed too."""
-    from otel_lock import LockDeadlock
-
-    a_holds = threading.Event()
-    outcome: dict[str, object] = {}
-
-    def a():
-        with sync_locks.semaphore("k1", permits=1):
-            a_holds.set()
-            try:
-                with sync_locks.lock("k2", wait=60.0) as then:
-                    outcome["a"] = then.token
-            except Exception as exc:  # noqa: BLE001  (the outcome under test)
-                outcome["a"] = exc
-
-    with other.lock("k2"):
-        thread = threading.Thread(target=a, name="export-a")
-        thread.start()
-        assert a_holds.wait(20)
-        give_up = time.monotonic() + 20
-        while client.zcard("s:{k2}:q") != 1 or not client.keys("s:waits:*"):
-            assert time.monotonic() < give_up and thread.is_alive()
-            time.sleep(0.005)
-        with pytest.raises(LockDeadlock) as caught:
-            other.acquire_permit("k1", permits=1, wait=60.0)
-        assert [step[0] for step in caught.value.cycle] == ["s:{k1}:permits", "s:{k2}"]
     thread.join(20)
     assert isinstance(outcome["a"], int)

@@ -105,19 +105,25 @@ class Client:
             watch.client_left()
 
 
+LISTEN_AFTER = 0.005  # seconds: a wait that ends sooner (an uncontended lock, one round trip) starts no listener
+
+
 class DisconnectWatch:
     """Cancels the current task if the client disconnects while the body of the `async with` runs.
 
     The body has been read, so the server's next message can only be a
     disconnect. The cancellation is ours only while we wait: the moment the
     wait ends (a lock granted) the listener is stopped before anything else
-    runs, and a disconnect heard later is replayed to the app.
+    runs, and a disconnect heard later is replayed to the app. The listener
+    (a task) starts only once the wait has lasted LISTEN_AFTER: most waits
+    end sooner, and a disconnect that came before it starts is heard at once.
     """
 
     def __init__(self, client: Client) -> None:
         self.client = client
         self.task: asyncio.Task[object] | None = None
         self.listener: asyncio.Task[None] | None = None
+        self.timer: asyncio.TimerHandle | None = None
         self.waiting = False
         self.fired = False
 
@@ -132,11 +138,17 @@ class DisconnectWatch:
             raise ClientGone()
         self.task = asyncio.current_task()
         self.waiting = True
-        self.listener = asyncio.ensure_future(self.client._listen(self))
+        self.timer = asyncio.get_running_loop().call_later(LISTEN_AFTER, self._listen)
+
+    def _listen(self) -> None:
+        if self.waiting:
+            self.listener = asyncio.ensure_future(self.client._listen(self))
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
         self.waiting = False   # before any await: from here on a disconnect cancels nothing
+        if self.timer is not None:
+            self.timer.cancel()
         listener = self.listener
         if listener is not None and not listener.done():
             listener.cancel()

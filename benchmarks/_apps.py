@@ -8,6 +8,7 @@ redis-py  the same handler taking redis-py's asyncio Lock by hand
 demo      the demo shop, with BENCH_TELEMETRY=off|prom|prom-lock|otlp|otlp-lock (benchmarks._otel_modes)
 two-pings the bare handler awaiting two PINGs through redis-py (the cost of 2 round trips here)
 locked-via-redis-py  `locked` with otel-lock's Redis calls through redis-py instead of its lean connection
+fastapi-locked, fastapi-redis-py  `locked` and `redis-py` as FastAPI apps (typed path parameter)
 """
 
 from __future__ import annotations
@@ -105,6 +106,54 @@ def two_pings_app(url: str) -> Starlette:
                      lifespan=lifespan)
 
 
+def fastapi_locked_app(url: str):
+    """`locked` as FastAPI users write it: a typed path parameter, the route's decorator above @locked."""
+    from fastapi import FastAPI
+
+    from otel_lock import LockManager, LockMiddleware, locked
+
+    manager = LockManager.from_url(url, namespace="bench")
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        await manager.aclose()
+
+    app = FastAPI(lifespan=lifespan, openapi_url=None)
+
+    @app.post("/items/{id}")
+    @locked("item:{path.id}", wait=WAIT)
+    async def item(id: int) -> dict:
+        return {"id": id}
+
+    app.add_api_route("/healthz", healthz)
+    app.add_middleware(LockMiddleware, manager=manager)
+    return app
+
+
+def fastapi_redis_py_app(url: str):
+    """`redis-py` in the same FastAPI app: the lock taken by hand in the handler."""
+    import redis.asyncio as aioredis
+    from fastapi import FastAPI
+
+    client = aioredis.Redis.from_url(url, max_connections=1000)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        await client.aclose()
+
+    app = FastAPI(lifespan=lifespan, openapi_url=None)
+
+    @app.post("/items/{id}")
+    async def item(id: int) -> dict:
+        async with client.lock(f"bench:item:{id}", timeout=30, blocking_timeout=WAIT):
+            return {"id": id}
+
+    app.add_api_route("/healthz", healthz)
+    return app
+
+
 def demo_app(url: str):
     """The demo shop (POST /api/stock/{id}/deduct is its locked endpoint), telemetry as BENCH_TELEMETRY says."""
     from otel_lock.demo import DemoSettings, create_app
@@ -123,6 +172,8 @@ VARIANTS = {
     "locked": locked_app,
     "locked-via-redis-py": lambda url: locked_app(url, via_redis_py=True),
     "redis-py": redis_py_app,
+    "fastapi-locked": fastapi_locked_app,
+    "fastapi-redis-py": fastapi_redis_py_app,
 }
 
 

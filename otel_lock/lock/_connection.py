@@ -122,6 +122,8 @@ class _Protocol(asyncio.Protocol):
         self.stuck_after: float | None = None  # the timeout a reply missed, when that dropped the socket
         # reply futures -> who gets the reply (or the error) if their caller gave up on them first
         self.orphans: dict[asyncio.Future[Any], Callable[[Any], None]] = {}
+        # reply futures -> the timer that drops the socket if that reply is late (cancelled by its reply)
+        self.deadlines: dict[asyncio.Future[Any], asyncio.TimerHandle] = {}
         self.refusal: Exception | None = None  # an error the server sent unasked, before hanging up
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -145,6 +147,9 @@ class _Protocol(asyncio.Protocol):
                 continue
             future = self.pending.popleft()
             orphan = self.orphans.pop(future, None) if self.orphans else None
+            deadline = self.deadlines.pop(future, None) if self.deadlines else None
+            if deadline is not None:
+                deadline.cancel()
             if future.done():
                 # its caller was cancelled; the reply is still this one's, and its owner may want it
                 if orphan is not None:
@@ -160,6 +165,9 @@ class _Protocol(asyncio.Protocol):
         if self.tls is not None and exc is not None and self.refusal is None:
             # TLS 1.3: the server refuses a client certificate after the client's handshake is done
             self.refusal = self.tls.refusal(exc, self.server)
+        for deadline in self.deadlines.values():
+            deadline.cancel()
+        self.deadlines.clear()
         while self.pending:
             future = self.pending.popleft()
             if self.stuck_after is not None:  # dropped because a reply did not come in time
@@ -333,8 +341,10 @@ class Connection:
             protocol.orphans[future] = on_orphan
         protocol.transport.write(data)
         if self._timeout is not None:
-            handle = loop.call_later(self._timeout, self._stuck, protocol, future, self._timeout)
-            future.add_done_callback(lambda _: handle.cancel())
+            # cancelled by the reply (`data_received`); a caller that gives up leaves it: `_stuck` checks the
+            # future, so a cancelled one's late reply never drops the socket
+            protocol.deadlines[future] = loop.call_later(self._timeout, self._stuck, protocol, future,
+                                                         self._timeout)
         return future
 
     async def execute(self, *args: Any) -> Any:

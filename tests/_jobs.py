@@ -1,7 +1,8 @@
 """The jobs of ./scripts/test and which tests belong to which (CONTRIBUTING.md, "Tests").
 
-behaviour runs on two xdist workers; serial, tooling and system run one test
-at a time after it. A test's job follows from its marks; the marks of whole
+behaviour and system run on two xdist workers (system: a file per worker,
+whole programs mostly waiting on their own clocks); serial and tooling run one
+test at a time. A test's job follows from its marks; the marks of whole
 modules and of single tests are given here, in one place, so that no test
 file needs editing to move a test between jobs. conftest.py applies them and
 refuses a collection in which a test falls in no job or in two.

@@ -31,6 +31,16 @@ async def healthz(request: Request) -> PlainTextResponse:
     return PlainTextResponse("ok")
 
 
+def _closing(resource):
+    """A lifespan that closes `resource` (the manager, or the redis-py client) when the server stops."""
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        await resource.aclose()
+
+    return lifespan
+
+
 def bare_app(url: str) -> Starlette:
     async def item(request: Request) -> JSONResponse:
         return JSONResponse({"id": request.path_params["id"]})
@@ -56,10 +66,7 @@ def locked_app(url: str, via_redis_py: bool = False, **manager_options) -> Starl
     async def item(request: Request) -> JSONResponse:
         return JSONResponse({"id": request.path_params["id"]})
 
-    @asynccontextmanager
-    async def lifespan(app):
-        yield
-        await manager.aclose()
+    lifespan = _closing(manager)
 
     app = Starlette(routes=[Route("/items/{id}", item, methods=["POST"]), Route("/healthz", healthz)],
                     lifespan=lifespan)
@@ -77,10 +84,7 @@ def redis_py_app(url: str) -> Starlette:
         async with client.lock(f"bench:item:{item_id}", timeout=30, blocking_timeout=WAIT):
             return JSONResponse({"id": item_id})
 
-    @asynccontextmanager
-    async def lifespan(app):
-        yield
-        await client.aclose()
+    lifespan = _closing(client)
 
     return Starlette(routes=[Route("/items/{id}", item, methods=["POST"]), Route("/healthz", healthz)],
                      lifespan=lifespan)
@@ -97,10 +101,7 @@ def two_pings_app(url: str) -> Starlette:
         await client.ping()
         return JSONResponse({"id": request.path_params["id"]})
 
-    @asynccontextmanager
-    async def lifespan(app):
-        yield
-        await client.aclose()
+    lifespan = _closing(client)
 
     return Starlette(routes=[Route("/items/{id}", item, methods=["POST"]), Route("/healthz", healthz)],
                      lifespan=lifespan)
@@ -114,10 +115,7 @@ def fastapi_locked_app(url: str):
 
     manager = LockManager.from_url(url, namespace="bench")
 
-    @asynccontextmanager
-    async def lifespan(app):
-        yield
-        await manager.aclose()
+    lifespan = _closing(manager)
 
     app = FastAPI(lifespan=lifespan, openapi_url=None)
 
@@ -138,10 +136,7 @@ def fastapi_redis_py_app(url: str):
 
     client = aioredis.Redis.from_url(url, max_connections=1000)
 
-    @asynccontextmanager
-    async def lifespan(app):
-        yield
-        await client.aclose()
+    lifespan = _closing(client)
 
     app = FastAPI(lifespan=lifespan, openapi_url=None)
 

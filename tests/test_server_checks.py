@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 
 from otel_lock import RedisMisconfigured
 from otel_lock.cli._redis_server import RedisServer, RedisServerNotFound, find_server
-from otel_lock.lock import _redlock_scripts, _scripts
+from otel_lock.lock import _redlock_scripts, _scripts, _shapes
 from otel_lock.lock._connection import Connection
 from otel_lock.lock._server_checks import SCRIPT_COMMANDS, check_server
 
@@ -92,7 +92,7 @@ def _subscriber(server, **auth):
 
 
 def test_the_checked_commands_are_the_ones_the_scripts_run():
-    sources = [s.source for m in (_scripts, _redlock_scripts) for s in vars(m).values()
+    sources = [s.source for m in (_scripts, _redlock_scripts, _shapes) for s in vars(m).values()
                if isinstance(s, _scripts.Script)]
     assert sources
     called = {c for source in sources for c in re.findall(r"redis\.p?call\(\s*['\"]([A-Za-z]+)['\"]", source)}

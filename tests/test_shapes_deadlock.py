@@ -89,7 +89,7 @@ async def test_a_permit_also_held_outside_the_cycle_is_no_deadlock(managers, red
 
     Not refused (no false positive): B gets C's permit, lets k2 go, and A goes on."""
     one, two = managers
-    c_in, b_in, c_go = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    c_in, a_in, b_in, c_go = asyncio.Event(), asyncio.Event(), asyncio.Event(), asyncio.Event()
     outcome: dict[str, str] = {}
 
     async def c() -> None:
@@ -100,6 +100,7 @@ async def test_a_permit_also_held_outside_the_cycle_is_no_deadlock(managers, red
     async def a() -> None:
         await c_in.wait()
         async with one.semaphore("k1", permits=2):
+            a_in.set()
             await b_in.wait()
             async with one.lock("k2", wait=WAIT * 5):
                 outcome["a"] = "held"
@@ -107,6 +108,7 @@ async def test_a_permit_also_held_outside_the_cycle_is_no_deadlock(managers, red
     async def b() -> None:
         async with two.lock("k2"):
             b_in.set()
+            await a_in.wait()  # both permits are held now: B's wait is a real one
             async with two.semaphore("k1", permits=2, wait=WAIT * 5):
                 outcome["b"] = "held"
 

@@ -46,10 +46,12 @@ __all__ = ["MIN_REDIS", "MIN_VALKEY", "SCRIPT_COMMANDS", "Check", "ServerHealth"
 
 MIN_REDIS = (7, 0)
 MIN_VALKEY = (8, 0)
-# Every command the lock's Lua scripts call (tests/test_server_checks.py keeps this in step with
-# them), besides PUBLISH (SPUBLISH on a Cluster) to the wake channels.
-SCRIPT_COMMANDS = ("DEL", "EXISTS", "GET", "HDEL", "HGET", "HINCRBY", "HSET", "PEXPIRE", "PTTL", "SET", "TIME",
-                   "ZADD", "ZPOPMIN", "ZREM", "ZSCORE")
+# Every command the lock's Lua scripts call, the shared holds' and permits' included
+# (tests/test_server_checks.py keeps this in step with them), besides PUBLISH (SPUBLISH on a
+# Cluster) to the wake channels.
+SCRIPT_COMMANDS = ("DEL", "EXISTS", "GET", "HDEL", "HGET", "HINCRBY", "HSET", "PEXPIRE", "PEXPIREAT", "PEXPIRETIME",
+                   "PTTL", "SET", "TIME", "ZADD", "ZCARD", "ZPOPMIN", "ZRANGE", "ZRANGEBYSCORE", "ZREM",
+                   "ZREMRANGEBYSCORE", "ZSCORE")
 
 Run = Callable[..., Awaitable[Any]]
 Verdict = Literal["ok", "note", "warning", "refusal"]

@@ -84,6 +84,12 @@ try('ZREM', z, 'otel-lock-check')
 try('ZSCORE', z, 'otel-lock-check')
 try('HDEL', h, 'otel-lock-check')
 try('PEXPIRE', h, 1000)
+try('PEXPIREAT', h, 1)
+try('PEXPIRETIME', h)
+try('ZCARD', z)
+try('ZRANGE', z, 0, 0)
+try('ZRANGEBYSCORE', z, 0, 1)
+try('ZREMRANGEBYSCORE', z, 0, 1)
 try('DEL', h, s, z)
 try('HSET', h, 'owner', 'otel-lock-check')
 redis.pcall('PEXPIRE', h, 1000)
@@ -101,7 +107,8 @@ _DRYRUN_ARGS: dict[str, tuple[str, ...]] = {
     "DEL": ("h",), "EXISTS": ("h",), "GET": ("s",), "HDEL": ("h", "f"), "HGET": ("h", "f"),
     "HINCRBY": ("h", "f", "1"), "HSET": ("h", "f", "v"), "PEXPIRE": ("h", "1000"), "PTTL": ("h",),
     "SET": ("s", "1", "PX", "1000"), "TIME": (), "ZADD": ("z", "1", "m"), "ZPOPMIN": ("z",), "ZREM": ("z", "m"),
-    "ZSCORE": ("z", "m"),
+    "ZSCORE": ("z", "m"), "PEXPIREAT": ("h", "1"), "PEXPIRETIME": ("h",), "ZCARD": ("z",), "ZRANGE": ("z", "0", "0"),
+    "ZRANGEBYSCORE": ("z", "0", "1"), "ZREMRANGEBYSCORE": ("z", "0", "1"),
 }
 
 

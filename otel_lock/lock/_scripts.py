@@ -19,8 +19,9 @@ wait that would close a cycle of holders waiting on each other is refused
 (`_deadlock.py`), one key per lock it holds:
 
     S:waits:<owner>  string JSON [lock key waited for, waiter id, holder
-                        (task@pid/manager), queued (1: in that lock's queue)];
-                        expires with the wait, deleted when it ends
+                        (task@pid/manager), queued (1: in that lock's queue),
+                        how it waits (x exclusive, s shared, p a permit;
+                        absent: x)]; expires with the wait, deleted when it ends
 
 Shared holds and permits (`_shapes.py`) add keys of their own under the
 same hash tag and scripts of their own; the scripts here are unchanged by

@@ -55,7 +55,11 @@ class Agent:
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=stderr, env=env,
         )
         agent = cls(name, proc, stderr)
-        await agent.expect("ready")
+        try:
+            await agent.expect("ready")
+        except BaseException:
+            await agent.close()  # not handed to anyone who would close it: its process, pipes and file go now
+            raise
         return agent
 
     async def send(self, op: str, **fields) -> None:

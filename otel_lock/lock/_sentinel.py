@@ -190,7 +190,7 @@ def master_client(url: str, pool_timeout: float, options: dict[str, Any]) -> Sen
         options["username"] = target.username
     if target.password is not None:
         options["password"] = target.password
-    sentinel = Sentinel(list(target.sentinels), sentinel_kwargs=sentinel_kwargs)  # type: ignore[no-untyped-call]
+    sentinel = Sentinel(list(target.sentinels), sentinel_kwargs=sentinel_kwargs)  # type: ignore[no-untyped-call, unused-ignore]
     client: SentinelMaster = sentinel.master_for(target.service_name, redis_class=SentinelMaster,
                                  connection_pool_class=_BlockingSentinelPool, db=target.db,
                                  timeout=pool_timeout, **options)

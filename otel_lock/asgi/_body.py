@@ -116,7 +116,8 @@ class DisconnectWatch:
     wait ends (a lock granted) the listener is stopped before anything else
     runs, and a disconnect heard later is replayed to the app. The listener
     (a task) starts only once the wait has lasted LISTEN_AFTER: most waits
-    end sooner, and a disconnect that came before it starts is heard at once.
+    end sooner, and a disconnect that came before it starts is heard as it
+    starts.
     """
 
     def __init__(self, client: Client) -> None:

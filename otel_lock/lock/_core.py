@@ -217,8 +217,8 @@ class Core:
 
     def _check_shapes(self, what: str) -> None:
         if not self._topology.shapes:
-            raise TypeError(f"{type(self).__name__} does not offer {what}: a quorum of masters holds one exclusive "
-                            "owner per round (docs/lock.md, \"Shared locks and permits\"); use a LockManager")
+            raise TypeError(f"{type(self).__name__} does not offer {what}: {self._topology.shapes_refused()} "
+                            "(docs/lock.md, \"Shared locks and permits\"); use a LockManager")
 
     def _check_common(self, wait: float | None, lease: float | None, name: str | None,
                       cancel_on_lost: bool | None) -> tuple[float, float, bool]:

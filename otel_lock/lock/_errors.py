@@ -35,6 +35,7 @@ from redis.exceptions import (AuthenticationError, AuthenticationWrongNumberOfAr
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from ._scripts import SCRIPT_COMMANDS
 from ._tls import WORDS as TLS_WORDS
 from ._tls import TlsMisconfigured, fix_for
 
@@ -105,9 +106,8 @@ class RedisMisconfigured(LockError):
 UNAVAILABLE, MISCONFIGURED, ERROR = "redis_unavailable", "redis_misconfigured", "redis_error"
 
 # What the lock sends (its scripts' commands included), for the ACL rule a refusal names.
-LOCK_COMMANDS = ("+evalsha +eval +script|load +ping +subscribe +ssubscribe +publish +spublish +time +get +set +del "
-                 "+exists +pexpire +pexpireat +pexpiretime +pttl +hget +hset +hdel +hincrby +hgetall +zadd +zrem "
-                 "+zpopmin +zscore +zcard +zrange +zrangebyscore +zremrangebyscore +scan")
+LOCK_COMMANDS = " ".join(f"+{c.lower()}" for c in ("EVALSHA", "EVAL", "SCRIPT|LOAD", "PING", "SUBSCRIBE", "SSUBSCRIBE",
+                                                  "PUBLISH", "SPUBLISH", "HGETALL", "SCAN", *SCRIPT_COMMANDS))
 
 # Coarse (a refused password is a ConnectionError in redis-py): classify with is_unavailable().
 _UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, OSError, ClusterDownError, ReadOnlyError, TryAgainError)

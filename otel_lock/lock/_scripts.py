@@ -326,6 +326,13 @@ redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
 return ARGV[1]
 """
 
+# Every command the Lua scripts here, in `_shapes.py` and in `_redlock_scripts.py` call, besides PUBLISH
+# (SPUBLISH on a Cluster) to the wake channels; tests/test_server_checks.py keeps it in step with them.
+# The server checks ask the ACL about each; a refusal's fix names them.
+SCRIPT_COMMANDS = ("DEL", "EXISTS", "GET", "HDEL", "HGET", "HINCRBY", "HSET", "PEXPIRE", "PEXPIREAT", "PEXPIRETIME",
+                   "PTTL", "SET", "TIME", "ZADD", "ZCARD", "ZPOPMIN", "ZRANGE", "ZRANGEBYSCORE", "ZREM",
+                   "ZREMRANGEBYSCORE", "ZSCORE")
+
 MODEL = 1          # the layout above; bumped (and said in CHANGELOG.md) whenever it changes
 MODEL_TTL = 7 * 24 * 3600
 

@@ -40,18 +40,14 @@ from typing import Any, Awaitable, Callable, Literal
 from redis.exceptions import NoScriptError
 
 from ._errors import RedisMisconfigured
+from ._scripts import SCRIPT_COMMANDS
 
 __all__ = ["MIN_REDIS", "MIN_VALKEY", "SCRIPT_COMMANDS", "Check", "ServerHealth", "ServerReport", "check_server",
            "server_identity"]
 
 MIN_REDIS = (7, 0)
 MIN_VALKEY = (8, 0)
-# Every command the lock's Lua scripts call, the shared holds' and permits' included
-# (tests/test_server_checks.py keeps this in step with them), besides PUBLISH (SPUBLISH on a
-# Cluster) to the wake channels.
-SCRIPT_COMMANDS = ("DEL", "EXISTS", "GET", "HDEL", "HGET", "HINCRBY", "HSET", "PEXPIRE", "PEXPIREAT", "PEXPIRETIME",
-                   "PTTL", "SET", "TIME", "ZADD", "ZCARD", "ZPOPMIN", "ZRANGE", "ZRANGEBYSCORE", "ZREM",
-                   "ZREMRANGEBYSCORE", "ZSCORE")
+
 
 Run = Callable[..., Awaitable[Any]]
 Verdict = Literal["ok", "note", "warning", "refusal"]

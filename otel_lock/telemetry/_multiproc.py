@@ -29,6 +29,7 @@ aside (still summed), never overwritten.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import glob
 import logging
 import os
@@ -295,21 +296,22 @@ def _merged(path: str) -> list[Metric]:
     and is left out; a file renamed aside (a reused pid) or dropped (a dead process's
     gauges) between the listing and the read sends the scrape round once more.
     """
-    for attempt in range(3):
-        files = [name for name in glob.glob(os.path.join(path, "*.db")) if _started(name)]
+    for _ in range(2):
         try:
-            return list(MultiProcessCollector.merge(files))
+            return list(MultiProcessCollector.merge(_started(path)))
         except (FileNotFoundError, struct.error):
-            if attempt == 2:
-                raise
-    raise AssertionError("unreachable")
+            continue  # a file changed between the listing and the read: list them again
+    return list(MultiProcessCollector.merge(_started(path)))
 
 
-def _started(name: str) -> bool:
-    try:
-        return os.path.getsize(name) >= 8  # the header: how much of the file is used
-    except FileNotFoundError:
-        return False
+def _started(path: str) -> list[str]:
+    """The files in `path` that have their header (how much of the file is used) written."""
+    files = []
+    for name in glob.glob(os.path.join(path, "*.db")):
+        with contextlib.suppress(FileNotFoundError):
+            if os.path.getsize(name) >= 8:
+                files.append(name)
+    return files
 
 
 def sweep(path: str) -> None:

@@ -233,6 +233,33 @@ async def test_releasing_worker_does_not_take_the_lock_straight_back(locks, othe
     await held.release()
 
 
+async def test_a_contended_hand_over_costs_seventeen_redis_commands(locks, other, redis_client):
+    """A waiter's queued ACQUIRE and a holder's RELEASE to the head waiter, counted by Redis (inside scripts too).
+
+    17: the two EVALSHA; in ACQUIRE one HMGET of the lock, TIME, ZADD and HSET of the queue entry, the
+    queue's PTTL and the lock's; in RELEASE one HMGET (owner, and the token the next one follows), ZPOPMIN,
+    HGET and HDEL of the entry, TIME, SET of the fence, HSET and PEXPIRE of the lock, PUBLISH. (The waiter
+    that finds no queue also sets the queue's expiry: the first one is not counted.)
+    """
+    for manager in (locks, other):  # started: their start-up checks are not counted
+        async with manager.lock("warm-up"):
+            pass
+    holder = await locks.acquire("k")
+    first = asyncio.create_task(other.acquire("k", wait=10))
+    await queued(redis_client, "k", 1)
+    await redis_client.config_resetstat()
+    second = asyncio.create_task(other.acquire("k", wait=10))
+    await queued(redis_client, "k", 2)
+    await holder.release()
+    held = await asyncio.wait_for(first, 5)
+    stats = await redis_client.info("commandstats")
+    await held.release()
+    await (await asyncio.wait_for(second, 5)).release()
+    counted = {name.removeprefix("cmdstat_"): s["calls"] for name, s in stats.items()
+               if name not in ("cmdstat_config|resetstat", "cmdstat_zcard")}
+    assert sum(counted.values()) <= 17, sorted(counted.items())
+
+
 async def test_try_lock_on_a_busy_key_does_not_queue(locks, other, redis_client):
     async with locks.lock("k"):
         assert await other.try_lock("k") is None

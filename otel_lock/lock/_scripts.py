@@ -55,15 +55,17 @@ local function now_us()
   return tonumber(t[1]) * 1000000 + tonumber(t[2])
 end
 
-local function mint(fence, fence_ttl_ms, now)
+-- `last`: the newest token of this fence when the caller knows it (an exclusive holder's own: nothing
+-- else mints on the fence while it holds), which saves reading the fence
+local function mint(fence, fence_ttl_ms, now, last)
   local token = now
-  local last = tonumber(redis.call('GET', fence) or '0')
+  last = tonumber(last or redis.call('GET', fence) or '0')
   if last >= token then token = last + 1 end
   redis.call('SET', fence, string.format('%.0f', token), 'PX', fence_ttl_ms)
   return token
 end
 
-local function hand_over(lock, fence, queue, waiters, fence_ttl_ms)
+local function hand_over(lock, fence, queue, waiters, fence_ttl_ms, last)
   local now = nil
   while true do
     local head = redis.call('ZPOPMIN', queue)
@@ -77,7 +79,8 @@ local function hand_over(lock, fence, queue, waiters, fence_ttl_ms)
       local w = cjson.decode(info)
       now = now or now_us()
       if w[1] == 0 or w[1] > now then
-        local token = string.format('%.0f', mint(fence, fence_ttl_ms, now))
+        local token = string.format('%.0f', mint(fence, fence_ttl_ms, now, last))
+        last = token
         -- every field is overwritten, so the previous holder's hash needs no DEL
         redis.call('HSET', lock, 'owner', w[3], 'depth', 1, 'token', token, 'ctx', w[4], 'waiter', head[1])
         redis.call('PEXPIRE', lock, w[2])
@@ -89,6 +92,22 @@ local function hand_over(lock, fence, queue, waiters, fence_ttl_ms)
           return 1
         end
       end
+    end
+  end
+end
+
+-- a waiter joins the queue (once: a request sent again keeps its place). Its entry: JSON [deadline_us
+-- (0: none), lease_ms, owner, ctx, wake channel, sharded, and for a shape's waiter its mode]. The
+-- queue and entries outlive the longest wait by a minute; their expiry is pushed 30 s further each
+-- time it runs short, not at every arrival
+local function queue_entry(queue, waiters, waiter, now, budget, lease, owner, ctx, channel, sharded, mode)
+  if redis.call('ZADD', queue, 'NX', now, waiter) == 1 then
+    local deadline, keep_ms = 0, 3600000
+    if budget > 0 then deadline, keep_ms = now + budget * 1000, budget + 60000 end
+    redis.call('HSET', waiters, waiter, cjson.encode({deadline, lease, owner, ctx, channel, sharded, mode}))
+    if redis.call('PTTL', queue) < keep_ms then
+      redis.call('PEXPIRE', queue, keep_ms + 30000)
+      redis.call('PEXPIRE', waiters, keep_ms + 30000)
     end
   end
 end
@@ -105,10 +124,11 @@ end
 ACQUIRE = _COMMON + r"""
 local lock, fence, queue, waiters = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local owner, waiter, lease = ARGV[1], ARGV[2], ARGV[3]
-local holder = redis.call('HGET', lock, 'owner')
+local held = redis.call('HMGET', lock, 'owner', 'waiter', 'depth', 'token', 'ctx')
+local holder = held[1]
 if holder == owner then
   local depth
-  if redis.call('HGET', lock, 'waiter') == waiter then
+  if held[2] == waiter then
     -- handed to this waiter (its wake-up not read yet): claimed, with a lease from this request
     redis.call('HDEL', lock, 'waiter')
     depth = 1
@@ -117,14 +137,14 @@ if holder == owner then
   else
     -- a fresh owner is unique to one attempt: this is that attempt sent again
     -- (a client retry after a lost reply), and the lock is already its own
-    depth = tonumber(redis.call('HGET', lock, 'depth'))
+    depth = tonumber(held[3])
   end
   if redis.call('PTTL', lock) < tonumber(lease) then redis.call('PEXPIRE', lock, lease) end
   if ARGV[5] ~= '-1' then
     redis.call('ZREM', queue, waiter)
     redis.call('HDEL', waiters, waiter)
   end
-  return {1, tonumber(redis.call('HGET', lock, 'token')), depth}
+  return {1, tonumber(held[4]), depth}
 end
 if waiter == '-' then
   -- a re-entry whose outer hold is gone: never take the lock afresh under the old owner
@@ -142,20 +162,10 @@ if not holder then
   return {1, token, 1}
 end
 if ARGV[5] ~= '-1' then
-  local now = now_us()
-  if redis.call('ZADD', queue, 'NX', now, waiter) == 1 then
-    local budget = tonumber(ARGV[5])
-    local deadline, keep_ms = 0, 3600000
-    if budget > 0 then deadline, keep_ms = now + budget * 1000, budget + 60000 end
-    redis.call('HSET', waiters, waiter, cjson.encode({deadline, tonumber(lease), owner, ARGV[6], ARGV[8],
-                                                     tonumber(ARGV[9] or '0')}))
-    if redis.call('PTTL', queue) < keep_ms then
-      redis.call('PEXPIRE', queue, keep_ms)
-      redis.call('PEXPIRE', waiters, keep_ms)
-    end
-  end
+  queue_entry(queue, waiters, waiter, now_us(), tonumber(ARGV[5]), tonumber(lease), owner, ARGV[6], ARGV[8],
+              tonumber(ARGV[9] or '0'))
 end
-return {0, redis.call('PTTL', lock), redis.call('HGET', lock, 'ctx') or ''}
+return {0, redis.call('PTTL', lock), held[5] or ''}
 """
 
 # RELEASE: owner-checked; the last release hands the lock to the next live waiter.
@@ -166,11 +176,12 @@ return {0, redis.call('PTTL', lock), redis.call('HGET', lock, 'ctx') or ''}
 # Returns -1 when the caller is not the owner (nothing touched), else the
 # depth left (0: released, and handed over if anyone waited).
 RELEASE = _COMMON + r"""
-if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return -1 end
+local held = redis.call('HMGET', KEYS[1], 'owner', 'token')
+if held[1] ~= ARGV[1] then return -1 end
 local depth = 0
 if ARGV[3] ~= '1' then depth = redis.call('HINCRBY', KEYS[1], 'depth', -1) end
 if depth > 0 then return depth end
-hand_over(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[2])
+hand_over(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[2], held[2])
 return 0
 """
 
@@ -329,8 +340,8 @@ return ARGV[1]
 # Every command the Lua scripts here, in `_shapes.py` and in `_redlock_scripts.py` call, besides PUBLISH
 # (SPUBLISH on a Cluster) to the wake channels; tests/test_server_checks.py keeps it in step with them.
 # The server checks ask the ACL about each; a refusal's fix names them.
-SCRIPT_COMMANDS = ("DEL", "EXISTS", "GET", "HDEL", "HGET", "HINCRBY", "HSET", "PEXPIRE", "PEXPIREAT", "PEXPIRETIME",
-                   "PTTL", "SET", "TIME", "ZADD", "ZCARD", "ZPOPMIN", "ZRANGE", "ZRANGEBYSCORE", "ZREM",
+SCRIPT_COMMANDS = ("DEL", "EXISTS", "GET", "HDEL", "HGET", "HINCRBY", "HMGET", "HSET", "PEXPIRE", "PEXPIREAT",
+                   "PEXPIRETIME", "PTTL", "SET", "TIME", "ZADD", "ZCARD", "ZPOPMIN", "ZRANGE", "ZRANGEBYSCORE", "ZREM",
                    "ZREMRANGEBYSCORE", "ZSCORE")
 
 MODEL = 1          # the layout above; bumped (and said in CHANGELOG.md) whenever it changes

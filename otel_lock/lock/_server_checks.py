@@ -73,6 +73,7 @@ local h, s, z = KEYS[1], KEYS[2], KEYS[3]
 try('TIME')
 try('EXISTS', h)
 try('HGET', h, 'owner')
+try('HMGET', h, 'owner', 'token')
 try('GET', s)
 try('PTTL', h)
 try('ZPOPMIN', z)
@@ -100,7 +101,7 @@ return denied
 _PROBE_SHA = hashlib.sha1(_PROBE.encode()).hexdigest()
 # What ACL DRYRUN is asked for each command the scripts run (keys as the probe's).
 _DRYRUN_ARGS: dict[str, tuple[str, ...]] = {
-    "DEL": ("h",), "EXISTS": ("h",), "GET": ("s",), "HDEL": ("h", "f"), "HGET": ("h", "f"),
+    "DEL": ("h",), "EXISTS": ("h",), "GET": ("s",), "HDEL": ("h", "f"), "HGET": ("h", "f"), "HMGET": ("h", "f", "g"),
     "HINCRBY": ("h", "f", "1"), "HSET": ("h", "f", "v"), "PEXPIRE": ("h", "1000"), "PTTL": ("h",),
     "SET": ("s", "1", "PX", "1000"), "TIME": (), "ZADD": ("z", "1", "m"), "ZPOPMIN": ("z",), "ZREM": ("z", "m"),
     "ZSCORE": ("z", "m"), "PEXPIREAT": ("h", "1"), "PEXPIRETIME": ("h",), "ZCARD": ("z",), "ZRANGE": ("z", "0", "0"),

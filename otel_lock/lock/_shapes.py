@@ -20,7 +20,7 @@ Shared (`lock(key, shared=True)`), lock named N in namespace S:
     S:{N}:fence, S:{N}:q, S:{N}:w   as for the exclusive lock; a shared
                          waiter's entry has a 7th element "s"
 
-The exclusive scripts of `_scripts.py` are unchanged (same SHA1): a plain
+The exclusive scripts of `_scripts.py` know nothing of the shapes: a plain
 RELEASE hands the lock to the head waiter as an exclusive hold even when that
 waiter asked to share it; the shared waiter then claims it with SHARED_ACQUIRE,
 which turns the hold into a shared one and lets in every shared waiter right
@@ -93,18 +93,6 @@ local function cover(holders, tokens, also)
   redis.call('PEXPIREAT', tokens, at)
   if also then redis.call('PEXPIREAT', also, at) end
   return at
-end
-
-local function queue_entry(queue, waiters, waiter, now, budget, lease, owner, ctx, channel, sharded, mode)
-  if redis.call('ZADD', queue, 'NX', now, waiter) == 1 then
-    local deadline, keep_ms = 0, 3600000
-    if budget > 0 then deadline, keep_ms = now + budget * 1000, budget + 60000 end
-    redis.call('HSET', waiters, waiter, cjson.encode({deadline, lease, owner, ctx, channel, sharded, mode}))
-    if redis.call('PTTL', queue) < keep_ms then
-      redis.call('PEXPIRE', queue, keep_ms)
-      redis.call('PEXPIRE', waiters, keep_ms)
-    end
-  end
 end
 
 -- a place for a waiter (entry w, id) among the holders: published to its manager, or given back

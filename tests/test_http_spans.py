@@ -103,3 +103,38 @@ async def test_answers_of_the_lock_middleware_are_named_by_route(spans, redis_ur
         await manager.aclose()
     refused, served = server_spans(exporter)
     assert refused.name == served.name == "POST /orders/{order_id}"
+
+
+async def test_a_fastapi_app_that_traces_natively_records_each_request_once():
+    """FastAPI 0.165+ traces every request itself once an SDK is there: instrument_app must not add a second."""
+    pytest.importorskip("fastapi.telemetry")
+    from fastapi import FastAPI
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    exporter, reader = InMemorySpanExporter(), InMemoryMetricReader()
+    provider, meters = TracerProvider(), MeterProvider(metric_readers=[reader])
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    app = FastAPI(telemetry={"tracer_provider": provider, "meter_provider": meters})
+
+    @app.get("/orders/{order_id}")
+    async def order(order_id: int) -> dict:
+        if order_id == 0:
+            raise RuntimeError("handler failed")
+        return {"order_id": order_id}
+
+    try:
+        instrumented = TelemetrySetup(provider, meters, None).instrument_app(app)
+        assert instrumented is app  # the app itself: its state, routes and dependency overrides stay reachable
+        async with client_for(instrumented) as client:
+            assert (await client.get("/orders/7?x=1")).status_code == 200
+            assert (await client.get("/orders/0")).status_code == 500
+        ok, failed = server_spans(exporter)
+        assert len(exporter.get_finished_spans()) == 2, [s.name for s in exporter.get_finished_spans()]
+        assert ok.name == failed.name == "GET /orders/{order_id}"
+        assert (ok.attributes["http.status_code"], failed.attributes["http.status_code"]) == (200, 500)
+        names = {m.name for rm in reader.get_metrics_data().resource_metrics for sm in rm.scope_metrics
+                 for m in sm.metrics}
+        assert "http.server.duration" in names and "http.server.request.duration" not in names, names
+    finally:
+        provider.shutdown()
+        meters.shutdown()

@@ -21,6 +21,17 @@ current) fixes the span once the router has matched: name `{method} {route}`
 `http.url` are overwritten with the route template (query dropped; empty
 when unmatched). Span processors' `on_start` still see the raw values;
 exporters see the final ones.
+
+A FastAPI app of a release that traces natively (0.165+: a server span, a
+duration metric and operation spans per request once an SDK is installed)
+would otherwise record every request twice, once outside it by contrib and
+once inside by FastAPI. FastAPI steps aside when contrib's middleware is the
+top of its own middleware stack (where contrib's own FastAPI instrumentation
+puts it), so for such an app contrib goes there, around its error handler
+(an unhandled exception is still a recorded 500), and the app itself is
+returned. FastAPI's operation spans go with its server span; an app that
+wants them keeps FastAPI's native telemetry and does not call
+`instrument_app` (docs/observability.md, "FastAPI's own telemetry").
 """
 
 from __future__ import annotations
@@ -43,14 +54,31 @@ def instrument(app: ASGIApp, excluded_urls: str, tracer_provider: trace.TracerPr
 
     from ._http_metrics import BoundedMeterProvider
 
-    # No span per ASGI receive/send message: they double the middleware's
-    # cost (measured in docs/benchmarks.md) and say nothing about locks.
-    # Its metrics keep no client-chosen value (Host): see `_http_metrics`.
-    middleware: ASGIApp = OpenTelemetryMiddleware(
-        _RouteSpan(app), excluded_urls=excluded_urls, exclude_spans=["receive", "send"],
-        tracer_provider=tracer_provider, meter_provider=BoundedMeterProvider(meter_provider),
-    )
-    return middleware
+    def wrap(inner: ASGIApp) -> ASGIApp:
+        # No span per ASGI receive/send message: they double the middleware's
+        # cost (measured in docs/benchmarks.md) and say nothing about locks.
+        # Its metrics keep no client-chosen value (Host): see `_http_metrics`.
+        middleware: ASGIApp = OpenTelemetryMiddleware(
+            _RouteSpan(inner), excluded_urls=excluded_urls, exclude_spans=["receive", "send"],
+            tracer_provider=tracer_provider, meter_provider=BoundedMeterProvider(meter_provider),
+        )
+        return middleware
+
+    if not _traces_natively(app):
+        return wrap(app)
+    build = app.build_middleware_stack  # type: ignore[attr-defined]
+    app.build_middleware_stack = lambda: wrap(build())  # type: ignore[attr-defined]
+    return app
+
+
+def _traces_natively(app: ASGIApp) -> bool:
+    """A FastAPI app of a release with native telemetry, whose middleware stack is not built yet."""
+    if not any(cls.__module__ == "fastapi.applications" and cls.__name__ == "FastAPI" for cls in type(app).__mro__):
+        return False
+    import importlib.util
+
+    return (importlib.util.find_spec("fastapi.telemetry") is not None
+            and getattr(app, "middleware_stack", True) is None)
 
 
 def route_template(scope: Mapping[str, Any]) -> str | None:

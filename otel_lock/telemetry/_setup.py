@@ -103,7 +103,10 @@ class TelemetrySetup:
 
         Wrap the *outermost* app, e.g. ``app = telemetry.instrument_app(app)`` after
         every ``add_middleware``. See `_http` for the choice of instrumentation,
-        route-named spans and what happens to raw URLs.
+        route-named spans and what happens to raw URLs. A FastAPI app that
+        traces natively (0.165+) is returned itself, instrumented at the top of
+        its own middleware stack so that FastAPI does not trace each request a
+        second time.
         """
         from ._http import instrument
 

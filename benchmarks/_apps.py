@@ -9,6 +9,8 @@ demo      the demo shop, with BENCH_TELEMETRY=off|prom|prom-lock|otlp|otlp-lock 
 two-pings the bare handler awaiting two PINGs through redis-py (the cost of 2 round trips here)
 locked-via-redis-py  `locked` with otel-lock's Redis calls through redis-py instead of its lean connection
 fastapi-locked, fastapi-redis-py  `locked` and `redis-py` as FastAPI apps (typed path parameter)
+fastapi-telemetry  `fastapi-locked` with FastAPI's native telemetry, BENCH_TELEMETRY as for `demo` and the
+          FastAPI modes of benchmarks._otel_modes (framework spans on, without operation spans, sampled)
 """
 
 from __future__ import annotations
@@ -149,6 +151,31 @@ def fastapi_redis_py_app(url: str):
     return app
 
 
+def fastapi_telemetry_app(url: str):
+    """`fastapi-locked` with FastAPI's native telemetry and otel-lock's as BENCH_TELEMETRY says (see _otel_modes)."""
+    from fastapi import FastAPI
+
+    from otel_lock import LockManager, LockMiddleware, locked
+    from otel_lock.telemetry import metrics_endpoint
+
+    from ._otel_modes import fastapi_telemetry, install
+
+    mode = os.environ.get("BENCH_TELEMETRY", "off")
+    setup = install(mode)
+    manager = LockManager.from_url(url, namespace="bench")
+    app = FastAPI(lifespan=_closing(manager), openapi_url=None, telemetry=fastapi_telemetry(mode))
+
+    @app.post("/items/{id}")
+    @locked("item:{path.id}", wait=WAIT)
+    async def item(id: int) -> dict:
+        return {"id": id}
+
+    app.add_api_route("/healthz", healthz)
+    app.add_api_route("/metrics", metrics_endpoint)
+    app.add_middleware(LockMiddleware, manager=manager)
+    return setup.instrument_app(app) if mode.endswith("-app") else app
+
+
 def demo_app(url: str):
     """The demo shop (POST /api/stock/{id}/deduct is its locked endpoint), telemetry as BENCH_TELEMETRY says."""
     from otel_lock.demo import DemoSettings, create_app
@@ -169,6 +196,7 @@ VARIANTS = {
     "redis-py": redis_py_app,
     "fastapi-locked": fastapi_locked_app,
     "fastapi-redis-py": fastapi_redis_py_app,
+    "fastapi-telemetry": fastapi_telemetry_app,
 }
 
 

@@ -28,7 +28,9 @@ METRIC_EXPORT_MS = "1000"  # export often, so the window pays for it (the SDK de
 
 
 def base_mode(mode: str) -> str:
-    return mode.removesuffix("-lock").removesuffix("-workers")
+    for suffix in ("-lock", "-workers", "-fw-lean", "-sampled", "-app"):
+        mode = mode.removesuffix(suffix)
+    return mode
 
 
 def env_for(mode: str, receiver_port: int | None) -> dict:
@@ -37,11 +39,13 @@ def env_for(mode: str, receiver_port: int | None) -> dict:
         return {"PROMETHEUS_MULTIPROC_DIR": tempfile.mkdtemp(prefix="otel-lock-bench-workers-")}
     if base_mode(mode) != "otlp":
         return {}
+    sampled = {"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.1"}
     return {
         "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver_port}",
         "OTEL_METRICS_EXPORTER": "otlp",
         "OTEL_METRIC_EXPORT_INTERVAL": METRIC_EXPORT_MS,
         "OTEL_BSP_SCHEDULE_DELAY": "500",
+        **(sampled if mode.endswith("-sampled") else {}),
     }
 
 
@@ -53,6 +57,27 @@ class _LockOnly:
 
     def instrument_app(self, app):
         return app
+
+
+# FastAPI's native telemetry (FastAPI 0.165+ traces every request once an SDK is installed: a server
+# span, and with operation spans one per dependency, the endpoint and the serialisation), per mode:
+#   otlp-fw-lean     its operation spans off (the server span stays)
+#   otlp-sampled     its operation spans off and one trace in ten sampled
+#                    (OTEL_TRACES_SAMPLER=parentbased_traceidratio): the switches docs/observability.md names
+#   *-lock           FastAPI's own telemetry off: the lock's telemetry alone
+#   *-app            TelemetrySetup.instrument_app(app), as docs/observability.md wires an app: contrib's
+#                    HTTP spans and metrics, and FastAPI's own step aside
+FASTAPI_MODES = ("off", "prom-lock", "prom", "prom-app", "otlp-lock", "otlp", "otlp-fw-lean", "otlp-sampled",
+                 "otlp-app")
+
+
+def fastapi_telemetry(mode: str) -> dict:
+    """FastAPI(telemetry=...) for `mode`."""
+    if mode.endswith("-lock"):
+        return {"tracing": False, "metrics": False, "logs": False}
+    if mode in ("otlp-fw-lean", "otlp-sampled"):
+        return {"operation_spans": False}
+    return {}
 
 
 def install(mode: str):

@@ -168,6 +168,42 @@ TELEMETRY_LABELS = {
     "otlp-prom": "OTLP/HTTP + Prometheus reader",
 }
 TELEMETRY_TARGETS = {"prom": 0.10, "otlp": 0.25}  # = benchmarks._otel_modes.TARGETS
+FASTAPI_LABELS = {
+    "off": "off (no SDK)",
+    "prom-lock": "/metrics, the lock's telemetry alone (FastAPI's off)",
+    "prom": "/metrics, FastAPI's metrics and the lock's",
+    "prom-app": "/metrics, `instrument_app` (contrib's HTTP metrics; FastAPI's step aside) and the lock's",
+    "otlp-lock": "OTLP, the lock's telemetry alone (FastAPI's off)",
+    "otlp": "OTLP, FastAPI's native tracing and metrics and the lock's",
+    "otlp-fw-lean": "OTLP, FastAPI's native telemetry with its operation spans off, and the lock's",
+    "otlp-sampled": "OTLP, the same with 1 trace in 10 sampled (parentbased_traceidratio 0.1)",
+    "otlp-app": "OTLP, `instrument_app` (contrib's HTTP span and metrics; FastAPI's step aside) and the lock's",
+}
+FASTAPI_TARGETS = {"prom": 0.95, "otlp": 0.85, "prom-lock": 0.95, "otlp-lock": 0.95}  # req/s, share of off's
+
+
+def _render_fastapi(rows: list[dict]) -> tuple[list[str], list]:
+    """The FastAPI part of the telemetry suite: its table and its targets."""
+    order = list(FASTAPI_LABELS)
+    rows = sorted(rows, key=lambda r: order.index(r["mode"]) if r["mode"] in order else len(order))
+    base = next((r for r in rows if r["mode"] == "off"), None)
+    out = ["", f"A `@locked` FastAPI route under uvicorn with FastAPI's native telemetry (FastAPI 0.165+ traces "
+           f"every request once an SDK is installed), c={rows[0]['concurrency']}, one server per mode; best round "
+           f"by req/s:", ""]
+    out.append(_table(
+        ["telemetry", "req/s", "vs off", "p50 ms", "statuses", "req/s of each round"],
+        [[FASTAPI_LABELS.get(r["mode"], r["mode"]), _f(r["rps"], 0),
+          f"{r['rps'] / base['rps']:.2f}x" if base else "n/a", _f(r["p50_ms"], 2),
+          ", ".join(f"{k}: {v}" for k, v in sorted(r["statuses"].items())),
+          " / ".join(str(v) for v in r["rounds"])] for r in rows]))
+    targets = []
+    for r in rows:
+        floor = FASTAPI_TARGETS.get(r["mode"])
+        if base and floor is not None:
+            ratio = r["rps"] / base["rps"]
+            targets.append((f"FastAPI: req/s >= {floor:.2f}x of off ({FASTAPI_LABELS[r['mode']]})", ratio,
+                            ratio >= floor))
+    return out, targets
 
 
 def render_telemetry(data: dict, collect: list | None = None) -> str:
@@ -210,8 +246,11 @@ def render_telemetry(data: dict, collect: list | None = None) -> str:
         out += ["", "Endpoint p50 overhead over off, per part (the lock's telemetry; the ASGI "
                 "instrumentation on top of it):", ""]
         out.append(_table(["telemetry", "case", "lock telemetry", "ASGI instrumentation", "total"], parts))
-    out += ["", f"OTLP requests the dummy receiver got during the run: {data.get('otlp_received')}", ""]
     targets = []
+    if data.get("fastapi"):
+        lines, targets = _render_fastapi(data["fastapi"])
+        out += lines
+    out += ["", f"OTLP requests the dummy receiver got during the run: {data.get('otlp_received')}", ""]
     for r in cycle:
         limit = TELEMETRY_TARGETS.get(r["mode"])
         if base and limit is not None:
@@ -220,7 +259,7 @@ def render_telemetry(data: dict, collect: list | None = None) -> str:
             targets.append((f"lock cycle p50 overhead <= {limit:.0%} ({label})", over, over <= limit))
             over = r["client_cpu_per_cycle_us"] / base["client_cpu_per_cycle_us"] - 1
             targets.append((f"lock cycle client CPU overhead <= {limit:.0%} ({label})", over, over <= limit))
-    shown = [[t, f"{v:+.1%}", ok] for t, v, ok in targets]
+    shown = [[t, f"{v:.2f}x" if t.startswith("FastAPI") else f"{v:+.1%}", ok] for t, v, ok in targets]
     if data["machine"].get("quick"):
         out += ["(--quick: windows too short for verdicts; run without --quick to check the targets)", ""]
     else:

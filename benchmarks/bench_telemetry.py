@@ -6,7 +6,11 @@
 (2) the demo shop's locked endpoint (POST /api/stock/{id}/deduct) under uvicorn, one server per mode,
     at concurrency 1 and 16, each telemetry mode with and without the ASGI instrumentation, so the
     overhead splits into the lock's part and the HTTP instrumentation's; /metrics is scraped once a
-    second in the prom modes.
+    second in the prom modes;
+(3) a FastAPI app with its native telemetry (FastAPI 0.165+ traces every request once an SDK is installed)
+    and a @locked route, at concurrency 16: off, the lock's telemetry alone, FastAPI's and the lock's
+    together, and the switches that bring the framework's part down (no operation spans, sampling);
+    targets: req/s with OTLP at least 0.85x of off, with /metrics 0.95x.
 Modes run in interleaved rounds; the best round (lowest p50) per mode is reported, with every round's p50.
 """
 
@@ -18,7 +22,7 @@ import json
 from . import bench_lock
 from ._harness import flush, percentile
 from ._load import Server, call, drive
-from ._otel_modes import ENDPOINT_MODES, MODES, Receiver, base_mode, env_for
+from ._otel_modes import ENDPOINT_MODES, FASTAPI_MODES, MODES, Receiver, base_mode, env_for
 
 PRODUCTS = 64
 CASES = [("one product, c=1", 1), ("64 products, c=16", 16)]
@@ -74,6 +78,32 @@ def endpoint(url: str, receiver: Receiver, rounds: int, duration: float) -> list
             for case, _ in CASES for mode in ENDPOINT_MODES]
 
 
+def fastapi(url: str, receiver: Receiver, rounds: int, duration: float, concurrency: int = 16) -> list[dict]:
+    """req/s of a @locked FastAPI route per telemetry mode (one server each), best round of each."""
+    flush(url)
+    servers = {}
+    runs = []
+    try:
+        for mode in FASTAPI_MODES:
+            servers[mode] = Server("fastapi-telemetry", url,
+                                   env={"BENCH_TELEMETRY": mode, **env_for(mode, receiver.port)})
+        for r in range(rounds):
+            for mode in _rotate(FASTAPI_MODES, r):
+                res = asyncio.run(drive(servers[mode].port, concurrency, duration,
+                                        scrape="/metrics" if base_mode(mode) == "prom" else None))
+                lat = res["latencies"]
+                runs.append({"mode": mode, "concurrency": concurrency, "rps": len(lat) / res["window"],
+                             "p50_ms": percentile(lat, 50) * 1e3, "statuses": res["statuses"]})
+    finally:
+        for server in servers.values():
+            server.stop()
+    best = []
+    for mode in FASTAPI_MODES:
+        rows = [x for x in runs if x["mode"] == mode]
+        best.append({**max(rows, key=lambda x: x["rps"]), "rounds": [round(x["rps"]) for x in rows]})
+    return best
+
+
 def profile(url: str, profile_dir) -> dict:
     """cProfile of the lock cycle with telemetry on: which OpenTelemetry calls the cycle pays for."""
     from ._report import top_functions
@@ -105,7 +135,8 @@ def run(url: str, quick: bool, short: bool = False) -> dict:
     try:
         cycle = lock_cycle(url, receiver, cycle_rounds, cycle_s)
         http = endpoint(url, receiver, rounds, duration)
+        framework = fastapi(url, receiver, rounds, duration)
         received = receiver.received
     finally:
         receiver.close()
-    return {"cycle": cycle, "endpoint": http, "otlp_received": received, "plan": plan}
+    return {"cycle": cycle, "endpoint": http, "fastapi": framework, "otlp_received": received, "plan": plan}

@@ -150,6 +150,56 @@ async def test_crossed_waits_through_a_shared_hold_or_a_permit_on_cluster_master
         assert all(isinstance(o, (int, LockDeadlock)) for o in (a, b)), (a, b)
 
 
+async def test_a_shared_wait_behind_an_exclusive_waiter_on_cluster_masters_is_refused(cluster):
+    """B holds `first` shared, C queues for it exclusively, A holds `second` and asks for `first` shared (it is
+    not let in: C goes first), B asks for `second`: the stepwise walk sees A's shared wait blocked by B."""
+    from redis.asyncio.cluster import ClusterNode, RedisCluster
+
+    from otel_lock import LockDeadlock
+
+    per_master = await cluster.keys_per_master(1, prefix="dq")
+    first, second = [ks[0] for ks in per_master.values()][:2]
+    outcomes: dict[str, object] = {}
+    b_holds, a_holds, c_queued = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    async with LockManager.from_url(cluster.url) as one, LockManager.from_url(cluster.url) as two, \
+            LockManager.from_url(cluster.url) as three, \
+            RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", cluster.ports[0])]) as client:
+
+        async def waits(name: str, locks, key: str, **shape) -> None:
+            try:
+                async with locks.lock(key, wait=30.0, **shape) as then:
+                    outcomes[name] = then.token
+            except Exception as exc:  # noqa: BLE001  (the outcome under test)
+                outcomes[name] = exc
+
+        async def a() -> None:
+            async with one.lock(second):
+                a_holds.set()
+                await c_queued.wait()
+                await waits("a", one, first, shared=True)
+
+        async def b() -> None:
+            async with two.lock(first, shared=True):
+                b_holds.set()
+                await c_queued.wait()
+                await waits("b", two, second)
+
+        async def c() -> None:
+            await b_holds.wait()
+            await waits("c", three, first)
+
+        async def queued() -> None:
+            while await client.zcard(f"otel-lock:{{{first}}}:q") < 1:
+                await asyncio.sleep(0.005)
+            c_queued.set()
+
+        await asyncio.wait_for(asyncio.gather(a(), b(), c(), queued()), 60)
+    refusals = [o for o in (outcomes["a"], outcomes["b"]) if isinstance(o, LockDeadlock)]
+    assert refusals, outcomes
+    assert all(isinstance(o, (int, LockDeadlock)) for o in outcomes.values()), outcomes
+    assert isinstance(outcomes["c"], int), outcomes
+
+
 async def test_crossed_waits_on_redlock_are_not_detected_and_end_at_wait(masters):
     urls = [s.url for s in masters]
     async with RedLockManager.from_urls(urls) as one, RedLockManager.from_urls(urls) as two:

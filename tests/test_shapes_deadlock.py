@@ -163,3 +163,105 @@ async def test_every_permit_holder_in_the_cycle_is_a_deadlock(managers, redis_cl
         await asyncio.gather(holder("a1"), holder("a2"), b())
     assert "LockTimeout" not in outcome.values(), outcome
     assert list(outcome.values()).count("LockDeadlock") == 1, outcome
+
+
+@pytest.mark.parametrize("shared_waits_first", [False, True], ids=["holder waits first", "shared waiter first"])
+async def test_a_shared_wait_behind_an_exclusive_waiter_is_in_the_cycle(managers, redis_url, redis_client,
+                                                                       shared_waits_first):
+    """B holds k1 shared and waits for k2; C (holding nothing) queues for k1 exclusively; A holds k2 and asks
+    for k1 shared. A is not let in beside B: C is queued first and goes first, once B has left, which B does
+    only once A lets k2 go. One of A and B is refused, whichever closes the cycle."""
+    one, two = managers
+    three = LockManager.from_url(redis_url, namespace="t")
+    a_in, b_in, c_queued, first_waits = asyncio.Event(), asyncio.Event(), asyncio.Event(), asyncio.Event()
+    outcome: dict[str, str] = {}
+
+    async def records(n: int) -> None:
+        while len(await redis_client.keys("t:waits:*")) < n:  # that many waits checked and recorded
+            await asyncio.sleep(0.005)
+
+    async def a() -> None:
+        async with one.lock("k2"):
+            a_in.set()
+            await c_queued.wait()
+            if not shared_waits_first:
+                await first_waits.wait()
+            try:
+                async with one.lock("k1", shared=True, wait=WAIT):
+                    outcome["a"] = "held"
+            except (LockDeadlock, LockTimeout) as exc:
+                outcome["a"] = type(exc).__name__
+
+    async def b() -> None:
+        async with two.lock("k1", shared=True):
+            b_in.set()
+            await c_queued.wait()
+            if shared_waits_first:
+                await first_waits.wait()
+            try:
+                async with two.lock("k2", wait=WAIT):
+                    outcome["b"] = "held"
+            except (LockDeadlock, LockTimeout) as exc:
+                outcome["b"] = type(exc).__name__
+
+    async def c() -> None:
+        await b_in.wait()
+        async with three.lock("k1", wait=WAIT * 3):
+            outcome["c"] = "held"
+
+    async def order() -> None:
+        await asyncio.gather(a_in.wait(), b_in.wait())
+        while await redis_client.zcard("t:{k1}:q") < 1:
+            await asyncio.sleep(0.005)
+        c_queued.set()
+        await records(1)  # the first of A and B waits, checked and recorded; then the other closes the cycle
+        first_waits.set()
+
+    try:
+        async with asyncio.timeout(WAIT * 4):
+            await asyncio.gather(a(), b(), c(), order())
+    finally:
+        await three.aclose()
+    assert outcome["c"] == "held"
+    closer = "b" if shared_waits_first else "a"
+    assert (outcome[closer], outcome["b" if closer == "a" else "a"]) == ("LockDeadlock", "held"), outcome
+
+
+async def test_a_shared_wait_behind_an_exclusive_waiter_on_a_plain_chain_is_no_deadlock(managers, redis_url,
+                                                                                      redis_client):
+    """The same queue without the cycle: B holds k1 shared and waits for nothing; A (holding k2) waits for k1
+    shared behind C. A chain, not a cycle: nobody is refused, and A gets k1 after C."""
+    one, two = managers
+    three = LockManager.from_url(redis_url, namespace="t")
+    b_in, b_go = asyncio.Event(), asyncio.Event()
+    order: list[str] = []
+
+    async def b() -> None:
+        async with two.lock("k1", shared=True):
+            b_in.set()
+            await b_go.wait()
+
+    async def c() -> None:
+        await b_in.wait()
+        async with three.lock("k1", wait=WAIT * 3):
+            order.append("c")
+
+    async def a() -> None:
+        await b_in.wait()
+        while await redis_client.zcard("t:{k1}:q") < 1:  # C is queued first
+            await asyncio.sleep(0.005)
+        async with one.lock("k2"):
+            async with one.lock("k1", shared=True, wait=WAIT * 3):
+                order.append("a")
+
+    async def release_b_once_a_is_checked() -> None:
+        while len(await redis_client.keys("t:waits:*")) < 1:  # A's wait checked and recorded, not refused
+            await asyncio.sleep(0.005)
+        b_go.set()
+
+    try:
+        async with asyncio.timeout(WAIT * 4):
+            await asyncio.gather(a(), b(), c(), release_b_once_a_is_checked())
+    finally:
+        await three.aclose()
+    assert order == ["c", "a"]

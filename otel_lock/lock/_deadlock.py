@@ -14,7 +14,8 @@ its own owner id), naming the lock it waits for, its waiter id and the task
 lock -> its owner (the lock's hash) -> the lock that owner waits for (its
 record) -> ..., and a walk that comes back to one of the waiter's own
 owners is a cycle. Shared holds and permits are followed too: an exclusive
-wait on a shared hold is stuck if any shared holder is, a permit wait only
+wait on a shared hold is stuck if any shared holder is (and so is a shared
+wait queued behind an exclusive waiter, which goes first), a permit wait only
 if every permit holder is (one that leaves frees it), and a holder met again
 on the walk is assumed stuck (the greatest fixpoint: a knot), while only a
 path back to the caller's own holds is refused. A record whose waiter has left that lock's queue (it got
@@ -181,8 +182,8 @@ async def _walk_stepwise(transport: Any, probe: Probe, want: str, waiter_id: str
     await asyncio.gather(*(redis.set(probe.record_key(owner), record, px=ttl_ms(wait_left))
                            for owner in probe.owners))
     probe.recorded = True
-    first = await _Walk(redis, probe).cycle(want, how)
-    if not first or await _Walk(redis, probe).cycle(want, how) != first:
+    first = await _Walk(redis, probe).cycle(want, how, waiter_id)
+    if not first or await _Walk(redis, probe).cycle(want, how, waiter_id) != first:
         return ()
     return first
 
@@ -204,12 +205,12 @@ class _Walk:
         self.steps = 0
         self.now_ms: int | None = None
 
-    async def cycle(self, want: str, how: str) -> Path:
-        found = await self._stuck(want, how)
+    async def cycle(self, want: str, how: str, waiter: str) -> Path:
+        found = await self._stuck(want, how, waiter)
         return found if isinstance(found, tuple) else ()
 
-    async def _holders(self, key: str, how: str) -> tuple[list[str], bool]:
-        """Who keeps a wait of kind `how` for `key` from ending, and whether all of them must be stuck."""
+    async def _holders(self, key: str, how: str, waiter: str) -> tuple[list[str], bool]:
+        """Who keeps a wait of kind `how` by `waiter` for `key` from ending, and whether all of them must be stuck."""
         if how == "p":
             held = await self._live(key)
             limit = int(_text(await self.redis.hget(key + ":t", "#limit")) or 0)
@@ -219,7 +220,20 @@ class _Walk:
             return [], False
         if owner != "(shared)":
             return [owner], False
-        return ([] if how == "s" else await self._live(key + ":sh")), False
+        if how == "s" and not await self._exclusive_ahead(key, waiter):
+            return [], False
+        return await self._live(key + ":sh"), False
+
+    async def _exclusive_ahead(self, key: str, waiter: str) -> bool:
+        """Is an exclusive waiter queued ahead of `waiter` (of the 64 first; anywhere when it is not queued)?"""
+        mine = await self.redis.zscore(key + ":q", waiter)
+        ahead = (await self.redis.zrangebyscore(key + ":q", "-inf", f"({mine}", start=0, num=MAX_STEPS)
+                 if mine is not None else await self.redis.zrange(key + ":q", 0, MAX_STEPS - 1))
+        for member in ahead:
+            entry = await self.redis.hget(key + ":w", member)
+            if entry is not None and (json.loads(entry)[6:7] or ["x"])[0] == "x":
+                return True
+        return False
 
     async def _live(self, holders: str) -> list[str]:
         if self.now_ms is None:
@@ -227,8 +241,8 @@ class _Walk:
             self.now_ms = seconds * 1000 + micros // 1000
         return [_text(m) for m in await self.redis.zrangebyscore(holders, f"({self.now_ms}", "+inf")]
 
-    async def _stuck(self, key: str, how: str) -> Path | bool | None:
-        held, every = await self._holders(key, how)
+    async def _stuck(self, key: str, how: str, waiter: str) -> Path | bool | None:
+        held, every = await self._holders(key, how, waiter)
         found: Path | bool | None = None
         for owner in held:
             through = await self._through(key, owner)
@@ -259,7 +273,7 @@ class _Walk:
         if in_queue and await self.redis.zscore(waits_for + ":q", waiter) is None:
             return None
         self.walking.add(owner)
-        rest = await self._stuck(waits_for, record[4] if len(record) > 4 else "x")
+        rest = await self._stuck(waits_for, record[4] if len(record) > 4 else "x", waiter)
         self.walking.discard(owner)
         return ((key, owner, holder), *rest) if isinstance(rest, tuple) else rest
 

@@ -234,7 +234,8 @@ return 1
 # moment, the first records its wait and the second finds the cycle.
 # What blocks a wait depends on how it waits (the record's 5th element; a record without it, exclusive):
 #   x  an exclusive wait: the lock's owner, or every shared holder; one of them stuck is enough
-#   s  a shared wait: the exclusive owner (shared holders let it in)
+#   s  a shared wait: the exclusive owner; on a key held shared, every shared holder (one stuck is enough)
+#      when an exclusive waiter is queued ahead of it (it goes first, once they have all left), else none
 #   p  a permit wait: every permit holder when none is free; stuck only if all of them are
 # Only a cycle through the caller's own holds is refused (one of others it merely waits behind is not);
 # a walk longer than 64 holders is no cycle (never a false refusal).
@@ -251,8 +252,23 @@ local t = redis.call('TIME')
 local now_ms = math.floor((tonumber(t[1]) * 1000000 + tonumber(t[2])) / 1000)
 local steps, walking = 0, {}
 
--- who keeps a wait of kind `how` for `key` from ending, and whether all of them must be stuck
-local function holders(key, how)
+-- is an exclusive waiter queued ahead of `waiter` (anywhere in the queue when it is not queued)? Looks
+-- at the 64 first only (beyond them: no, never a false refusal)
+local function exclusive_ahead(key, waiter)
+  local queue = key .. ':q'
+  local mine = redis.call('ZSCORE', queue, waiter)
+  local ahead
+  if mine then ahead = redis.call('ZRANGEBYSCORE', queue, '-inf', '(' .. mine, 'LIMIT', 0, 64)
+  else ahead = redis.call('ZRANGE', queue, 0, 63) end
+  for i = 1, #ahead do
+    local info = redis.call('HGET', key .. ':w', ahead[i])
+    if info and (cjson.decode(info)[7] or 'x') == 'x' then return true end
+  end
+  return false
+end
+
+-- who keeps a wait of kind `how` by `waiter` for `key` from ending, and whether all of them must be stuck
+local function holders(key, how, waiter)
   if how == 'p' then
     local held = redis.call('ZRANGEBYSCORE', key, '(' .. now_ms, '+inf')
     if #held < tonumber(redis.call('HGET', key .. ':t', '#limit') or '0') then return {}, true end
@@ -261,7 +277,7 @@ local function holders(key, how)
   local owner = redis.call('HGET', key, 'owner')
   if not owner then return {}, false end
   if owner ~= '(shared)' then return {owner}, false end
-  if how == 's' then return {}, false end
+  if how == 's' and not exclusive_ahead(key, waiter) then return {}, false end
   return redis.call('ZRANGEBYSCORE', key .. ':sh', '(' .. now_ms, '+inf'), false
 end
 
@@ -280,7 +296,7 @@ local function through(key, owner)
   -- a wait that ended without its record being deleted yet (granted, left): no edge
   if e[4] == 1 and not redis.call('ZSCORE', e[1] .. ':q', e[2]) then return nil end
   walking[owner] = true
-  local rest = stuck(e[1], e[5] or 'x')
+  local rest = stuck(e[1], e[5] or 'x', e[2])
   walking[owner] = nil
   if type(rest) ~= 'table' then return rest end
   local path = {key, owner, e[3]}
@@ -288,8 +304,8 @@ local function through(key, owner)
   return path
 end
 
-stuck = function(key, how)
-  local held, all = holders(key, how)
+stuck = function(key, how, waiter)
+  local held, all = holders(key, how, waiter)
   local found = nil
   for i = 1, #held do
     local r = through(key, held[i])
@@ -304,7 +320,7 @@ stuck = function(key, how)
   return found
 end
 
-local cycle = stuck(want, ARGV[7])
+local cycle = stuck(want, ARGV[7], ARGV[3])
 if type(cycle) == 'table' then
   table.insert(cycle, 1, 1)
   return cycle

@@ -598,6 +598,13 @@ class SyncLockManager:
         """The prefix of every Redis key of the manager."""
         return self._current().manager.namespace
 
+    def unsupported_reason(self, mode: str) -> str | None:
+        """Why this manager cannot take holds of `mode` (exclusive, shared or permit), or None: no round trip.
+
+        As `LockManager.unsupported_reason`, for a start-up check; None from a `Locks` that does not say."""
+        ask: Callable[[str], str | None] | None = getattr(self._current().manager, "unsupported_reason", None)
+        return ask(mode) if ask is not None else None
+
     # -- locks -----------------------------------------------------------------
 
     def lock(self, key: str, *, wait: float | None = None, lease: float | None = None, name: str | None = None,

@@ -134,3 +134,13 @@ def test_crossed_waits_of_two_threads_are_refused_to_the_second(sync_locks, othe
         assert caught.value.cycle[0][2].startswith("transfer-a#")
     thread.join(20)
     assert isinstance(outcome["a"], int)
+
+
+def test_the_blocking_facade_says_which_shapes_it_refuses(sync_locks, redis_url):
+    """As the async manager: for a start-up check, without a round trip."""
+    assert [sync_locks.unsupported_reason(m) for m in ("exclusive", "shared", "permit")] == [None, None, None]
+    with SyncLockManager.from_url(redis_url, namespace=NS, wait_replicas=1) as replicated:
+        assert replicated.unsupported_reason("exclusive") is None
+        assert "wait_replicas" in (replicated.unsupported_reason("shared") or "")
+    with pytest.raises(ValueError, match="mode must be one of exclusive, shared, permit"):
+        sync_locks.unsupported_reason("reader")

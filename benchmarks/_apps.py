@@ -9,6 +9,7 @@ demo      the demo shop, with BENCH_TELEMETRY=off|prom|prom-lock|otlp|otlp-lock 
 two-pings the bare handler awaiting two PINGs through redis-py (the cost of 2 round trips here)
 locked-via-redis-py  `locked` with otel-lock's Redis calls through redis-py instead of its lean connection
 fastapi-locked, fastapi-redis-py  `locked` and `redis-py` as FastAPI apps (typed path parameter)
+fastapi-otel-lock-by-hand  the FastAPI handler taking otel-lock's lock itself (diagnostic: the middleware's share)
 fastapi-telemetry  `fastapi-locked` with FastAPI's native telemetry, BENCH_TELEMETRY as for `demo` and the
           FastAPI modes of benchmarks._otel_modes (framework spans on, without operation spans, sampled)
 """
@@ -151,6 +152,24 @@ def fastapi_redis_py_app(url: str):
     return app
 
 
+def fastapi_otel_lock_by_hand_app(url: str):
+    """The `fastapi-redis-py` handler taking otel-lock's lock by hand: the lock alone, without the middleware."""
+    from fastapi import FastAPI
+
+    from otel_lock import LockManager
+
+    manager = LockManager.from_url(url, namespace="bench")
+    app = FastAPI(lifespan=_closing(manager), openapi_url=None)
+
+    @app.post("/items/{id}")
+    async def item(id: int) -> dict:
+        async with manager.lock(f"item:{id}", wait=WAIT):
+            return {"id": id}
+
+    app.add_api_route("/healthz", healthz)
+    return app
+
+
 def fastapi_telemetry_app(url: str):
     """`fastapi-locked` with FastAPI's native telemetry and otel-lock's as BENCH_TELEMETRY says (see _otel_modes)."""
     from fastapi import FastAPI
@@ -197,6 +216,7 @@ VARIANTS = {
     "fastapi-locked": fastapi_locked_app,
     "fastapi-redis-py": fastapi_redis_py_app,
     "fastapi-telemetry": fastapi_telemetry_app,
+    "fastapi-otel-lock-by-hand": fastapi_otel_lock_by_hand_app,
 }
 
 

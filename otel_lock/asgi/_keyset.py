@@ -13,6 +13,7 @@ request takes nothing for that template (docs/middleware.md, "Several keys").
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable, Iterable, Iterator
 
 from ._keys import KeyTemplate, Part, TemplateValueError
@@ -69,7 +70,7 @@ class KeySet:
         """The templates as written: the lock's default metric/span name."""
         return ", ".join(t.template for t in self.templates)
 
-    @property
+    @cached_property  # read on every request: computed once (the templates never change)
     def parts(self) -> tuple[Part, ...]:
         """Every distinct placeholder, in order (one value per placeholder, however many templates name it)."""
         return tuple(dict.fromkeys(p for t in self.templates for p in t.parts))

@@ -13,6 +13,7 @@ blocked in `send` (a client that does not read) is bounded by `send_timeout`.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
@@ -31,7 +32,6 @@ from ._shapes import holding
 from ._values import CALLER
 from .idempotency._principal import PrincipalProblem, request_of, resolve
 from ._problem import send_problem
-from ._send_budget import BoundedSend, SendTimeout
 from ._types import ASGIApp, Message, Receive, ResponseEnd, Scope, Send
 
 if TYPE_CHECKING:
@@ -59,6 +59,10 @@ class Protection:
     after_auth: bool = False        # taken by our dependency, after the route's security dependencies
     principal: Any = None           # where `{principal}` of the key comes from (None: the key has none)
     route_class: bool = False       # a route class wraps the handler (overrides get_route_handler)
+
+
+class SendTimeout(OSError):
+    """The client did not take the response within send_timeout: treated like a client that went away."""
 
 
 class ProtectedRequest:
@@ -244,3 +248,23 @@ class LockedApp:
             return True
         await lock_answer(error, rule).send(send)
         return False
+
+
+class BoundedSend:
+    """`send` with a budget: the time a protected request may spend blocked on a client that does not read."""
+
+    __slots__ = ("send", "left")
+
+    def __init__(self, send: Send, budget: float) -> None:
+        self.send, self.left = send, budget
+
+    async def __call__(self, message: Message) -> None:
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        try:
+            async with asyncio.timeout(max(self.left, 0.0)):
+                await self.send(message)
+        except TimeoutError:
+            self.left = 0.0
+            raise SendTimeout("the client did not read the response within send_timeout") from None
+        self.left -= loop.time() - began

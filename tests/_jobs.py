@@ -32,6 +32,7 @@ MARKS: dict[str, list[str]] = {
     # Load-sensitive: several processes racing, sleeps to a computed instant, a bound a busy
     # neighbour can break (the client-kill and cancelled-round fixes, the WAIT allowances).
     "serial": [
+        "test_send_budget.py::test_the_budget_is_shared_by_the_sends_of_one_response",
         "test_lock_processes.py",
         "test_lock_safety.py",
         "test_lock_shapes_processes.py",

@@ -259,6 +259,8 @@ class BoundedSend:
         self.send, self.left = send, budget
 
     async def __call__(self, message: Message) -> None:
+        if self.left <= 0.0:   # spent by earlier sends: nothing more goes out
+            raise SendTimeout("the client did not read the response within send_timeout")
         loop = asyncio.get_running_loop()
         began = loop.time()
         try:

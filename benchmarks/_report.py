@@ -99,6 +99,7 @@ MIDDLEWARE_LABELS = {
     "locked-via-redis-py": "`@locked`, otel-lock calls through redis-py (diagnostic)",
     "fastapi-locked": "FastAPI: `@locked` + LockMiddleware",
     "fastapi-redis-py": "FastAPI: redis-py `Lock` by hand in the handler",
+    "fastapi-otel-lock-by-hand": "FastAPI: otel-lock's lock by hand in the handler (diagnostic: no middleware)",
 }
 
 

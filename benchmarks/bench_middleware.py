@@ -17,17 +17,19 @@ import os
 from ._harness import flush, percentile, redis_stats, stats_delta
 from ._load import Server, drive, ping_rtt, redis_py_ping
 
-VARIANTS = ("bare", "two-pings", "locked", "redis-py", "locked-via-redis-py", "fastapi-locked", "fastapi-redis-py")
+VARIANTS = ("bare", "two-pings", "locked", "redis-py", "locked-via-redis-py", "fastapi-locked", "fastapi-redis-py",
+            "fastapi-otel-lock-by-hand")
 PLAN = [  # (case, concurrency, contended)
     ("distinct keys, c=1", 1, False),
     ("distinct keys, c=16", 16, False),
     ("distinct keys, c=64", 64, False),
     ("one key, c=16", 16, True),
 ]
-# Cases a variant is not measured in: the bare ones have no lock to contend for; the diagnostic row
+# Cases a variant is not measured in: the bare ones have no lock to contend for; the diagnostic rows
 # and the pings are shown at c=1 and c=16 only.
 SKIP = {("bare", "one key, c=16"), ("two-pings", "one key, c=16"), ("two-pings", "distinct keys, c=64"),
-        ("locked-via-redis-py", "distinct keys, c=64")}
+        ("locked-via-redis-py", "distinct keys, c=64"), ("fastapi-otel-lock-by-hand", "distinct keys, c=64"),
+        ("fastapi-otel-lock-by-hand", "one key, c=16")}
 
 
 def _cpu_seconds(pid: int) -> float:

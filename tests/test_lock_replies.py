@@ -27,6 +27,7 @@ async def _sent(locks: LockManager) -> None:
 async def test_a_cancelled_acquire_whose_grant_arrives_later_leaves_nothing_held(redis_url, redis_client):
     async with LockManager.from_url(redis_url, namespace="rep") as locks:
         await (await locks.acquire("warm")).release()  # connected, scripts loaded, first use done
+        await until(lambda: _answered(locks), "the first use's checks to be answered")
         for _ in range(20):
             taking = asyncio.create_task(locks.acquire("k"))
             await _sent(locks)
@@ -42,8 +43,13 @@ async def test_a_cancelled_acquire_whose_grant_arrives_later_leaves_nothing_held
 
 async def test_a_release_whose_caller_is_cancelled_still_ends_the_hold(redis_url, redis_client):
     async with LockManager.from_url(redis_url, namespace="rep") as locks:
+        await (await locks.acquire("warm")).release()  # connected, scripts loaded, first use done
+        # the first use's checks (the data model, the server's) answered: only this test's commands follow
+        await until(lambda: _answered(locks), "the first use's checks to be answered")
         for _ in range(20):
             held = await locks.acquire("k")
+            # nothing else on the wire (a late reply of the round before, a background check): ours is the one
+            await until(lambda: _answered(locks), "the commands before this round to be answered")
             releasing = asyncio.create_task(held.release())
             await _sent(locks)
             releasing.cancel()

@@ -57,7 +57,6 @@ async def read_body(scope: Scope, receive: Receive, limits: BodyLimits) -> bytes
         async with asyncio.timeout(limits.idle_timeout) as idle:
             while True:
                 message = await receive()
-                idle.reschedule(loop.time() + limits.idle_timeout)   # idle time, not the whole body's
                 if message["type"] == "http.disconnect":
                     raise ClientGone()
                 chunk = message.get("body", b"")
@@ -67,6 +66,7 @@ async def read_body(scope: Scope, receive: Receive, limits: BodyLimits) -> bytes
                 chunks.append(chunk)
                 if not message.get("more_body", False):
                     return b"".join(chunks)
+                idle.reschedule(loop.time() + limits.idle_timeout)   # idle time, not the whole body's
     except TimeoutError:
         raise BodyRefused(408, "request-body-timeout",
                           f"no part of the request body arrived for {limits.idle_timeout:g} s") from None

@@ -229,11 +229,8 @@ class _Walk:
         mine = await self.redis.zscore(key + ":q", waiter)
         ahead = (await self.redis.zrangebyscore(key + ":q", "-inf", f"({mine}", start=0, num=MAX_STEPS)
                  if mine is not None else await self.redis.zrange(key + ":q", 0, MAX_STEPS - 1))
-        for member in ahead:
-            entry = await self.redis.hget(key + ":w", member)
-            if entry is not None and (json.loads(entry)[6:7] or ["x"])[0] == "x":
-                return True
-        return False
+        entries = await self.redis.hmget(key + ":w", ahead) if ahead else []
+        return any(entry is not None and _mode(json.loads(entry)) == "x" for entry in entries)
 
     async def _live(self, holders: str) -> list[str]:
         if self.now_ms is None:
@@ -276,6 +273,11 @@ class _Walk:
         rest = await self._stuck(waits_for, record[4] if len(record) > 4 else "x", waiter)
         self.walking.discard(owner)
         return ((key, owner, holder), *rest) if isinstance(rest, tuple) else rest
+
+
+def _mode(entry: list[Any]) -> str:
+    """How a queued waiter waits, from its entry in `:w`: the 7th element (shared, permit), else exclusive."""
+    return str(entry[6]) if len(entry) > 6 else "x"
 
 
 def _text(value: bytes | str | None) -> str:

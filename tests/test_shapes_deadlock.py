@@ -30,6 +30,21 @@ async def managers(redis_url):
     await two.aclose()
 
 
+async def outcome_of(hold) -> str:
+    """"held", or the error the wait ended in (LockDeadlock, LockTimeout)."""
+    try:
+        async with hold:
+            return "held"
+    except (LockDeadlock, LockTimeout) as exc:
+        return type(exc).__name__
+
+
+async def recorded(client, n: int) -> None:
+    """Until `n` waits have been checked and recorded (their `t:waits:*` records), none refused."""
+    while len(await client.keys("t:waits:*")) < n:
+        await asyncio.sleep(0.005)
+
+
 async def crossed(one: LockManager, two: LockManager, a_holds: Callable, b_waits: Callable) -> dict[str, str]:
     """A holds k1 (`a_holds`) then waits for k2; B holds k2, then waits for k1 (`b_waits`): what each got."""
     a_in, b_in, a_waits = asyncio.Event(), asyncio.Event(), asyncio.Event()
@@ -40,11 +55,7 @@ async def crossed(one: LockManager, two: LockManager, a_holds: Callable, b_waits
             a_in.set()
             await b_in.wait()
             a_waits.set()
-            try:
-                async with one.lock("k2", wait=WAIT):
-                    outcome["a"] = "held"
-            except (LockDeadlock, LockTimeout) as exc:
-                outcome["a"] = type(exc).__name__
+            outcome["a"] = await outcome_of(one.lock("k2", wait=WAIT))
 
     async def b() -> None:
         async with two.lock("k2"):
@@ -52,11 +63,7 @@ async def crossed(one: LockManager, two: LockManager, a_holds: Callable, b_waits
             await a_in.wait()
             await a_waits.wait()
             await asyncio.sleep(0)  # let A's request go out first: B's closes the cycle
-            try:
-                async with b_waits(two):
-                    outcome["b"] = "held"
-            except (LockDeadlock, LockTimeout) as exc:
-                outcome["b"] = type(exc).__name__
+            outcome["b"] = await outcome_of(b_waits(two))
 
     async with asyncio.timeout(WAIT * 3):
         await asyncio.gather(a(), b())
@@ -113,8 +120,7 @@ async def test_a_permit_also_held_outside_the_cycle_is_no_deadlock(managers, red
                 outcome["b"] = "held"
 
     async def release_c_once_both_waits_are_checked() -> None:
-        while len(await redis_client.keys("t:waits:*")) < 2:  # A's and B's records: both checked, none refused
-            await asyncio.sleep(0.005)
+        await recorded(redis_client, 2)  # A's and B's waits: both checked, none refused
         c_go.set()
 
     async with asyncio.timeout(WAIT * 4):
@@ -133,31 +139,19 @@ async def test_every_permit_holder_in_the_cycle_is_a_deadlock(managers, redis_cl
     both_in, b_in = asyncio.Barrier(3), asyncio.Event()
     outcome: dict[str, str] = {}
 
-    async def recorded(n: int) -> None:
-        while len(await redis_client.keys("t:waits:*")) < n:  # that many waits checked and recorded
-            await asyncio.sleep(0.005)
-
     async def holder(name: str) -> None:
         async with one.semaphore("k1", permits=2):
             await both_in.wait()
             await b_in.wait()
-            await recorded(1 if b_first else 0)
-            try:
-                async with one.lock("k2", wait=WAIT):
-                    outcome[name] = "held"
-            except (LockDeadlock, LockTimeout) as exc:
-                outcome[name] = type(exc).__name__
+            await recorded(redis_client, 1 if b_first else 0)
+            outcome[name] = await outcome_of(one.lock("k2", wait=WAIT))
 
     async def b() -> None:
         await both_in.wait()
         async with two.lock("k2"):
             b_in.set()
-            await recorded(0 if b_first else 2)
-            try:
-                async with two.semaphore("k1", permits=2, wait=WAIT):
-                    outcome["b"] = "held"
-            except (LockDeadlock, LockTimeout) as exc:
-                outcome["b"] = type(exc).__name__
+            await recorded(redis_client, 0 if b_first else 2)
+            outcome["b"] = await outcome_of(two.semaphore("k1", permits=2, wait=WAIT))
 
     async with asyncio.timeout(WAIT * 4):
         await asyncio.gather(holder("a1"), holder("a2"), b())
@@ -176,21 +170,13 @@ async def test_a_shared_wait_behind_an_exclusive_waiter_is_in_the_cycle(managers
     a_in, b_in, c_queued, first_waits = asyncio.Event(), asyncio.Event(), asyncio.Event(), asyncio.Event()
     outcome: dict[str, str] = {}
 
-    async def records(n: int) -> None:
-        while len(await redis_client.keys("t:waits:*")) < n:  # that many waits checked and recorded
-            await asyncio.sleep(0.005)
-
     async def a() -> None:
         async with one.lock("k2"):
             a_in.set()
             await c_queued.wait()
             if not shared_waits_first:
                 await first_waits.wait()
-            try:
-                async with one.lock("k1", shared=True, wait=WAIT):
-                    outcome["a"] = "held"
-            except (LockDeadlock, LockTimeout) as exc:
-                outcome["a"] = type(exc).__name__
+            outcome["a"] = await outcome_of(one.lock("k1", shared=True, wait=WAIT))
 
     async def b() -> None:
         async with two.lock("k1", shared=True):
@@ -198,11 +184,7 @@ async def test_a_shared_wait_behind_an_exclusive_waiter_is_in_the_cycle(managers
             await c_queued.wait()
             if shared_waits_first:
                 await first_waits.wait()
-            try:
-                async with two.lock("k2", wait=WAIT):
-                    outcome["b"] = "held"
-            except (LockDeadlock, LockTimeout) as exc:
-                outcome["b"] = type(exc).__name__
+            outcome["b"] = await outcome_of(two.lock("k2", wait=WAIT))
 
     async def c() -> None:
         await b_in.wait()
@@ -214,7 +196,7 @@ async def test_a_shared_wait_behind_an_exclusive_waiter_is_in_the_cycle(managers
         while await redis_client.zcard("t:{k1}:q") < 1:
             await asyncio.sleep(0.005)
         c_queued.set()
-        await records(1)  # the first of A and B waits, checked and recorded; then the other closes the cycle
+        await recorded(redis_client, 1)  # the first of A and B waits; then the other closes the cycle
         first_waits.set()
 
     try:
@@ -255,8 +237,7 @@ async def test_a_shared_wait_behind_an_exclusive_waiter_on_a_plain_chain_is_no_d
                 order.append("a")
 
     async def release_b_once_a_is_checked() -> None:
-        while len(await redis_client.keys("t:waits:*")) < 1:  # A's wait checked and recorded, not refused
-            await asyncio.sleep(0.005)
+        await recorded(redis_client, 1)  # A's wait checked and recorded, not refused
         b_go.set()
 
     try:

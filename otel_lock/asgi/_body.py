@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass
 from types import TracebackType
 
+from ._deadlines import Deadline, TimeBound, deadline
 from ._types import Message, Receive, Scope
 
 _DIGITS = re.compile(rb"[0-9]{1,18}")   # ASCII only: '²'.isdigit() is True, int('²') raises
@@ -52,9 +53,8 @@ async def read_body(scope: Scope, receive: Receive, limits: BodyLimits) -> bytes
             raise _too_large(limits)
     chunks: list[bytes] = []
     size = 0
-    loop = asyncio.get_running_loop()
     try:
-        async with asyncio.timeout(limits.idle_timeout) as idle:
+        with TimeBound(limits.idle_timeout) as idle:
             while True:
                 message = await receive()
                 if message["type"] == "http.disconnect":
@@ -66,7 +66,7 @@ async def read_body(scope: Scope, receive: Receive, limits: BodyLimits) -> bytes
                 chunks.append(chunk)
                 if not message.get("more_body", False):
                     return b"".join(chunks)
-                idle.reschedule(loop.time() + limits.idle_timeout)   # idle time, not the whole body's
+                idle.restart()   # idle time, not the whole body's
     except TimeoutError:
         raise BodyRefused(408, "request-body-timeout",
                           f"no part of the request body arrived for {limits.idle_timeout:g} s") from None
@@ -124,7 +124,7 @@ class DisconnectWatch:
         self.client = client
         self.task: asyncio.Task[object] | None = None
         self.listener: asyncio.Task[None] | None = None
-        self.timer: asyncio.TimerHandle | None = None
+        self.timer: Deadline | None = None
         self.waiting = False
         self.fired = False
 
@@ -139,7 +139,8 @@ class DisconnectWatch:
             raise ClientGone()
         self.task = asyncio.current_task()
         self.waiting = True
-        self.timer = asyncio.get_running_loop().call_later(LISTEN_AFTER, self._listen)
+        self.timer = deadline(LISTEN_AFTER, self._listen)
+        self.timer.start()
 
     def _listen(self) -> None:
         if self.waiting:
@@ -149,7 +150,7 @@ class DisconnectWatch:
                         tb: TracebackType | None) -> None:
         self.waiting = False   # before any await: from here on a disconnect cancels nothing
         if self.timer is not None:
-            self.timer.cancel()
+            self.timer.end()
         listener = self.listener
         if listener is not None and not listener.done():
             listener.cancel()

@@ -13,9 +13,7 @@ blocked in `send` (a client that does not read) is bounded by `send_timeout`.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +23,7 @@ from ._annotations import Idempotent, Locked
 from ._answers import lock_answer, release_quietly, runs_unlocked
 from ._binding import INVALID, RouteBinding
 from ._body import BodyLimits, BodyRefused, Client, ClientGone, read_body
+from ._deadlines import TimeBound
 from ._guard import AT_CALL, Hold, Mark, marked
 from ._keys import PRINCIPAL, TemplateValueError
 from ._keyset import TooManyKeys
@@ -192,31 +191,40 @@ class LockedApp:
                 # app still runs its background tasks and dependency exit code.
                 await release_quietly(held)
 
-        try:
-            async with AsyncExitStack() as stack:
-                async def take() -> None:
-                    nonlocal held, entered
-                    try:
-                        async with self.client.cancel_on_disconnect():
-                            held = await stack.enter_async_context(
-                                holding(self.manager, rule, keys, cancel_on_lost=True))
-                    except LockError as error:
-                        if not after_auth:
-                            raise
-                        if runs_unlocked(error, rule, self.manager):
-                            return
-                        raise NotTaken(error) from None   # through FastAPI's handlers, to us
-                    entered = True
-                    # The app's own state dict, never a copy: what the handler sets there is
-                    # what every middleware around us reads.
-                    scope.setdefault("state", {})["lock"] = held
+        hold: Any = None   # the lock's context manager, once entered: left as `async with` would leave it
 
+        async def take() -> None:
+            nonlocal held, hold, entered
+            try:
+                async with self.client.cancel_on_disconnect():
+                    context = holding(self.manager, rule, keys, cancel_on_lost=True)
+                    held = await context.__aenter__()
+                    hold = context
+            except LockError as error:
+                if not after_auth:
+                    raise
+                if runs_unlocked(error, rule, self.manager):
+                    return
+                raise NotTaken(error) from None   # through FastAPI's handlers, to us
+            entered = True
+            # The app's own state dict, never a copy: what the handler sets there is
+            # what every middleware around us reads.
+            scope.setdefault("state", {})["lock"] = held
+
+        try:
+            try:
                 if after_auth:   # our dependency takes it, once the security dependencies passed
                     await self._run_app(scope, receive, watched_send, Deferred(take))
                 else:
                     await take()
                     await self._run_app(scope, receive, watched_send)
                 app_done = True
+            except BaseException as error:
+                if hold is None or not await hold.__aexit__(type(error), error, error.__traceback__):
+                    raise
+            else:
+                if hold is not None:
+                    await hold.__aexit__(None, None, None)
         except NotTaken as not_taken:
             await lock_answer(not_taken.error, rule).send(send)
             return False   # the handler never ran
@@ -253,20 +261,23 @@ class LockedApp:
 class BoundedSend:
     """`send` with a budget: the time a protected request may spend blocked on a client that does not read."""
 
-    __slots__ = ("send", "left")
+    __slots__ = ("send", "budget", "left", "bound")
 
     def __init__(self, send: Send, budget: float) -> None:
-        self.send, self.left = send, budget
+        self.send, self.budget, self.left = send, budget, budget
+        self.bound: TimeBound | None = None   # one for all the sends of the response
 
     async def __call__(self, message: Message) -> None:
         if self.left <= 0.0:   # spent by earlier sends: nothing more goes out
             raise SendTimeout("the client did not read the response within send_timeout")
-        loop = asyncio.get_running_loop()
-        began = loop.time()
+        bound = self.bound
+        if bound is None:
+            bound = self.bound = TimeBound(self.budget)
+        bound.seconds = self.left
         try:
-            async with asyncio.timeout(max(self.left, 0.0)):
+            with bound:
                 await self.send(message)
         except TimeoutError:
             self.left = 0.0
             raise SendTimeout("the client did not read the response within send_timeout") from None
-        self.left -= loop.time() - began
+        self.left -= bound.elapsed()

@@ -1,0 +1,136 @@
+"""One timer per event loop for each kind of deadline that protected requests set by the thousand.
+
+Every protected request bounds its body read (`body_idle_timeout`), each of
+its sends (`send_timeout`) and starts a disconnect listener once its lock
+wait lasts (`LISTEN_AFTER`). With an `asyncio.timeout` or a `call_later`
+each, that is four timers made and cancelled per request (on uvloop, a libuv
+handle each): about a fifth of the instructions of a `@locked` request,
+measured. These deadlines are almost never reached, and those of one kind
+have one length, so they fall due about in the order they start. One timer
+per loop and kind serves them all: it stays armed for the earliest pending
+deadline when it was set, and a new deadline re-arms it only if it falls
+due sooner. Starting and ending a deadline is a set insert and delete; when
+the timer fires it looks at the (few) deadlines still pending.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from types import TracebackType
+from typing import Callable
+
+_SLACK = 0.001   # seconds: a loop's timer may wake this much before the time it was set for
+
+_clocks: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[float, Clock]] = weakref.WeakKeyDictionary()
+
+
+class Deadline:
+    """One deadline on a clock: `fire` runs when it is reached, unless it ended before."""
+
+    __slots__ = ("clock", "fire", "when")
+
+    def __init__(self, clock: Clock, fire: Callable[[], object]) -> None:
+        self.clock, self.fire, self.when = clock, fire, 0.0
+
+    def start(self, seconds: float | None = None) -> None:
+        """Due `seconds` from now (the clock's length if None); a pending one is moved."""
+        self.clock.start(self, self.clock.length if seconds is None else seconds)
+
+    def end(self) -> None:
+        self.clock.pending.discard(self)
+
+
+class Clock:
+    """The deadlines of one kind (named by their usual length) on one loop, and its one timer."""
+
+    __slots__ = ("loop", "length", "pending", "timer", "armed")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, length: float) -> None:
+        self.loop, self.length = loop, length
+        self.pending: set[Deadline] = set()
+        self.timer: asyncio.TimerHandle | None = None
+        self.armed = 0.0   # when the timer fires
+
+    def start(self, deadline: Deadline, seconds: float) -> None:
+        deadline.when = when = self.loop.time() + seconds
+        self.pending.add(deadline)
+        if self.timer is None or when < self.armed:
+            self._arm(when)
+
+    def _arm(self, when: float) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        self.timer, self.armed = self.loop.call_at(when, self._due), when
+
+    def _due(self) -> None:
+        self.timer = None
+        now = self.loop.time() + _SLACK
+        due = [d for d in self.pending if d.when <= now]
+        self.pending.difference_update(due)
+        if self.pending:   # armed before any fires: one that raises leaves the clock running
+            self._arm(min(d.when for d in self.pending))
+        for d in due:
+            d.fire()
+
+
+def deadline(length: float, fire: Callable[[], object]) -> Deadline:
+    """A deadline on the running loop's clock for deadlines of this `length`; not started yet."""
+    loop = asyncio.get_running_loop()
+    clocks = _clocks.get(loop)
+    if clocks is None:
+        clocks = _clocks[loop] = {}
+    clock = clocks.get(length)
+    if clock is None:
+        clock = clocks[length] = Clock(loop, length)
+    return Deadline(clock, fire)
+
+
+class TimeBound:
+    """`with TimeBound(length):` as `async with asyncio.timeout(length):`, on a shared clock.
+
+    Reaching the deadline cancels the task; the CancelledError becomes
+    TimeoutError at the exit unless somebody else cancelled the task too, as
+    `asyncio.timeout` decides it. `seconds` (default `length`) is this use's
+    own time when it differs from its kind's usual one (a budget partly spent);
+    one bound may be entered again, with other `seconds`, until it is reached.
+    """
+
+    __slots__ = ("deadline", "seconds", "task", "cancelling", "expired")
+
+    def __init__(self, length: float, seconds: float | None = None) -> None:
+        self.deadline = deadline(length, self._expire)
+        self.seconds = length if seconds is None else seconds
+        self.task: asyncio.Task[object] | None = None
+        self.cancelling = 0
+        self.expired = False
+
+    def restart(self) -> None:
+        """The whole time again from now (an idle timeout, after each piece of progress)."""
+        if not self.expired:
+            self.deadline.start(self.seconds)
+
+    def elapsed(self) -> float:
+        """Seconds since the bound was last entered (or restarted)."""
+        return self.deadline.clock.loop.time() - (self.deadline.when - self.seconds)
+
+    def _expire(self) -> None:
+        assert self.task is not None
+        self.expired = True
+        self.task.cancel()
+
+    def __enter__(self) -> TimeBound:
+        task = asyncio.current_task()
+        if task is None:
+            raise RuntimeError("TimeBound must be used inside a task")
+        self.task, self.cancelling = task, task.cancelling()
+        self.deadline.start(self.seconds)
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.deadline.end()
+        if self.expired:
+            assert self.task is not None
+            if self.task.uncancel() <= self.cancelling and exc_type is asyncio.CancelledError:
+                raise TimeoutError from exc

@@ -21,7 +21,7 @@ from typing import Annotated, Callable, Literal
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from fastapi import APIRouter, Body, FastAPI, File, Form, Header, Query, Request, UploadFile
+from fastapi import APIRouter, Body, FastAPI, File, Form, Header, Path, Query, Request, UploadFile
 from fastapi.routing import APIRoute
 from pydantic import (AliasChoices, AnyUrl, BaseModel, ConfigDict, Field, HttpUrl, IPvAnyAddress, SecretStr, StringConstraints,
                       conint, create_model)
@@ -487,6 +487,39 @@ async def test_one_slot_at_two_utc_offsets_is_one_booking(redis_url):
 
 class Level(str, enum.Enum):
     LOW = "low"
+
+
+@pytest.mark.parametrize("route, signature", [
+    ("/items/{item_id}", "plain"), ("/items/{id}", "alias"), ("/items/{item_id:int}", "convertor"),
+])
+async def test_a_typed_path_value_is_locked_as_the_handler_receives_it(redis_url, redis_client, route, signature):
+    """The path parameter's value is validated by the field itself (the fast way): same keys, same 422s."""
+    async with make_manager(redis_url) as manager:
+        app = FastAPI()
+        template = "item:{path.id}" if signature == "alias" else "item:{path.item_id}"
+        if signature == "alias":
+            @app.post(route)
+            @locked(template)
+            async def item_aliased(item_id: Annotated[int, Path(alias="id", gt=0)], request: Request):
+                return {"key": request.state.lock.key, "id": item_id}
+        else:
+            @app.post(route)
+            @locked(template)
+            async def item(item_id: Annotated[int, Path(gt=0)], request: Request):
+                return {"key": request.state.lock.key, "id": item_id}
+
+        app.add_middleware(LockMiddleware, manager=manager)
+        async with client_for(app) as client:
+            answers = [await client.post(f"/items/{v}") for v in ("07", "7", "abc", "0", "-1")]
+    good, bad = answers[:2], answers[2:]
+    assert [r.status_code for r in good] == [200, 200], [r.text for r in answers]
+    assert good[0].json() == good[1].json() == {"key": lock_key("item:7"), "id": 7}
+    # What the route refuses (not a number, not > 0, or no route for it at all) is FastAPI's answer: nothing locked.
+    assert all(r.status_code in (404, 422) for r in bad), [r.text for r in bad]
+    assert all(r.headers["content-type"] == "application/json" for r in bad)
+    left = await redis_client.keys("*")
+    assert sorted(left) == [b"mwtest:model", b"mwtest:{item:7}:fence"], left   # only the good requests' lock
+
 
 
 SCALARS = [   # a type FastAPI can declare, two spellings of one value a client may send

@@ -33,6 +33,7 @@ import hmac
 import os
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Callable, Iterator
 
 from ._canonical import number_text
@@ -45,6 +46,7 @@ MAX_PART = 64             # escaped values longer than this are hashed
 SECRET_ENV = "OTEL_LOCK_HASH_SECRET"
 
 _SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~")
+_ALL_SAFE = re.compile(r"[A-Za-z0-9\-._~]{0,%d}" % MAX_PART, re.ASCII)   # the usual value: escaped, it is itself
 _PLACEHOLDER = re.compile(r"\{([^{}]*)\}")
 _FIELD = re.compile(r"^[A-Za-z0-9_\-]+$")
 # "%h"/"%k"/"%n" can never come out of escaping ("h", "k", "n" are not hex digits),
@@ -60,6 +62,8 @@ class TemplateValueError(ValueError):
 
 def escape(value: str) -> str:
     """Percent-encode UTF-8 bytes outside the safe set; hash the result if it is too long."""
+    if _ALL_SAFE.fullmatch(value):
+        return value
     raw = value.encode("utf-8", "surrogatepass")
     out = "".join(chr(b) if b in _SAFE else f"%{b:02X}" for b in raw)
     if len(out) > MAX_PART:
@@ -103,14 +107,22 @@ class Part:
             value = NORMALISERS[name](value)
         return value
 
-    @property
+    # Read on every request: computed once (a part never changes).
+    @cached_property
     def json_path(self) -> tuple[str, ...]:
         return tuple(self.field.split("."))
 
-    @property
+    @cached_property
     def many(self) -> bool:
         """`{json.items.*.sku}`: one value per element of a list."""
         return WILDCARD in self.json_path
+
+    @cached_property
+    def _hash(self) -> int:
+        return hash((self.source, self.field, self.text, self.optional, self.normalisers))
+
+    def __hash__(self) -> int:   # a part keys the request's values: hashed once, not per lookup
+        return self._hash
 
 
 @dataclass(frozen=True)

@@ -105,7 +105,7 @@ class Client:
             watch.client_left()
 
 
-LISTEN_AFTER = 0.005  # seconds: a wait that ends sooner (an uncontended lock, one round trip) starts no listener
+LISTEN_AFTER = 0.1  # seconds: a wait that ends sooner (an uncontended lock, even on a saturated loop) starts no listener
 
 
 class DisconnectWatch:

@@ -291,6 +291,30 @@ async def test_a_killed_master_ends_in_told_holders_and_the_replica_takes_over()
             await fourth.release()
 
 
+@pytest.mark.failover
+async def test_a_waiter_subscribed_on_a_killed_master_subscribes_again_on_the_replica_that_took_over():
+    """The waiter's manager read the slot map before the failover: its new subscription must not go to the dead node."""
+    async with ClusterSet(masters=3, replicas=1) as cluster:
+        key = "failing"
+        owner = await cluster.owner(key)
+        async with LockManager.from_url(cluster.url, lease=2.0, cancel_on_lost=False) as a, \
+                LockManager.from_url(cluster.url, lease=2.0) as b:
+            first = await a.acquire(key)
+            waiter = asyncio.create_task(b.acquire(key, wait=BOUND))
+            await until(lambda: queued_on_owner(cluster, key), "the waiter to queue on the master")
+            await until(lambda: _on_replica(cluster, owner, key), "the lock to reach the master's replica")
+            cluster.kill(owner)
+            await cluster.failed_over(owner)
+            # Subscribed again on the new master and queued there, the waiter takes the lock when A's lease ends.
+            second = await asyncio.wait_for(waiter, BOUND)
+            assert first.lost.is_set()
+            assert second.token > first.token
+            third = asyncio.create_task(b.acquire(key, wait=BOUND))  # B's subscription is made: it queues at once
+            await until(lambda: queued_on_owner(cluster, key), "the next waiter to queue on the new master")
+            await second.release()
+            assert (await asyncio.wait_for(third, BOUND)).token > second.token
+
+
 async def test_a_master_down_at_first_use_fails_only_its_own_keys(caplog):
     """The first-use server checks of a new manager skip a master that does not answer (logged)."""
     async with ClusterSet(masters=3) as cluster:

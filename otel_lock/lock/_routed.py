@@ -60,7 +60,8 @@ class RoutedConnections:
             connection = self._nodes[address] = Connection(host=address[0], port=address[1], **self._kwargs)
         return connection
 
-    async def _address(self, slot: int) -> Address:
+    async def address(self, slot: int) -> Address:
+        """The master serving `slot` as the scripts are sent to it (the map read first if it has none for it)."""
         address = self._slots.get(slot)
         if address is None:
             await self._read_slots()
@@ -109,12 +110,12 @@ class RoutedConnections:
         """Send one command to the node at `address` on its lean connection."""
         return self._connection(address).execute
 
-    def _forget(self, address: Address) -> None:
+    def forget(self, address: Address) -> None:
         """A node went away: its slots are looked up again at their next use."""
         self._slots = {slot: a for slot, a in self._slots.items() if a != address}
 
     async def execute(self, slot: int, *command: Any) -> Any:
-        address = await self._address(slot)
+        address = await self.address(slot)
         for _ in range(MAX_REDIRECTS):
             connection = self._connection(address)
             try:
@@ -131,7 +132,7 @@ class RoutedConnections:
                     return answer
                 raise
             except (RedisConnectionError, RedisTimeoutError, OSError):
-                self._forget(address)
+                self.forget(address)
                 raise
         raise ResponseError(f"{command[0]} was redirected more than {MAX_REDIRECTS} times (slot {slot})")
 

@@ -9,6 +9,11 @@ queued request and checked again before each later one, so after a
 failover or a slot migration (the node then drops the subscription with an
 SUNSUBSCRIBE) it is made again on the slot's new master. While it is gone
 the waiters poll, as on one Redis when the subscriber reconnects.
+
+The slot's node is looked up in the map the lock's scripts follow: the lean
+connections' own (`_routed.py`) when they are in use. redis-py's map is
+read again only after one of redis-py's own commands failed, which the lean
+path never sends: after a failover it would name the dead master for good.
 """
 
 from __future__ import annotations
@@ -19,11 +24,14 @@ import logging
 from typing import Any, Callable
 
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import AskError, RedisError, ResponseError
+from redis.exceptions import AskError, RedisClusterException, RedisError, ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ._clients import Settings
 from ._cluster import slot_of, slot_tag
 from ._connection import Connection
+from ._routed import Address, RoutedConnections
 from ._waiting import Waiting
 
 log = logging.getLogger("otel_lock")
@@ -47,10 +55,11 @@ class ShardedWaiting(Waiting):
     sharded = True
 
     def __init__(self, redis: RedisCluster, settings: Settings, channel: str,
-                 on_orphan: Callable[[str, str], None] | None) -> None:
+                 on_orphan: Callable[[str, str], None] | None, routed: RoutedConnections | None = None) -> None:
         super().__init__(channel, None, on_orphan)
         self._settings = settings
         self._cluster = redis
+        self._routed = routed  # the lean connections, when the scripts go through them: their slot map
         self._nodes: dict[tuple[str, int], _Node] = {}
         self._subscriptions: dict[str, asyncio.Future[None]] = {}  # channel -> done once subscribed
         self._connecting = asyncio.Lock()
@@ -81,19 +90,18 @@ class ShardedWaiting(Waiting):
 
     async def _subscribe(self, channel: str, done: asyncio.Future[None]) -> None:
         try:
-            await self._cluster.initialize()
-            node = self._cluster.get_node_from_key(channel)
-            if node is None:
-                raise RedisError(f"no cluster node serves the slot of {channel}")
-            address = (node.host, int(node.port))
+            address = await self._address(channel)
             for _ in range(MAX_REDIRECTS):
-                subscriber = await self._node(address)
                 try:
+                    subscriber = await self._node(address)
                     await subscriber.connection.execute("SSUBSCRIBE", channel)
                 except ResponseError as exc:
                     if isinstance(exc, AskError):  # MOVED or ASK: redis-py's parser has read the address
                         address = exc.node_addr
                         continue
+                    raise
+                except (RedisConnectionError, RedisTimeoutError, OSError):
+                    await self._unreachable(address)
                     raise
                 subscriber.channels.add(channel)
                 if not done.done():
@@ -107,6 +115,25 @@ class ShardedWaiting(Waiting):
                 done.set_exception(exc if isinstance(exc, Exception) else RedisError(f"subscribe stopped: {exc!r}"))
             if not isinstance(exc, Exception):
                 raise
+
+    async def _address(self, channel: str) -> Address:
+        """The master serving the channel's slot, as the lock's scripts find it."""
+        if self._routed is not None:
+            return await self._routed.address(slot_of(channel))
+        await self._cluster.initialize()
+        node = self._cluster.get_node_from_key(channel)
+        if node is None:
+            raise RedisError(f"no cluster node serves the slot of {channel}")
+        return node.host, int(node.port)
+
+    async def _unreachable(self, address: Address) -> None:
+        """`address` did not answer (a master failed over): the next subscribe must not look it up again."""
+        if self._routed is not None:
+            self._routed.forget(address)  # its slots are read again at their next use
+            return
+        with contextlib.suppress(RedisError, RedisClusterException, OSError):
+            # redis-py refreshes its map only after its own commands failed, and none may run meanwhile
+            await self._cluster.nodes_manager.initialize()
 
     async def _node(self, address: tuple[str, int]) -> _Node:
         async with self._connecting:

@@ -258,7 +258,7 @@ class ClusterLink(Link):
         return [group[i:i + BATCH] for group in by_slot.values() for i in range(0, len(group), BATCH)]
 
     def waiting(self, channel: str, on_orphan: Callable[[str, str], None]) -> Waiting:
-        return ShardedWaiting(self.redis, self.settings, channel, on_orphan)
+        return ShardedWaiting(self.redis, self.settings, channel, on_orphan, self.routed)
 
     def figures(self) -> tuple[int, int]:
         if self.routed is not None:

@@ -22,9 +22,9 @@ import contextvars
 import functools
 import inspect
 import logging
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Callable, Mapping, TypeVar, cast
 
 from anyio import from_thread
 
@@ -114,13 +114,19 @@ class Mark:
 MARK: contextvars.ContextVar[Mark | None] = contextvars.ContextVar("otel_lock_mark", default=None)
 
 
-@contextmanager
-def marked(mark: Mark) -> Iterator[None]:
-    token = MARK.set(mark)
-    try:
-        yield
-    finally:
-        MARK.reset(token)
+class marked:
+    """`with marked(mark):` the route's app runs with this mark (a class: it is on every request's path)."""
+
+    __slots__ = ("mark", "token")
+
+    def __init__(self, mark: Mark) -> None:
+        self.mark = mark
+
+    def __enter__(self) -> None:
+        self.token = MARK.set(self.mark)
+
+    def __exit__(self, *exc: object) -> None:
+        MARK.reset(self.token)
 
 
 def install_direct_calls(guard_fn: Any, calls: DirectCalls) -> None:

@@ -263,6 +263,13 @@ async def test_a_slot_half_migrated_refuses_new_locks_as_unavailable_until_it_is
         assert await held.release() is True
 
 
+async def _fail_over(cluster: ClusterSet, owner: int, key: str) -> None:
+    """Once the lock reached the replica: the master killed, its replica promoted."""
+    await until(lambda: _on_replica(cluster, owner, key), "the lock to reach the master's replica")
+    cluster.kill(owner)
+    await cluster.failed_over(owner)
+
+
 @pytest.mark.failover
 async def test_a_killed_master_ends_in_told_holders_and_the_replica_takes_over():
     async with ClusterSet(masters=3, replicas=1) as cluster:
@@ -271,9 +278,7 @@ async def test_a_killed_master_ends_in_told_holders_and_the_replica_takes_over()
         async with LockManager.from_url(cluster.url, lease=2.0, cancel_on_lost=False) as a, \
                 LockManager.from_url(cluster.url, lease=2.0, wait=BOUND) as b:
             first = await a.acquire(key)
-            await until(lambda: _on_replica(cluster, owner, key), "the lock to reach the master's replica")
-            cluster.kill(owner)
-            await cluster.failed_over(owner)
+            await _fail_over(cluster, owner, key)
             second = await b.acquire(key)
             # The first holder's renewals went to a dead node: by the time anybody
             # else holds the lock, the first holder has been told.
@@ -302,9 +307,7 @@ async def test_a_waiter_subscribed_on_a_killed_master_subscribes_again_on_the_re
             first = await a.acquire(key)
             waiter = asyncio.create_task(b.acquire(key, wait=BOUND))
             await until(lambda: queued_on_owner(cluster, key), "the waiter to queue on the master")
-            await until(lambda: _on_replica(cluster, owner, key), "the lock to reach the master's replica")
-            cluster.kill(owner)
-            await cluster.failed_over(owner)
+            await _fail_over(cluster, owner, key)
             # Subscribed again on the new master and queued there, the waiter takes the lock when A's lease ends.
             second = await asyncio.wait_for(waiter, BOUND)
             assert first.lost.is_set()

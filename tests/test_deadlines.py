@@ -14,7 +14,7 @@ import asyncio
 import pytest
 import uvloop
 
-from otel_lock.asgi._deadlines import TimeBound, deadline
+from otel_lock.asgi._deadlines import Deadline, TimeBound
 
 KIND = 30.0   # the kind's usual length: long, never reached in these tests unless a test says so
 
@@ -78,16 +78,16 @@ async def test_a_bound_reached_while_the_task_is_also_cancelled_elsewhere_is_a_c
 
 async def test_restart_pushes_the_deadline_and_ending_leaves_nothing_pending():
     with TimeBound(KIND) as bound:
-        first = bound.deadline.when
+        first = bound.when
         await asyncio.sleep(0.01)
         bound.restart()
-        assert bound.deadline.when > first
-        assert bound.deadline in bound.deadline.clock.pending
-    assert bound.deadline not in bound.deadline.clock.pending
+        assert bound.when > first
+        assert bound in bound.clock.pending
+    assert bound not in bound.clock.pending
 
 
 async def test_many_short_bounds_on_one_clock_leave_it_empty_and_armed_once():
-    clock = deadline(KIND, lambda: None).clock
+    clock = Deadline(KIND).clock
     for _ in range(1000):
         with TimeBound(KIND):
             await asyncio.sleep(0)
@@ -97,18 +97,23 @@ async def test_many_short_bounds_on_one_clock_leave_it_empty_and_armed_once():
         assert clock.timer is timer
 
 
-async def test_a_plain_deadline_fires_its_callback_once():
-    fired = asyncio.Event()
-    calls: list[int] = []
+class Recorded(Deadline):
+    def __init__(self, length: float) -> None:
+        super().__init__(length)
+        self.calls = 0
+        self.reached = asyncio.Event()
 
-    def fire() -> None:
-        calls.append(1)
-        fired.set()
+    def fire(self) -> None:
+        self.calls += 1
+        self.reached.set()
 
-    deadline(KIND, fire).start(0.02)
-    await fired.wait()
+
+async def test_a_plain_deadline_fires_once():
+    recorded = Recorded(KIND)
+    recorded.start(0.02)
+    await recorded.reached.wait()
     await asyncio.sleep(0.05)
-    assert calls == [1]
+    assert recorded.calls == 1 and recorded not in recorded.clock.pending
 
 
 @pytest.mark.parametrize("new_loop", [asyncio.new_event_loop, uvloop.new_event_loop], ids=["asyncio", "uvloop"])
@@ -130,4 +135,4 @@ def test_each_loop_has_its_own_clock_and_bounds_fire_on_each(new_loop):
 
 
 async def _clock_of(length: float):
-    return deadline(length, lambda: None).clock
+    return Deadline(length).clock

@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from types import TracebackType
 
-from ._deadlines import Deadline, TimeBound, deadline
+from ._deadlines import Deadline, TimeBound
 from ._types import Message, Receive, Scope
 
 _DIGITS = re.compile(rb"[0-9]{1,18}")   # ASCII only: '²'.isdigit() is True, int('²') raises
@@ -108,7 +108,7 @@ class Client:
 LISTEN_AFTER = 0.1  # seconds: a wait that ends sooner (an uncontended lock, even on a saturated loop) starts no listener
 
 
-class DisconnectWatch:
+class DisconnectWatch(Deadline):
     """Cancels the current task if the client disconnects while the body of the `async with` runs.
 
     The body has been read, so the server's next message can only be a
@@ -121,10 +121,10 @@ class DisconnectWatch:
     """
 
     def __init__(self, client: Client) -> None:
+        super().__init__(LISTEN_AFTER)   # reached: the listener starts (`fire`)
         self.client = client
         self.task: asyncio.Task[object] | None = None
         self.listener: asyncio.Task[None] | None = None
-        self.timer: Deadline | None = None
         self.waiting = False
         self.fired = False
 
@@ -139,18 +139,16 @@ class DisconnectWatch:
             raise ClientGone()
         self.task = asyncio.current_task()
         self.waiting = True
-        self.timer = deadline(LISTEN_AFTER, self._listen)
-        self.timer.start()
+        self.start()
 
-    def _listen(self) -> None:
+    def fire(self) -> None:
         if self.waiting:
             self.listener = asyncio.ensure_future(self.client._listen(self))
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
         self.waiting = False   # before any await: from here on a disconnect cancels nothing
-        if self.timer is not None:
-            self.timer.end()
+        self.end()
         listener = self.listener
         if listener is not None and not listener.done():
             listener.cancel()

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import weakref
 from types import TracebackType
-from typing import Callable
 
 _SLACK = 0.001   # seconds: a loop's timer may wake this much before the time it was set for
 
@@ -26,12 +25,25 @@ _clocks: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[float, Clock]
 
 
 class Deadline:
-    """One deadline on a clock: `fire` runs when it is reached, unless it ended before."""
+    """A deadline on the running loop's clock for deadlines of `length`: `fire()` runs when it is reached.
 
-    __slots__ = ("clock", "fire", "when")
+    Subclasses say what reaching it does, as a method: a callback stored on
+    the deadline (a bound method of its owner) would make every request's
+    deadline a reference cycle, left to the cyclic garbage collector.
+    """
 
-    def __init__(self, clock: Clock, fire: Callable[[], object]) -> None:
-        self.clock, self.fire, self.when = clock, fire, 0.0
+    __slots__ = ("clock", "when")
+
+    def __init__(self, length: float) -> None:
+        loop = asyncio.get_running_loop()
+        clocks = _clocks.get(loop)
+        if clocks is None:
+            clocks = _clocks[loop] = {}
+        clock = clocks.get(length)
+        if clock is None:
+            clock = clocks[length] = Clock(loop, length)
+        self.clock: Clock = clock
+        self.when = 0.0
 
     def start(self, seconds: float | None = None) -> None:
         """Due `seconds` from now (the clock's length if None); a pending one is moved."""
@@ -39,6 +51,9 @@ class Deadline:
 
     def end(self) -> None:
         self.clock.pending.discard(self)
+
+    def fire(self) -> None:
+        raise NotImplementedError
 
 
 class Clock:
@@ -74,19 +89,7 @@ class Clock:
             d.fire()
 
 
-def deadline(length: float, fire: Callable[[], object]) -> Deadline:
-    """A deadline on the running loop's clock for deadlines of this `length`; not started yet."""
-    loop = asyncio.get_running_loop()
-    clocks = _clocks.get(loop)
-    if clocks is None:
-        clocks = _clocks[loop] = {}
-    clock = clocks.get(length)
-    if clock is None:
-        clock = clocks[length] = Clock(loop, length)
-    return Deadline(clock, fire)
-
-
-class TimeBound:
+class TimeBound(Deadline):
     """`with TimeBound(length):` as `async with asyncio.timeout(length):`, on a shared clock.
 
     Reaching the deadline cancels the task; the CancelledError becomes
@@ -96,10 +99,10 @@ class TimeBound:
     one bound may be entered again, with other `seconds`, until it is reached.
     """
 
-    __slots__ = ("deadline", "seconds", "task", "cancelling", "expired")
+    __slots__ = ("seconds", "task", "cancelling", "expired")
 
     def __init__(self, length: float, seconds: float | None = None) -> None:
-        self.deadline = deadline(length, self._expire)
+        super().__init__(length)
         self.seconds = length if seconds is None else seconds
         self.task: asyncio.Task[object] | None = None
         self.cancelling = 0
@@ -108,13 +111,13 @@ class TimeBound:
     def restart(self) -> None:
         """The whole time again from now (an idle timeout, after each piece of progress)."""
         if not self.expired:
-            self.deadline.start(self.seconds)
+            self.start(self.seconds)
 
     def elapsed(self) -> float:
         """Seconds since the bound was last entered (or restarted)."""
-        return self.deadline.clock.loop.time() - (self.deadline.when - self.seconds)
+        return self.clock.loop.time() - (self.when - self.seconds)
 
-    def _expire(self) -> None:
+    def fire(self) -> None:
         assert self.task is not None
         self.expired = True
         self.task.cancel()
@@ -124,12 +127,12 @@ class TimeBound:
         if task is None:
             raise RuntimeError("TimeBound must be used inside a task")
         self.task, self.cancelling = task, task.cancelling()
-        self.deadline.start(self.seconds)
+        self.start(self.seconds)
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        self.deadline.end()
+        self.end()
         if self.expired:
             assert self.task is not None
             if self.task.uncancel() <= self.cancelling and exc_type is asyncio.CancelledError:

@@ -119,6 +119,9 @@ class HoldEnds:
         if lease.ended:
             return
         lease.ended = True
+        # Nothing cancels or re-enters it any more; and a task whose result is this hold would
+        # otherwise be a reference cycle with it, left to the cyclic collector.
+        lease.task = None
         lease.runtime.watchdog.discard(lease)
         forget((self.identity(), lease.held_as), lease)
         self._finish(lease, outcome)

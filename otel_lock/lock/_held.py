@@ -15,6 +15,7 @@ acquire and release, not a copy of everything held.
 from __future__ import annotations
 
 import asyncio
+import weakref
 import logging
 import math
 from contextvars import ContextVar
@@ -50,13 +51,19 @@ class LockInfo:
 class _Holds:
     """The leases one task acquired, by (manager id, key); `parent`: what the spawning task held then."""
 
-    __slots__ = ("task", "by_key", "parent", "seq")
+    __slots__ = ("_task", "by_key", "parent", "seq")
 
     def __init__(self, task: asyncio.Task[object] | None, parent: _View | None) -> None:
-        self.task: asyncio.Task[object] | None = task
+        # Weak: the task's context holds this (`_HELD`), so a strong reference back would make every
+        # task that took a lock a reference cycle, its leases with it, left to the cyclic collector.
+        self._task = weakref.ref(task) if task is not None else None
         self.by_key: dict[tuple[str, str], Lease] = {}
         self.parent: _View | None = parent
         self.seq: int = 0
+
+    @property
+    def task(self) -> asyncio.Task[object] | None:
+        return self._task() if self._task is not None else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,11 +116,15 @@ class LostEvent(asyncio.Event):
 
     def __init__(self, lease: Lease) -> None:
         super().__init__()
-        self._lease = lease
+        # Weak: the lease holds this event, and a cycle would leave every hold to the cyclic garbage
+        # collector. A lease not ended yet is alive (its watchdog holds it); an ended one has nothing to check.
+        self._lease = weakref.ref(lease)
 
     def is_set(self) -> bool:
         if not super().is_set():
-            self._lease.check_validity()
+            lease = self._lease()
+            if lease is not None:
+                lease.check_validity()
         return super().is_set()
 
 

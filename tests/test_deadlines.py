@@ -10,6 +10,8 @@ deadlines must leave nothing behind.
 from __future__ import annotations
 
 import asyncio
+import gc
+import weakref
 
 import pytest
 import uvloop
@@ -92,9 +94,9 @@ async def test_many_short_bounds_on_one_clock_leave_it_empty_and_armed_once():
         with TimeBound(KIND):
             await asyncio.sleep(0)
     assert clock.pending == set()
-    timer = clock.timer
+    armed = clock.armed
     with TimeBound(KIND):   # a later deadline on an armed clock: the same timer serves it
-        assert clock.timer is timer
+        assert clock.armed == armed
 
 
 class Recorded(Deadline):
@@ -132,6 +134,19 @@ def test_each_loop_has_its_own_clock_and_bounds_fire_on_each(new_loop):
             assert runner.run(reached())
             clocks.append(runner.run(_clock_of(KIND)))
     assert clocks[0] is not clocks[1]
+
+
+@pytest.mark.parametrize("new_loop", [asyncio.new_event_loop, uvloop.new_event_loop], ids=["asyncio", "uvloop"])
+def test_a_closed_loop_is_not_kept_alive_by_its_clocks(new_loop):
+    async def bounded() -> None:
+        with TimeBound(KIND):   # leaves the clock armed KIND seconds ahead when the loop closes
+            await asyncio.sleep(0)
+
+    with asyncio.Runner(loop_factory=new_loop) as runner:
+        runner.run(bounded())
+        loop = weakref.ref(runner.get_loop())
+    gc.collect()
+    assert loop() is None
 
 
 async def _clock_of(length: float):

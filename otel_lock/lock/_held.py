@@ -15,9 +15,9 @@ acquire and release, not a copy of everything held.
 from __future__ import annotations
 
 import asyncio
-import weakref
 import logging
 import math
+import weakref
 from contextvars import ContextVar
 from dataclasses import dataclass
 from types import TracebackType

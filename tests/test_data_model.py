@@ -22,15 +22,39 @@ from otel_lock.cli._redis_server import RedisServer
 from otel_lock.lock import _scripts, _server_watch
 
 LEASE = 0.2  # the guard's tick is half the default lease (its floor lowered below)
+DEADLINE = 10.0  # a bound that turns a hang into a failure, not a timing
+
+
+@pytest.fixture
+async def locks(redis_url):
+    async with LockManager.from_url(redis_url, namespace="t") as manager:
+        yield manager
+
+
+@pytest.fixture
+async def other(redis_url):
+    async with LockManager.from_url(redis_url, namespace="t") as manager:
+        yield manager
+
+
+OURS = _scripts.MODEL
+NEXT = max(OURS, *_scripts.SHARES_WITH) + 1  # a model to come, which shares no namespace with this one
+
+
+def speak(monkeypatch, model: int, shares_with: tuple[int, ...]) -> None:
+    """Make the managers that start from now on write `model` and share a namespace with `shares_with`."""
+    import otel_lock.lock._core as core
+    monkeypatch.setattr(_scripts, "MODEL", model)
+    monkeypatch.setattr(core, "MODEL", model)
+    monkeypatch.setattr(_scripts, "SHARES_WITH", shares_with)
+    monkeypatch.setattr(core, "SHARES_WITH", shares_with)
 
 
 @pytest.fixture
 def next_model(monkeypatch):
     """Make managers created inside `with` speak the model after this one."""
     def use(model: int) -> None:
-        monkeypatch.setattr(_scripts, "MODEL", model)
-        import otel_lock.lock._core as core
-        monkeypatch.setattr(core, "MODEL", model)
+        speak(monkeypatch, model, ())
     return use
 
 
@@ -39,9 +63,10 @@ async def test_a_manager_of_another_model_refuses_the_namespace(redis_url, redis
         async with old.lock("stock:1"):
             pass
         assert await redis_client.get("shop:model") == str(_scripts.MODEL).encode()
-        next_model(_scripts.MODEL + 1)
+        next_model(NEXT)
         async with LockManager.from_url(redis_url, namespace="shop") as new:
-            with pytest.raises(RedisMisconfigured, match=r"data model 1.*namespace='shop-v2'.*shop:model") as refused:
+            with pytest.raises(RedisMisconfigured,
+                               match=rf"data model {OURS}.*namespace='shop-v{NEXT}'.*shop:model") as refused:
                 await new.acquire("stock:1")
             assert refused.value.key is None
             with pytest.raises(RedisMisconfigured):  # every call, until the operator acts
@@ -55,7 +80,7 @@ async def test_a_manager_of_another_model_refuses_the_namespace(redis_url, redis
             await redis_client.delete("shop:model")  # ... or the other: every old manager stopped
             async with new.lock("stock:1"):
                 pass
-        assert await redis_client.get("shop:model") == b"2"
+        assert await redis_client.get("shop:model") == str(NEXT).encode()
 
 
 @pytest.fixture
@@ -103,9 +128,9 @@ async def test_a_running_manager_claims_the_namespace_again_after_a_flush(redis_
         await redis_client.flushall()
         await until(lambda: redis_client.exists("shop:model"), "the running manager's claim, made again")
         assert await redis_client.get("shop:model") == str(_scripts.MODEL).encode()
-        next_model(_scripts.MODEL + 1)
+        next_model(NEXT)
         async with LockManager.from_url(redis_url, namespace="shop", lease=LEASE) as new:
-            with pytest.raises(RedisMisconfigured, match="data model 1"):
+            with pytest.raises(RedisMisconfigured, match=f"data model {OURS}"):
                 await new.acquire("stock:1")
 
 
@@ -130,13 +155,13 @@ async def test_a_running_manager_refuses_once_another_model_holds_the_namespace(
         await (await old.acquire("stock:1")).release()
         assert old.health().ok and old.health().namespace_model == _scripts.MODEL
         await redis_client.flushall()
-        await redis_client.set("shop:model", _scripts.MODEL + 1)
+        await redis_client.set("shop:model", NEXT)
         await until(lambda: _refused(old, "stock:1"), "the running manager's refusal")
-        with pytest.raises(RedisMisconfigured, match=r"data model 2.*delete the key shop:model"):
+        with pytest.raises(RedisMisconfigured, match=rf"data model {NEXT}.*delete the key shop:model"):
             await old.acquire("stock:2")
         assert await redis_client.exists("shop:{stock:2}") == 0
         health = old.health()
-        assert not health.ok and health.namespace_model == 2 and "data model 2" in health.problems[0]
+        assert not health.ok and health.namespace_model == NEXT and f"data model {NEXT}" in health.problems[0]
         assert health.as_dict()["ok"] is False
         await redis_client.delete("shop:model")  # the operator's fix: the other model's managers stopped
         await (await old.acquire("stock:2")).release()
@@ -151,9 +176,9 @@ async def test_a_restart_without_persistence_is_claimed_again(fresh_redis, next_
         fresh_redis.restart()  # an empty Redis: no claim, no scripts
         async with aioredis.Redis(port=fresh_redis.port) as client:
             await until(lambda: client.exists("shop:model"), "the claim made again after the restart")
-        next_model(_scripts.MODEL + 1)
+        next_model(NEXT)
         async with LockManager.from_url(fresh_redis.url, namespace="shop", lease=LEASE) as new:
-            with pytest.raises(RedisMisconfigured, match="data model 1"):
+            with pytest.raises(RedisMisconfigured, match=f"data model {OURS}"):
                 await new.acquire("stock:1")
 
 
@@ -211,3 +236,87 @@ def test_a_manager_dropped_without_closing_is_collected_and_its_guard_ends(redis
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ResourceWarning)  # the socket the dropped manager never closed
         gc.collect()
+
+
+# -- models 1 and 2 in one namespace: the previous release (0.2.0, model 1) beside this one -------------
+# Model 1 queues a waiter's id with its entry in `:w`; model 2 queues the entry itself. The scripts are
+# the same in both releases and read both, so one queue may hold both kinds. Which kind a waiter writes
+# is chosen when its first queued request is sent (`_attempt.py`), so switching MODEL between queueing
+# waiters makes one queue of both kinds in one process (tests/test_versions_mixed_fleet.py runs the real
+# 0.2.0 beside this release).
+
+async def _queue(monkeypatch, locks: LockManager, redis_client, key: str, model: int, **kw) -> asyncio.Task:
+    monkeypatch.setattr(_scripts, "MODEL", model)
+    before = await redis_client.zcard(f"t:{{{key}}}:q")
+    task = asyncio.create_task(locks.acquire(key, wait=10, **kw))
+    await until(lambda: _has(redis_client, f"t:{{{key}}}:q", before + 1), f"a model {model} waiter queued")
+    return task
+
+
+async def _has(client, queue: str, n: int) -> bool:
+    return await client.zcard(queue) == n
+
+
+async def test_a_queue_of_both_models_hands_over_in_order_with_growing_tokens(monkeypatch, locks, other,
+                                                                               redis_client):
+    holder = await locks.acquire("k")
+    waiters = [await _queue(monkeypatch, other, redis_client, "k", model) for model in (1, 2, 1, 2)]
+    members = await redis_client.zrange("t:{k}:q", 0, -1)
+    assert [m.startswith(b"[") for m in members] == [False, True, False, True]
+    assert await redis_client.hlen("t:{k}:w") == 2  # model 1's entries only
+    tokens = [holder.token]
+    await holder.release()
+    for i, waiter in enumerate(waiters):
+        held = await asyncio.wait_for(waiter, DEADLINE)
+        assert all(not w.done() for w in waiters[i + 1:])  # first in, first served
+        tokens.append(held.token)
+        await held.release()
+    assert tokens == sorted(set(tokens)), tokens  # strictly growing, across both kinds of hand-over
+    assert tokens[2] == tokens[1] + 1 and tokens[4] == tokens[3] + 1  # a model 2 waiter: the next token
+    assert await redis_client.exists("t:{k}", "t:{k}:q", "t:{k}:w") == 0
+    assert int(await redis_client.get("t:{k}:fence")) == tokens[-1]  # the fence learnt the last one
+    async with locks.lock("k") as again:
+        assert again.token > tokens[-1]
+
+
+async def test_waiters_of_both_models_leave_and_pass_a_hand_over_on(monkeypatch, locks, other, redis_client):
+    holder = await locks.acquire("k")
+    leaving = [await _queue(monkeypatch, other, redis_client, "k", model) for model in (1, 2)]
+    staying = await _queue(monkeypatch, other, redis_client, "k", 2)
+    for task in leaving:
+        task.cancel()
+    await until(lambda: _has(redis_client, "t:{k}:q", 1), "the two left the queue")
+    assert await redis_client.hlen("t:{k}:w") == 0
+    await holder.release()
+    held = await asyncio.wait_for(staying, DEADLINE)
+    assert held.token == holder.token + 1
+    await held.release()
+
+
+async def test_a_shared_waiter_of_either_model_waits_behind_an_exclusive_one(monkeypatch, locks, other,
+                                                                             redis_client):
+    reader = await locks.acquire("k", shared=True)
+    writer = await _queue(monkeypatch, other, redis_client, "k", 1)
+    readers = [await _queue(monkeypatch, other, redis_client, "k", model, shared=True) for model in (2, 1)]
+    assert not any(task.done() for task in (writer, *readers))  # FIFO: not past the exclusive waiter
+    await reader.release()
+    wrote = await asyncio.wait_for(writer, DEADLINE)
+    assert not any(task.done() for task in readers)
+    await wrote.release()
+    for task in readers:
+        await (await asyncio.wait_for(task, DEADLINE)).release()
+
+
+async def test_managers_of_models_1_and_2_share_a_namespace(monkeypatch, redis_url, redis_client):
+    for model, other_model in ((1, 2), (2, 1)):
+        speak(monkeypatch, model, (other_model,))
+        async with LockManager.from_url(redis_url, namespace="mixed") as locks:
+            await (await locks.acquire("k")).release()
+            assert locks.health().ok
+        assert await redis_client.get("mixed:model") == str(model).encode()
+    await redis_client.set("mixed:model", 0)  # a model neither shares with: refused by both
+    for model, other_model in ((1, 2), (2, 1)):
+        speak(monkeypatch, model, (other_model,))
+        async with LockManager.from_url(redis_url, namespace="mixed") as locks:
+            with pytest.raises(RedisMisconfigured, match="data model 0"):
+                await locks.acquire("k")

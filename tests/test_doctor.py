@@ -13,6 +13,7 @@ import pytest
 import redis
 
 from otel_lock.cli._redis_server import RedisServer, free_port
+from otel_lock.lock._scripts import MODEL, SHARES_WITH
 
 CHECKS = ("version", "eviction", "memory", "persistence", "replication", "scripts", "keys", "channels",
           "round trip")
@@ -240,13 +241,16 @@ def test_doctor_names_the_data_model_and_the_record_layouts_of_the_namespace(ser
     admin.set("shop:{idem:xyz}:idempotency", "{}")  # ... and one of 0.1.0's
     result = doctor("--redis-url", server.url, "--namespace", "shop")
     assert result.returncode == 0, result.stdout
-    assert "namespace 'shop': data model 1, 7.0 days left (this otel-lock's)" in result.stdout
+    assert f"namespace 'shop': data model {MODEL}, 7.0 days left (this otel-lock's)" in result.stdout
     assert ("idempotency records: current (shop:idem:{<p>}:r:<h>), 0.1.0 (shop:{idem:<h>}:idempotency)"
             in result.stdout)
     data = json.loads(doctor("--redis-url", server.url, "--namespace", "shop", "--json").stdout)
-    assert data["namespace_state"] == {"namespace": "shop", "model": 1, "model_ttl": data["namespace_state"][
+    assert data["namespace_state"] == {"namespace": "shop", "model": MODEL, "model_ttl": data["namespace_state"][
         "model_ttl"], "record_layouts": ["current", "0.1.0"]}
-    assert admin.get("shop:model") == b"1"
+    assert admin.get("shop:model") == str(MODEL).encode()
+    admin.set("shop:model", SHARES_WITH[0])  # the other release's managers claimed it since: they read each other's
+    shared = doctor("--redis-url", server.url, "--namespace", "shop")
+    assert shared.returncode == 0 and f"data model {SHARES_WITH[0]} (shared with this otel-lock's)" in shared.stdout
     empty = doctor("--redis-url", server.url, "--namespace", "other")
     assert "namespace 'other': no data model claims it" in empty.stdout and "idempotency records: none" in empty.stdout
     assert admin.exists("other:model") == 0  # doctor reads, never claims
@@ -255,7 +259,7 @@ def test_doctor_names_the_data_model_and_the_record_layouts_of_the_namespace(ser
 def test_a_namespace_of_another_data_model_is_refused_by_both_for_one_reason(server):
     from otel_lock import RedisMisconfigured
 
-    redis.Redis(port=server.port).set("shop:model", 2)
+    redis.Redis(port=server.port).set("shop:model", max(MODEL, *SHARES_WITH) + 1)
     result = doctor("--redis-url", server.url, "--namespace", "shop")
     refused = _acquire(server.url, "shop")
     assert result.returncode == 1 and "verdict: REFUSED" in result.stdout

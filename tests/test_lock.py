@@ -375,3 +375,12 @@ async def test_listing_locks_without_redis_is_redis_unavailable():
             await locks.held_locks()
         with pytest.raises(RedisUnavailable):
             await locks.force_release("k")
+
+
+async def test_a_held_lock_is_one_key_and_its_fence_is_written_when_it_goes(locks, redis_client):
+    """Data model 2: the fence is not written on acquire; the release writes the token there."""
+    held = await locks.acquire("k")
+    assert sorted(await redis_client.keys("t:{k}*")) == [b"t:{k}"]
+    await held.release()
+    assert sorted(await redis_client.keys("t:{k}*")) == [b"t:{k}:fence"]
+    assert int(await redis_client.get("t:{k}:fence")) == held.token

@@ -23,7 +23,7 @@ from dataclasses import replace
 from typing import TextIO
 
 from ..lock._core import model_refusal
-from ..lock._scripts import MODEL
+from ..lock._scripts import MODEL, SHARES_WITH
 from ..lock._server_checks import Check, ServerReport
 from ._layouts import NamespaceState, namespace_state
 from ._redis_server import redact_url
@@ -79,7 +79,7 @@ async def _reports(url: str, namespace: str,
         reports = [replace(r, address=f"{r.address} {_ROLES[scheme]}") if scheme in _ROLES else r
                    for r in await locks.check_servers()]
         state = await namespace_state(locks.redis, namespace)
-        refusal = "" if state.model in (None, MODEL) else model_refusal(namespace, locks._topology.where(), state.model)
+        refusal = "" if state.model in (None, MODEL, *SHARES_WITH) else model_refusal(namespace, locks._topology.where(), state.model)
     return reports, state, refusal
 
 

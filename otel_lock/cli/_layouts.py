@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..lock._scripts import SHARES_WITH
+
 LAYOUTS = (("current", "{ns}:idem:{{*}}:r:*", "<ns>:idem:{<p>}:r:<h>"),
            ("0.1.0", "{ns}:{{idem:*}}:idempotency", "<ns>:{idem:<h>}:idempotency"))
 
@@ -40,7 +42,9 @@ class NamespaceState:
             claim = "no data model claims it (unused, or only managers of 0.1.0, which claim none)"
         else:
             left = f", {self.model_ttl / 86400:.1f} days left" if self.model_ttl and self.model_ttl > 0 else ""
-            claim = f"data model {self.model}{left}" + (" (this otel-lock's)" if self.model == ours else "")
+            claim = f"data model {self.model}{left}" + (" (this otel-lock's)" if self.model == ours else
+                                                        " (shared with this otel-lock's)" if self.model in SHARES_WITH
+                                                        else "")
         found = [f"{name} ({shape.replace('<ns>', self.namespace)})" for name, _, shape in LAYOUTS
                  if name in self.layouts]
         records = ", ".join(found) if found else "none"

@@ -14,6 +14,7 @@ polls without queueing: fair hand-over needs the notice.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import random
@@ -97,6 +98,8 @@ class Attempt:
         self._refusal: LockDeadlock | None = None  # the deadlock check found this wait closes a cycle
         self._check_timer: asyncio.TimerHandle | None = None
         self._check: asyncio.Future[None] | None = None
+        self._member: str | None = None  # this waiter's queue member (data model 2: its whole entry)
+        self._member_channel = ""
 
     def _args(self, queue: bool) -> list[Any]:
         r = self.request
@@ -107,11 +110,36 @@ class Attempt:
         else:
             budget = str(max(1, int((self.deadline - self.loop.time()) * 1000)))
         waiting = self.transport.waiting
-        args = [r.owner, r.waiter_id, r.lease_ms, "0" if r.private else "1", budget, r.ctx,
-                self.transport.fence_ttl_ms, waiting.channel_for(r.keys[0]), "1" if waiting.sharded else "0"]
+        channel = waiting.channel_for(r.keys[0])
+        args = [r.owner, self._queue_member(budget, channel) if queue else r.waiter_id, r.lease_ms,
+                "0" if r.private else "1", budget, r.ctx, self.transport.fence_ttl_ms, channel,
+                "1" if waiting.sharded else "0"]
         if r.permits:
             args.append(r.permits)
         return args
+
+    def _queue_member(self, budget: str, channel: str) -> str:
+        """The waiter as its queue knows it: its entry itself (model 2), the same string for every request.
+
+        A request sent again keeps the place of the first (ZADD NX), and LEAVE
+        names the member: so it is made once, with the first request's wait
+        budget (the entry's deadline is its arrival plus that budget), and made
+        anew only when the wake channel moved (a Cluster slot's new node).
+        """
+        if _scripts.MODEL < 2:  # model 1: the waiter's id, its entry kept in the waiters hash by the script
+            return self.request.waiter_id
+        if self._member is None or channel != self._member_channel:
+            r = self.request
+            record: list[Any] = [r.waiter_id, int(budget), r.lease_ms, r.owner, r.ctx, channel,
+                                 1 if self.transport.waiting.sharded else 0]
+            if r.shape.mode != "exclusive":
+                record.append(_deadlock.HOW[r.shape.mode])
+            self._member, self._member_channel = json.dumps(record, separators=(",", ":")), channel
+        return self._member
+
+    def _waiter_name(self) -> str:
+        """What LEAVE and the deadlock records name this waiter by: its queue member once it has one."""
+        return self._member if self._member is not None else self.request.waiter_id
 
     async def try_once(self) -> Reply | None:
         """One ACQUIRE without queueing: the Reply, or None when the lock is busy."""
@@ -159,7 +187,7 @@ class Attempt:
             probe = self.request.probe
             if probe is not None and probe.recorded and self._waiter is None:
                 # a polling waiter's record is an edge until deleted; a queued one's stops being one as it leaves
-                self.transport.background(_deadlock.over(self.transport, probe, self.request.waiter_id,
+                self.transport.background(_deadlock.over(self.transport, probe, self._waiter_name(),
                                                          self.request.name))
 
     async def _check_deadlock(self, probe: _deadlock.Probe, key: str) -> None:
@@ -177,7 +205,7 @@ class Attempt:
         self._check_timer = self.loop.call_later(_deadlock.CHECK_AFTER, self._start_check, probe, key, self._waiter)
 
     def _deadlock_check(self, probe: _deadlock.Probe, key: str) -> Coroutine[Any, Any, None]:
-        return _deadlock.check(self.transport, probe, key, self.request.waiter_id, self.deadline - self.loop.time(),
+        return _deadlock.check(self.transport, probe, key, self._waiter_name(), self.deadline - self.loop.time(),
                                self._waiter is not None, self.request.name, self.request.shape.mode)
 
     def _start_check(self, probe: _deadlock.Probe, key: str, waiter: Waiter) -> None:
@@ -368,7 +396,7 @@ class Attempt:
 
     def _leave(self) -> Coroutine[Any, Any, Any]:
         r, t = self.request, self.transport
-        return t.call(r.shape.leave, r.keys, [r.waiter_id, t.fence_ttl_ms], "leave", r.name)
+        return t.call(r.shape.leave, r.keys, [self._waiter_name(), t.fence_ttl_ms], "leave", r.name)
 
     async def _give_up_soon(self) -> None:
         """Clean up, waiting at most GIVE_UP_WAIT: behind a stalled reply the rest runs in the background."""

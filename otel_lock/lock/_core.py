@@ -45,7 +45,7 @@ from ._ending import HoldEnds
 from .._fork import watch_fork
 from ._runtime import Runtime, Runtimes
 from ._transport import Transport
-from ._scripts import MODEL, MODEL_TTL, script_refused
+from ._scripts import MODEL, MODEL_TTL, SHARES_WITH, script_refused
 from ._server_checks import ServerHealth, ServerReport
 from ._server_watch import period, stay_awake
 from ._shapes import EXCLUSIVE, PERMIT, SHAPES, SHARED, Shape
@@ -571,7 +571,7 @@ class Core:
         """
         problems = [f"{r.address or 'Redis'}: {c.name}: {c.detail}" + (f" (fix: {c.fix})" if c.fix else "")
                     for r in self.server_reports for c in r.checks if c.verdict in ("refusal", "warning")]
-        foreign = self._namespace_model is not None and self._namespace_model != MODEL
+        foreign = self._namespace_model not in (None, MODEL, *SHARES_WITH)
         if foreign:
             problems.insert(0, self._model_refusal())
         return ServerHealth(ok=not foreign and not self._refused(), checked=bool(self.server_reports),
@@ -580,7 +580,7 @@ class Core:
 
     def _server_verdicts(self) -> dict[str, int]:
         """Per server: 0 usable, 1 usable with warnings, 2 refused (read by a metrics reader, on its thread)."""
-        foreign = self._namespace_model is not None and self._namespace_model != MODEL
+        foreign = self._namespace_model not in (None, MODEL, *SHARES_WITH)
         return {r.address or "redis": 2 if foreign or r.refusals else 1 if r.warnings else 0
                 for r in self.server_reports}
 

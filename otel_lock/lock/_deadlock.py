@@ -229,8 +229,18 @@ class _Walk:
         mine = await self.redis.zscore(key + ":q", waiter)
         ahead = (await self.redis.zrangebyscore(key + ":q", "-inf", f"({mine}", start=0, num=MAX_STEPS)
                  if mine is not None else await self.redis.zrange(key + ":q", 0, MAX_STEPS - 1))
-        entries = await self.redis.hmget(key + ":w", ahead) if ahead else []
-        return any(entry is not None and _mode(json.loads(entry)) == "x" for entry in entries)
+        members = [_text(member) for member in ahead]
+        ids = [member for member in members if not member.startswith("[")]  # model 1: entries in the hash
+        entries = dict(zip(ids, await self.redis.hmget(key + ":w", ids))) if ids else {}
+        for member in members:
+            if member.startswith("["):
+                mode = _mode(json.loads(member)[1:])
+            else:
+                entry = entries.get(member)
+                mode = _mode(json.loads(entry)) if entry is not None else ""
+            if mode == "x":
+                return True
+        return False
 
     async def _live(self, holders: str) -> list[str]:
         if self.now_ms is None:
@@ -276,7 +286,7 @@ class _Walk:
 
 
 def _mode(entry: list[Any]) -> str:
-    """How a queued waiter waits, from its entry in `:w`: the 7th element (shared, permit), else exclusive."""
+    """How a queued waiter waits, from its entry (a record without its id): the 7th element (shared, permit), else x."""
     return str(entry[6]) if len(entry) > 6 else "x"
 
 

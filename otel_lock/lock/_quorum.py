@@ -38,7 +38,7 @@ from ._held import Lease, LockInfo
 from ._listing import describe, key_pages
 from ._redlock_cleanup import Cleanup
 from ._redlock_scripts import Masters
-from ._scripts import model_check
+from ._scripts import SHARES_WITH, model_check
 from ._server_checks import ServerReport, check_server
 from ._transport import RedisClient, Send, Transport
 
@@ -270,7 +270,7 @@ class QuorumTransport(Transport):
 
     async def check_model(self, key: str, model: int, ttl: int, lock_key: str, name: str) -> int | None:
         """Claim the namespace on every master that answers; another model on any of them is refused."""
-        answers = await self.masters.call(model_check, (key,), [model, ttl], "acquire", name)
+        answers = await self.masters.call(model_check, (key,), [model, ttl, *SHARES_WITH], "acquire", name)
         answered = [int(a) for a in answers if not isinstance(a, LockError)]
         if len(answered) < self.quorum:
             failed = [a for a in answers if isinstance(a, LockError)]

@@ -216,7 +216,7 @@ class ScriptTransport(Transport):
 
     async def check_model(self, key: str, model: int, ttl: int, lock_key: str, name: str) -> int | None:
         """Claim the namespace for `model` (at the first acquire of `lock_key`); None when ours, else the holder."""
-        held = await self.calls(self.link.call(_scripts.model_check, (key,), [model, ttl]), "acquire", name, lock_key)
+        held = await self.calls(self.link.call(_scripts.model_check, (key,), [model, ttl, *_scripts.SHARES_WITH]), "acquire", name, lock_key)
         return None if int(held) == model else int(held)
 
     async def servers(self) -> list[tuple[str, Send]]:

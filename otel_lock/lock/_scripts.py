@@ -1,38 +1,59 @@
 """Every Lua script of otel-lock, with the Redis data model they share.
 
-One lock named N in namespace S uses four keys, all under the Redis Cluster
-hash tag `{N}` so that a script can touch them together on any topology:
+One lock named N in namespace S uses these keys, all under the Redis
+Cluster hash tag `{N}` so that a script can touch them together on any
+topology (data model 2, which this release reads; it writes model 1):
 
     S:{N}        hash   owner, depth, token, ctx (holder's traceparent),
-                        waiter (id of the waiter it was handed to, until claimed)
-    S:{N}:fence  string last fencing token; expires `fence_ttl` after last use
-    S:{N}:q      zset   waiting callers in arrival order (score: Redis time, us)
-    S:{N}:w      hash   waiter id -> JSON [deadline_us (0: none), lease_ms,
-                        owner, ctx, wake channel, sharded (1: SPUBLISH)]
+                        waiter (id of the waiter it was handed to; emptied
+                        when that waiter claims it by a request of its own)
+    S:{N}:fence  string the last token minted from the clock, raised to the
+                        last token when the lock key goes after a hand-over;
+                        expires `fence_ttl` after its last write
+    S:{N}:q      zset   waiting callers in arrival order (score: Redis time,
+                        us); a member is the waiter's whole entry, a JSON
+                        array its client made: [id, wait budget ms (0:
+                        none), lease_ms, owner, ctx, wake channel, sharded
+                        (1: SPUBLISH), and for a shape's waiter its mode]
+    S:{N}:w      hash   waiters of model 1 (this release and 0.1.0 queue the
+                        id and keep the entry here): id -> JSON
+                        [deadline_us, lease_ms, owner, ctx, wake channel,
+                        sharded, mode]
 
 Fencing tokens are seeded from Redis `TIME` in microseconds and bumped past
-the last one, so they increase strictly per key even after the fence key has
-expired, without leaving a permanent key behind per lock name.
+the fence, so they increase strictly per key even after the fence key has
+expired, without leaving a permanent key behind per lock name. A hand-over
+gives the next waiter the last token + 1, without reading the clock or the
+fence: a chain of hand-overs cannot outrun the microsecond clock (each one
+is a script run of several microseconds), and the fence is written when the
+lock key goes (a release that finds nobody waiting, after a hand-over).
 
 A waiter that already holds locks records what it waits for, so that a
 wait that would close a cycle of holders waiting on each other is refused
 (`_deadlock.py`), one key per lock it holds:
 
-    S:waits:<owner>  string JSON [lock key waited for, waiter id, holder
-                        (task@pid/manager), queued (1: in that lock's queue),
-                        how it waits (x exclusive, s shared, p a permit;
-                        absent: x)]; expires with the wait, deleted when it ends
+    S:waits:<owner>  string JSON [lock key waited for, waiter (its queue
+                        member), holder (task@pid/manager), queued (1: in
+                        that lock's queue), how it waits (x exclusive, s
+                        shared, p a permit; absent: x)]; expires with the
+                        wait, deleted when it ends
 
 Shared holds and permits (`_shapes.py`) add keys of their own under the
-same hash tag and scripts of their own; the scripts here are unchanged by
-them, and a shared waiter's entry in `:w` carries a 7th element they ignore.
+same hash tag and scripts of their own; they queue in the same queue, their
+entries carrying their mode.
 
 The namespace itself carries the version of this layout (MODEL), so that
-two otel-lock versions with different layouts never share a namespace
-untold (a rolling deploy across a data-model change):
+two otel-lock versions with layouts that cannot read each other never
+share a namespace untold (a rolling deploy across a data-model change):
 
     S:model      string the data model of the managers using S; expires a
                         week after the last manager started using it
+
+Model 1 queued a waiter's id with its entry in `S:{N}:w`, and minted every
+grant's token from the clock and the fence (17 Redis commands per
+contended hand-over; model 2: 12). These scripts read both kinds of queue
+member, and so do 0.2.0's (model 1), so managers of 0.2.0 and of model 2
+share a namespace (SHARES_WITH); 0.1.0's cannot read model 2's members.
 
 A release with waiters hands the lock to the first live waiter (FIFO) with
 that waiter's *full* lease and publishes `<waiter id> <token> <lock key>` on
@@ -57,57 +78,103 @@ end
 
 -- `last`: the newest token of this fence when the caller knows it (an exclusive holder's own: nothing
 -- else mints on the fence while it holds), which saves reading the fence
-local function mint(fence, fence_ttl_ms, now, last)
+local function next_token(fence, now, last)
   local token = now
   last = tonumber(last or redis.call('GET', fence) or '0')
   if last >= token then token = last + 1 end
+  return token
+end
+
+-- a token that the fence records at once (a shape's grant: the fence is the shape's only record of it)
+local function mint(fence, fence_ttl_ms, now, last)
+  local token = next_token(fence, now, last)
   redis.call('SET', fence, string.format('%.0f', token), 'PX', fence_ttl_ms)
   return token
 end
 
+-- A queue member is the waiter's entry itself (model 2): a JSON array its client made, [id, wait budget ms
+-- (0: none), lease_ms, owner, ctx, wake channel, sharded (1: SPUBLISH), and for a shape's waiter its mode];
+-- its deadline is its score (the arrival, Redis time in us) plus the budget. Managers of model 1 (0.2.0 and
+-- earlier) queue the waiter's id instead, with its entry in the waiters hash: both are read, for one release.
+local function is_record(member) return string.byte(member, 1) == 91 end
+
+local function waiter_id(member)
+  if is_record(member) then return cjson.decode(member)[1] end
+  return member
+end
+
+local function unqueue(queue, waiters, member)
+  redis.call('ZREM', queue, member)
+  if not is_record(member) then redis.call('HDEL', waiters, member) end
+end
+
+-- a member's id and entry {deadline_us (0: none), lease_ms, owner, ctx, channel, sharded, mode}, nil for a
+-- model 1 entry gone from the hash; `drop`: the member left the queue, delete a model 1 entry from the hash
+local function entry(waiters, member, score, drop)
+  if is_record(member) then
+    local r = cjson.decode(member)
+    local deadline = 0
+    if r[2] > 0 then deadline = tonumber(score) + r[2] * 1000 end
+    return r[1], {deadline, r[3], r[4], r[5], r[6], r[7], r[8]}
+  end
+  local info = redis.call('HGET', waiters, member)
+  if not info then return member, nil end
+  if drop then redis.call('HDEL', waiters, member) end
+  return member, cjson.decode(info)
+end
+
+-- Hand the lock on to the first live waiter. `last`: the token of the exclusive hold being passed on (none
+-- for a shared one, a `0`). A waiter of model 2 gets the next token, `last` + 1, without a look at the
+-- clock or the fence, which learns the last token when the lock key goes. A waiter of model 1 is dated
+-- and minted as model 1 did.
 local function hand_over(lock, fence, queue, waiters, fence_ttl_ms, last)
+  if tonumber(last or '0') <= 0 then last = nil end
   local now = nil
   while true do
     local head = redis.call('ZPOPMIN', queue)
     if #head == 0 then
+      if last then redis.call('SET', fence, last, 'PX', fence_ttl_ms) end
       redis.call('DEL', lock)
       return 0
     end
-    local info = redis.call('HGET', waiters, head[1])
-    if info then
-      redis.call('HDEL', waiters, head[1])
-      local w = cjson.decode(info)
+    local id, w = entry(waiters, head[1], head[2], true)
+    local token = nil
+    if w and last and is_record(head[1]) then
+      token = string.format('%.0f', tonumber(last) + 1)
+    elseif w then
       now = now or now_us()
-      if w[1] == 0 or w[1] > now then
-        local token = string.format('%.0f', mint(fence, fence_ttl_ms, now, last))
-        last = token
-        -- every field is overwritten, so the previous holder's hash needs no DEL
-        redis.call('HSET', lock, 'owner', w[3], 'depth', 1, 'token', token, 'ctx', w[4], 'waiter', head[1])
-        redis.call('PEXPIRE', lock, w[2])
-        -- 0 receivers: the waiter's manager is gone; skip it now, not after its lease.
-        -- w[6] == 1: a Redis Cluster waiter, subscribed to a shard channel in this slot.
-        local publish = 'PUBLISH'
-        if w[6] == 1 then publish = 'SPUBLISH' end
-        if redis.call(publish, w[5], head[1] .. ' ' .. token .. ' ' .. lock) > 0 then
-          return 1
-        end
+      if w[1] == 0 or w[1] > now then token = string.format('%.0f', mint(fence, fence_ttl_ms, now, last)) end
+    end
+    if token then
+      last = token
+      -- every field is overwritten, so the previous holder's hash needs no DEL
+      redis.call('HSET', lock, 'owner', w[3], 'depth', 1, 'token', token, 'ctx', w[4], 'waiter', id)
+      redis.call('PEXPIRE', lock, w[2])
+      -- 0 receivers: the waiter's manager is gone; skip it now, not after its lease.
+      -- w[6] == 1: a Redis Cluster waiter, subscribed to a shard channel in this slot.
+      local publish = 'PUBLISH'
+      if w[6] == 1 then publish = 'SPUBLISH' end
+      if redis.call(publish, w[5], id .. ' ' .. token .. ' ' .. lock) > 0 then
+        return 1
       end
     end
   end
 end
 
--- a waiter joins the queue (once: a request sent again keeps its place). Its entry: JSON [deadline_us
--- (0: none), lease_ms, owner, ctx, wake channel, sharded, and for a shape's waiter its mode]. The
--- queue and entries outlive the longest wait by a minute; their expiry is pushed 30 s further each
--- time it runs short, not at every arrival
-local function queue_entry(queue, waiters, waiter, now, budget, lease, owner, ctx, channel, sharded, mode)
-  if redis.call('ZADD', queue, 'NX', now, waiter) == 1 then
+-- a waiter joins the queue (once: a request sent again keeps its place). The queue (and a model 1
+-- entry's hash) outlive the longest wait by a minute; their expiry is pushed 30 s further each time it
+-- runs short, not at every arrival. `mode`: a shape's waiter's, for a model 1 entry (a record has its own)
+local function queue_entry(queue, waiters, member, now, budget, lease, owner, ctx, channel, sharded, mode)
+  if redis.call('ZADD', queue, 'NX', now, member) == 1 then
     local deadline, keep_ms = 0, 3600000
     if budget > 0 then deadline, keep_ms = now + budget * 1000, budget + 60000 end
-    redis.call('HSET', waiters, waiter, cjson.encode({deadline, lease, owner, ctx, channel, sharded, mode}))
+    local record = is_record(member)
+    if not record then
+      redis.call('HSET', waiters, member, cjson.encode({deadline, lease, owner, ctx, channel, sharded, mode}))
+    end
     if redis.call('PTTL', queue) < keep_ms then
       redis.call('PEXPIRE', queue, keep_ms + 30000)
-      redis.call('PEXPIRE', waiters, keep_ms + 30000)
+      if not record then redis.call('PEXPIRE', waiters, keep_ms + 30000) end
     end
   end
 end
@@ -115,7 +182,8 @@ end
 
 # ACQUIRE: take the lock, claim a hand-over, re-enter it, or join its queue.
 # KEYS: lock, fence, queue, waiters
-# ARGV: owner, waiter id ('-': re-entry of a hold the caller has),
+# ARGV: owner, waiter (its queue member: model 2, the waiter's entry as a JSON array; model 1 and a call
+#       that does not queue, its id; '-': re-entry of a hold the caller has),
 #       lease_ms, reenter ('1': same owner may nest),
 #       queue_ms (-1: do not queue; 0: queue without deadline; n: queue for n ms),
 #       ctx (traceparent), fence_ttl_ms, wake channel, sharded ('1': the
@@ -128,7 +196,7 @@ local held = redis.call('HMGET', lock, 'owner', 'waiter', 'depth', 'token', 'ctx
 local holder = held[1]
 if holder == owner then
   local depth
-  if held[2] == waiter then
+  if held[2] and held[2] == waiter_id(waiter) then
     -- handed to this waiter (its wake-up not read yet): claimed, with a lease from this request
     redis.call('HDEL', lock, 'waiter')
     depth = 1
@@ -140,10 +208,7 @@ if holder == owner then
     depth = tonumber(held[3])
   end
   if redis.call('PTTL', lock) < tonumber(lease) then redis.call('PEXPIRE', lock, lease) end
-  if ARGV[5] ~= '-1' then
-    redis.call('ZREM', queue, waiter)
-    redis.call('HDEL', waiters, waiter)
-  end
+  if ARGV[5] ~= '-1' then unqueue(queue, waiters, waiter) end
   return {1, tonumber(held[4]), depth}
 end
 if waiter == '-' then
@@ -151,14 +216,12 @@ if waiter == '-' then
   return {0, redis.call('PTTL', lock), ''}
 end
 if not holder then
-  local token = mint(fence, ARGV[7], now_us())
+  -- the fence learns this token when the lock key goes (RELEASE): a held lock is one key
+  local token = next_token(fence, now_us())
   redis.call('DEL', lock)
   redis.call('HSET', lock, 'owner', owner, 'depth', 1, 'token', string.format('%.0f', token), 'ctx', ARGV[6])
   redis.call('PEXPIRE', lock, lease)
-  if ARGV[5] ~= '-1' then
-    redis.call('ZREM', queue, waiter)
-    redis.call('HDEL', waiters, waiter)
-  end
+  if ARGV[5] ~= '-1' then unqueue(queue, waiters, waiter) end
   return {1, token, 1}
 end
 if ARGV[5] ~= '-1' then
@@ -188,13 +251,13 @@ return 0
 # LEAVE: a waiter gives up (timeout, cancellation, gone). A lock handed to it
 # meanwhile and not claimed yet is passed on at once.
 # KEYS: lock, fence, queue, waiters
-# ARGV: waiter id, fence_ttl_ms
+# ARGV: waiter (its queue member, or its id), fence_ttl_ms
 # Returns 1 when a hand-over to this waiter was passed on, else 0.
 LEAVE = _COMMON + r"""
-redis.call('ZREM', KEYS[3], ARGV[1])
-redis.call('HDEL', KEYS[4], ARGV[1])
-if redis.call('HGET', KEYS[1], 'waiter') == ARGV[1] then
-  hand_over(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[2])
+unqueue(KEYS[3], KEYS[4], ARGV[1])
+local handed = redis.call('HMGET', KEYS[1], 'waiter', 'token')
+if handed[1] == waiter_id(ARGV[1]) then
+  hand_over(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[2], handed[2])
   return 1
 end
 return 0
@@ -223,7 +286,7 @@ return out
 # Returns 1 if a lock was held, else 0.
 FORCE_RELEASE = _COMMON + r"""
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-hand_over(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[1])
+hand_over(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[1], redis.call('HGET', KEYS[1], 'token'))
 return 1
 """
 
@@ -240,7 +303,7 @@ return 1
 # Only a cycle through the caller's own holds is refused (one of others it merely waits behind is not);
 # a walk longer than 64 holders is no cycle (never a false refusal).
 # KEYS: none (the walk reads the keys it finds: one Redis or a Sentinel master only, never a Cluster)
-# ARGV: namespace, lock key waited for, waiter id, ttl_ms, holder (task label), queued ('1': the waiter
+# ARGV: namespace, lock key waited for, waiter (its queue member when queued), ttl_ms, holder (task label), queued ('1': the waiter
 #       is in the lock's queue), how it waits (x, s, p), then the owner of each lock the caller holds
 # Returns {0} when recorded, or {1, key, owner, holder, key, owner, holder, ...}: the cycle, from the
 # lock waited for to the caller's own.
@@ -261,8 +324,15 @@ local function exclusive_ahead(key, waiter)
   if mine then ahead = redis.call('ZRANGEBYSCORE', queue, '-inf', '(' .. mine, 'LIMIT', 0, 64)
   else ahead = redis.call('ZRANGE', queue, 0, 63) end
   for i = 1, #ahead do
-    local info = redis.call('HGET', key .. ':w', ahead[i])
-    if info and (cjson.decode(info)[7] or 'x') == 'x' then return true end
+    -- a waiter's entry: the member itself (model 2, mode 8th), or in the waiters hash (model 1, mode 7th)
+    local mode
+    if string.byte(ahead[i], 1) == 91 then
+      mode = cjson.decode(ahead[i])[8] or 'x'
+    else
+      local info = redis.call('HGET', key .. ':w', ahead[i])
+      if info then mode = cjson.decode(info)[7] or 'x' end
+    end
+    if mode == 'x' then return true end
   end
   return false
 end
@@ -332,7 +402,7 @@ return {0}
 
 # WAIT_OVER: the wait ended: delete its records, unless a later wait of the same owner replaced them.
 # KEYS: S:waits:<owner> of each owner it recorded (one per call on a Cluster)
-# ARGV: waiter id
+# ARGV: waiter (as WAIT_FOR named it)
 # Returns 0.
 WAIT_OVER = r"""
 for i = 1, #KEYS do
@@ -344,11 +414,17 @@ return 0
 
 
 # MODEL_CHECK: claim the namespace for this data model, or say which one holds it.
-# KEYS: S:model. ARGV: model, ttl_s.
-# Returns the model the namespace holds: ours (now claimed for another ttl_s), or another one.
+# KEYS: S:model. ARGV: model, ttl_s, then the other models this one shares a namespace with (it reads
+# what they write, and they read what it writes)
+# Returns the model the namespace holds: ours or one we share with (now claimed for another ttl_s), or
+# another one (not claimed).
 MODEL_CHECK = r"""
 local held = redis.call('GET', KEYS[1])
-if held and held ~= ARGV[1] then return held end
+if held and held ~= ARGV[1] then
+  local shared = false
+  for i = 3, #ARGV do if held == ARGV[i] then shared = true end end
+  if not shared then return held end
+end
 redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
 return ARGV[1]
 """
@@ -360,7 +436,8 @@ SCRIPT_COMMANDS = ("DEL", "EXISTS", "GET", "HDEL", "HGET", "HINCRBY", "HMGET", "
                    "PEXPIRETIME", "PTTL", "SET", "TIME", "ZADD", "ZCARD", "ZPOPMIN", "ZRANGE", "ZRANGEBYSCORE", "ZREM",
                    "ZREMRANGEBYSCORE", "ZSCORE")
 
-MODEL = 1          # the layout above; bumped (and said in CHANGELOG.md) whenever it changes
+MODEL = 1          # the layout this release writes; bumped (and said in CHANGELOG.md) whenever it changes
+SHARES_WITH = (2,)  # models whose managers may run beside this one in a namespace: each reads what the other writes
 MODEL_TTL = 7 * 24 * 3600
 
 

@@ -3,8 +3,8 @@
 Both keep their holders in a sorted set scored by lease expiry (Redis
 `TIME`, ms), so a crashed holder's place is purged by the next script that
 looks, and each holder has its own lease, renewed by the manager's batched
-watchdog (RENEW_MEMBERS). Waiters queue in the same FIFO queue and waiter
-hash as the exclusive lock, and grants are published to the waiter's
+watchdog (RENEW_MEMBERS). Waiters queue in the same FIFO queue as the
+exclusive lock (their entries, the queue members, carry their mode), and grants are published to the waiter's
 manager channel as `<waiter id> <token> <key>`, like the exclusive
 hand-over. Each grant mints its own fencing token from the shape's fence.
 
@@ -18,7 +18,7 @@ Shared (`lock(key, shared=True)`), lock named N in namespace S:
     S:{N}:sh:t    hash   owner -> fencing token; "u:<owner>" while a grant
                          is not claimed yet
     S:{N}:fence, S:{N}:q, S:{N}:w   as for the exclusive lock; a shared
-                         waiter's entry has a 7th element "s"
+                         waiter's entry has the mode "s"
 
 The exclusive scripts of `_scripts.py` know nothing of the shapes: a plain
 RELEASE hands the lock to the head waiter as an exclusive hold even when that
@@ -34,7 +34,7 @@ Permits (`semaphore(key, permits=n)`):
                                 grant is not claimed; "#limit" -> n
     S:{N}:permits:fence, S:{N}:permits:q, S:{N}:permits:w
                                 fence, queue and waiters as for a lock (a
-                                waiter's entry has a 7th element "p")
+                                waiter's entry has the mode "p")
 
 Holders' keys expire at the last holder's lease; the limit lives as long as
 anybody holds a permit, and an ACQUIRE with another limit meanwhile answers
@@ -55,21 +55,13 @@ local SHARED = '(shared)'
 
 local function ms(now) return math.floor(now / 1000) end
 
-local function unqueue(queue, waiters, id)
-  redis.call('ZREM', queue, id)
-  redis.call('HDEL', waiters, id)
-end
-
--- the first live waiter of a queue (id, entry); dead ones (gone, past their deadline) are dropped
+-- the first live waiter of a queue (member, id, entry); dead ones (gone, past their deadline) are dropped
 local function head(queue, waiters, now)
   while true do
-    local h = redis.call('ZRANGE', queue, 0, 0)
-    if #h == 0 then return nil, nil end
-    local info = redis.call('HGET', waiters, h[1])
-    if info then
-      local w = cjson.decode(info)
-      if w[1] == 0 or w[1] > now then return h[1], w end
-    end
+    local h = redis.call('ZRANGE', queue, 0, 0, 'WITHSCORES')
+    if #h == 0 then return nil, nil, nil end
+    local id, w = entry(waiters, h[1], h[2], false)
+    if w and (w[1] == 0 or w[1] > now) then return h[1], id, w end
     unqueue(queue, waiters, h[1])
   end
 end
@@ -130,9 +122,9 @@ _PERMITS = _MEMBERS + r"""
 -- free permits go to the head waiters, in order
 local function fill(limit, fence_ttl, now, me)
   while redis.call('ZCARD', KEYS[1]) < limit do
-    local id, w = head(KEYS[3], KEYS[4], now)
-    if not id then return end
-    unqueue(KEYS[3], KEYS[4], id)
+    local member, id, w = head(KEYS[3], KEYS[4], now)
+    if not member then return end
+    unqueue(KEYS[3], KEYS[4], member)
     grant(KEYS[1], KEYS[5], KEYS[2], fence_ttl, w, id, now, KEYS[1], me)
   end
 end
@@ -152,6 +144,7 @@ end
 # all permits are taken, {-2, limit, ''} when the key has another limit.
 PERMIT_ACQUIRE = _PERMITS + r"""
 local owner, waiter, lease, limit = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[10])
+local id = waiter_id(waiter)
 local now = now_us()
 local now_ms = ms(now)
 purge(KEYS[1], KEYS[5], now_ms)
@@ -172,12 +165,12 @@ local mine = held()
 if mine then return mine end
 -- waiters first (a crashed holder's permit came back with its lease), then this caller
 local me = nil
-if ARGV[5] ~= '-1' then me = waiter end
+if ARGV[5] ~= '-1' then me = id end
 fill(limit, ARGV[7], now, me)
 mine = held()
 if mine then return mine end
 if redis.call('ZCARD', KEYS[1]) < limit then
-  local token = grant(KEYS[1], KEYS[5], KEYS[2], ARGV[7], {0, lease, owner}, waiter, now, KEYS[1], waiter)
+  local token = grant(KEYS[1], KEYS[5], KEYS[2], ARGV[7], {0, lease, owner}, id, now, KEYS[1], id)
   if set == 0 then redis.call('HSET', KEYS[5], '#limit', limit) end
   return joined(KEYS[1], KEYS[5], nil, token, lease, now_ms, ARGV[5] ~= '-1', KEYS[3], KEYS[4], waiter)
 end
@@ -208,9 +201,10 @@ return -1
 # Returns 1 when a permit was passed on, else 0.
 PERMIT_LEAVE = _PERMITS + r"""
 unqueue(KEYS[3], KEYS[4], ARGV[1])
-if not redis.call('HGET', KEYS[5], 'u:' .. ARGV[1]) then return 0 end
-redis.call('ZREM', KEYS[1], ARGV[1])
-redis.call('HDEL', KEYS[5], ARGV[1], 'u:' .. ARGV[1])
+local id = waiter_id(ARGV[1])
+if not redis.call('HGET', KEYS[5], 'u:' .. id) then return 0 end
+redis.call('ZREM', KEYS[1], id)
+redis.call('HDEL', KEYS[5], id, 'u:' .. id)
 local now = now_us()
 purge(KEYS[1], KEYS[5], ms(now))
 settle(ARGV[2], now)
@@ -224,11 +218,11 @@ _SHARED = _MEMBERS + r"""
 local function hand_on(shared, fence_ttl, me)
   local now = now_us()
   while true do
-    local id, w = head(KEYS[3], KEYS[4], now)
-    if not id then break end
+    local member, id, w = head(KEYS[3], KEYS[4], now)
+    if not member then break end
     if w[7] ~= 's' then
       if shared then break end
-      unqueue(KEYS[3], KEYS[4], id)
+      unqueue(KEYS[3], KEYS[4], member)
       local token = string.format('%.0f', mint(KEYS[2], fence_ttl, now))
       redis.call('HSET', KEYS[1], 'owner', w[3], 'depth', 1, 'token', token, 'ctx', w[4], 'waiter', id)
       redis.call('PEXPIRE', KEYS[1], w[2])
@@ -236,7 +230,7 @@ local function hand_on(shared, fence_ttl, me)
       if w[6] == 1 then publish = 'SPUBLISH' end
       if redis.call(publish, w[5], id .. ' ' .. token .. ' ' .. KEYS[1]) > 0 then return end
     else
-      unqueue(KEYS[3], KEYS[4], id)
+      unqueue(KEYS[3], KEYS[4], member)
       if not shared then
         redis.call('DEL', KEYS[1], KEYS[5], KEYS[6])
         redis.call('HSET', KEYS[1], 'owner', SHARED, 'depth', 1, 'token', 0, 'ctx', w[4])
@@ -269,6 +263,7 @@ end
 # Returns {1, token, 1} when held, {0, pttl_ms, holder_ctx} when busy.
 SHARED_ACQUIRE = _SHARED + r"""
 local owner, waiter, lease = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local id = waiter_id(waiter)
 local now = now_us()
 local now_ms = ms(now)
 local function held()
@@ -281,9 +276,11 @@ local function held()
   return {1, tonumber(redis.call('HGET', KEYS[6], owner)), 1}
 end
 local holder = redis.call('HGET', KEYS[1], 'owner')
-if holder == owner and redis.call('HGET', KEYS[1], 'waiter') == waiter then
+if holder == owner and redis.call('HGET', KEYS[1], 'waiter') == id then
   -- handed over by a plain RELEASE as if exclusive: share it, and let the shared waiters behind in
   local token = redis.call('HGET', KEYS[1], 'token')
+  -- a hand-over's token may be ahead of the fence (`hand_over`); the shared grants mint from the fence
+  redis.call('SET', KEYS[2], token, 'PX', ARGV[7])
   redis.call('DEL', KEYS[1], KEYS[5], KEYS[6])
   redis.call('HSET', KEYS[1], 'owner', SHARED, 'depth', 1, 'token', 0, 'ctx', ARGV[6])
   redis.call('ZADD', KEYS[5], now_ms + lease, owner)
@@ -298,7 +295,7 @@ if holder == SHARED then
   if redis.call('ZCARD', KEYS[5]) == 0 then
     -- every shared lease ran out: hand on in order (this caller among them, if it waits)
     redis.call('DEL', KEYS[1])
-    hand_on(false, ARGV[7], waiter)
+    hand_on(false, ARGV[7], id)
     mine = held()
     if mine then return mine end
     holder = redis.call('HGET', KEYS[1], 'owner')
@@ -309,7 +306,7 @@ if holder == SHARED then
   local first = head(KEYS[3], KEYS[4], now)
   if not first or first == waiter then
     -- nobody waits ahead (an exclusive waiter would): join the holders
-    local token = grant(KEYS[5], KEYS[6], KEYS[2], ARGV[7], {0, lease, owner}, waiter, now, KEYS[1], waiter)
+    local token = grant(KEYS[5], KEYS[6], KEYS[2], ARGV[7], {0, lease, owner}, id, now, KEYS[1], id)
     redis.call('HSET', KEYS[1], 'ctx', ARGV[6])
     return joined(KEYS[5], KEYS[6], KEYS[1], token, lease, now_ms, queued, KEYS[3], KEYS[4], waiter)
   end
@@ -318,7 +315,7 @@ if not holder then
   -- free (like an exclusive ACQUIRE, a free lock is taken whoever waits for a lapsed holder)
   redis.call('DEL', KEYS[5], KEYS[6])
   redis.call('HSET', KEYS[1], 'owner', SHARED, 'depth', 1, 'token', 0, 'ctx', ARGV[6])
-  local token = grant(KEYS[5], KEYS[6], KEYS[2], ARGV[7], {0, lease, owner}, waiter, now, KEYS[1], waiter)
+  local token = grant(KEYS[5], KEYS[6], KEYS[2], ARGV[7], {0, lease, owner}, id, now, KEYS[1], id)
   redis.call('PEXPIRE', KEYS[1], lease)
   return joined(KEYS[5], KEYS[6], nil, token, lease, now_ms, queued, KEYS[3], KEYS[4], waiter)
 end
@@ -347,14 +344,15 @@ return -1
 # Returns 1 when a grant was passed on, else 0.
 SHARED_LEAVE = _SHARED + r"""
 unqueue(KEYS[3], KEYS[4], ARGV[1])
-if redis.call('HGET', KEYS[1], 'waiter') == ARGV[1] then
+local id = waiter_id(ARGV[1])
+if redis.call('HGET', KEYS[1], 'waiter') == id then
   redis.call('DEL', KEYS[1])
   hand_on(false, ARGV[2], nil)
   return 1
 end
-if redis.call('HGET', KEYS[1], 'owner') == SHARED and redis.call('HGET', KEYS[6], 'u:' .. ARGV[1]) then
-  redis.call('ZREM', KEYS[5], ARGV[1])
-  redis.call('HDEL', KEYS[6], ARGV[1], 'u:' .. ARGV[1])
+if redis.call('HGET', KEYS[1], 'owner') == SHARED and redis.call('HGET', KEYS[6], 'u:' .. id) then
+  redis.call('ZREM', KEYS[5], id)
+  redis.call('HDEL', KEYS[6], id, 'u:' .. id)
   settle(ARGV[2], false)
   return 1
 end

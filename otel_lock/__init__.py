@@ -1,6 +1,6 @@
 """otel-lock: an asyncio Redis lock for Starlette/FastAPI replicas, observable with OpenTelemetry."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 from .lock import (HeldLock, HeldLocks, LockBusy, LockDeadlock, LockError, LockInfo, LockLost, LockManager, Locks,
                    LockTimeout, RedisMisconfigured, RedisUnavailable, RedLockManager)

@@ -126,7 +126,7 @@ class Attempt:
         budget (the entry's deadline is its arrival plus that budget), and made
         anew only when the wake channel moved (a Cluster slot's new node).
         """
-        if _scripts.MODEL < 2:  # model 1: the waiter's id, its entry kept in the waiters hash by the script
+        if _scripts.MODEL < 2:  # a manager of model 1 (a test of a mixed namespace)
             return self.request.waiter_id
         if self._member is None or channel != self._member_channel:
             r = self.request

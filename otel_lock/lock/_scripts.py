@@ -2,7 +2,7 @@
 
 One lock named N in namespace S uses these keys, all under the Redis
 Cluster hash tag `{N}` so that a script can touch them together on any
-topology (data model 2, which this release reads; it writes model 1):
+topology (data model 2):
 
     S:{N}        hash   owner, depth, token, ctx (holder's traceparent),
                         waiter (id of the waiter it was handed to; emptied
@@ -15,10 +15,9 @@ topology (data model 2, which this release reads; it writes model 1):
                         array its client made: [id, wait budget ms (0:
                         none), lease_ms, owner, ctx, wake channel, sharded
                         (1: SPUBLISH), and for a shape's waiter its mode]
-    S:{N}:w      hash   waiters of model 1 (this release and 0.1.0 queue the
-                        id and keep the entry here): id -> JSON
-                        [deadline_us, lease_ms, owner, ctx, wake channel,
-                        sharded, mode]
+    S:{N}:w      hash   only for waiters of model 1 (0.2.0 and earlier,
+                        read for one release): id -> JSON [deadline_us,
+                        lease_ms, owner, ctx, wake channel, sharded, mode]
 
 Fencing tokens are seeded from Redis `TIME` in microseconds and bumped past
 the fence, so they increase strictly per key even after the fence key has
@@ -436,8 +435,8 @@ SCRIPT_COMMANDS = ("DEL", "EXISTS", "GET", "HDEL", "HGET", "HINCRBY", "HMGET", "
                    "PEXPIRETIME", "PTTL", "SET", "TIME", "ZADD", "ZCARD", "ZPOPMIN", "ZRANGE", "ZRANGEBYSCORE", "ZREM",
                    "ZREMRANGEBYSCORE", "ZSCORE")
 
-MODEL = 1          # the layout this release writes; bumped (and said in CHANGELOG.md) whenever it changes
-SHARES_WITH = (2,)  # models whose managers may run beside this one in a namespace: each reads what the other writes
+MODEL = 2          # the layout above; bumped (and said in CHANGELOG.md) whenever it changes
+SHARES_WITH = (1,)  # models whose managers may run beside this one in a namespace: each reads what the other writes
 MODEL_TTL = 7 * 24 * 3600
 
 

@@ -96,10 +96,10 @@ ensure_servers() {
 
 # The previous release, by its commit in main's history (a tag may not reach every clone; a commit
 # of main does): docs/versioning.md says why this one. Built from `git archive` of that commit into
-# .venv-$PREVIOUS_VERSION with the core and httpx (the mixed-fleet test drives its app in-process),
+# .venv-$PREVIOUS_VERSION with the core, httpx (the mixed-fleet test drives its app in-process) and python-multipart,
 # nothing downloaded but PyPI packages; rebuilt only when PREVIOUS_RELEASE changes.
-PREVIOUS_RELEASE=c91903cc2df2813d0a615f171f62712eed42b0b3
-PREVIOUS_VERSION=0.1.0
+PREVIOUS_RELEASE=4bfe7f549f6ddd4c9d36476daca476c129b102ea
+PREVIOUS_VERSION=0.2.0
 ensure_previous_release() {
   local dir=".venv-$PREVIOUS_VERSION"
   local stamp="$dir/.otel-lock-release"
@@ -117,7 +117,9 @@ ensure_previous_release() {
   rm -rf "$dir"
   "${VENV_PYTHON:-python3}" -m venv "$dir"
   echo "installing the previous release $PREVIOUS_VERSION ($PREVIOUS_RELEASE) into $dir" >&2
-  if "$dir/bin/python" -m pip install -q "$src" httpx; then
+  # python-multipart as the replicas' app has it: a multipart body is fingerprinted by its parts only where
+  # it can be read, as in this tree's venv
+  if "$dir/bin/python" -m pip install -q "$src" httpx python-multipart; then
     echo "$PREVIOUS_RELEASE" > "$stamp"
   fi
   rm -rf "$src"

@@ -10,7 +10,7 @@ reports (ready, entered, done), never on sleeps.
     {"op": "post", "path", "headers", "body"}   send a request to this replica's app
     {"op": "hold", ...the same}                  send it; answer once its handler is running
     {"op": "release"}                            let the held handler finish; its response
-    {"op": "count", "n"}                         n read-modify-write increments under one lock
+    {"op": "count", "n"}                         n read-modify-write increments under one lock (and each hold's token)
     {"op": "exit"}
 
 The handlers count their runs in Redis (`runs:<key>`), shared by every replica.
@@ -89,15 +89,16 @@ class Replica:
 
     async def count(self, n: int) -> dict:
         """Increments that lose an update unless the lock excludes every other holder."""
-        most = 0
+        most, holds = 0, []
         for _ in range(n):
-            async with self.manager.lock("counter"):
+            async with self.manager.lock("counter") as held:
                 most = max(most, await self.redis.incr("inside"))
                 value = int(await self.redis.get("counter") or 0)
                 await asyncio.sleep(0)
                 await self.redis.set("counter", value + 1)
                 await self.redis.decr("inside")
-        return {"max_inside": most}
+                holds.append([value, held.token])  # the counter orders the holds
+        return {"max_inside": most, "holds": holds}
 
     async def close(self) -> None:
         await self.client.aclose()

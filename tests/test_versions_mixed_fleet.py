@@ -1,11 +1,12 @@
-"""Issue 22: the previous release and this one side by side on one Redis (a rolling deploy, a rollback).
+"""The previous release and this one side by side on one Redis (a rolling deploy, a rollback).
 
-The previous release (docs/versioning.md: 0.1.0, by its commit in main's
-history) is built into `.venv-0.1.0` by `ensure_previous_release` in
+The previous release (docs/versioning.md: 0.2.0, by its commit in main's
+history) is built into `.venv-0.2.0` by `ensure_previous_release` in
 scripts/_bootstrap.sh (scripts/test runs it before the suite). Each replica is
 a process of its own release (`tests/_versions_replica.py`); all share one
-redis-server. Without `.venv-0.1.0` the tests fail under CI=true and are
-skipped elsewhere, saying how to build it.
+redis-server. Without that venv the tests fail under CI=true and are
+skipped elsewhere, saying how to build it. 0.2.0 writes data model 1 and this
+release model 2: their waiters share one queue.
 """
 
 from __future__ import annotations
@@ -130,9 +131,10 @@ def _replayed(first: dict, retry: dict) -> bool:
 
 
 async def test_each_replica_runs_its_own_release(fleet):
+    version, _ = _previous()
     old, new = await fleet("old"), await fleet("new")
-    assert ".venv-0.1.0" in old.origin and str(ROOT / "otel_lock") in new.origin
-    assert ".venv-0.1.0" not in new.origin
+    assert f".venv-{version}" in old.origin and str(ROOT / "otel_lock") in new.origin
+    assert f".venv-{version}" not in new.origin
 
 
 async def test_locks_exclude_each_other_across_releases(fleet, redis_url):
@@ -149,11 +151,13 @@ async def test_locks_exclude_each_other_across_releases(fleet, redis_url):
         await client.aclose()
     assert counter == n * len(replicas)                            # no update lost
     assert [a["max_inside"] for a in answers] == [1] * len(replicas)  # never two holders
+    tokens = [token for _, token in sorted(hold for a in answers for hold in a["holds"])]
+    assert tokens == sorted(set(tokens))  # in the order of the holds, strictly growing across both releases
 
 
 MULTIPART = ('--xyz\r\nContent-Disposition: form-data; name="f"; filename="a.txt"\r\n'
              'Content-Type: text/plain\r\n\r\nhello\r\n--xyz--\r\n')
-REQUESTS = [   # (path, body, content type, headers): what 0.1.0 and this release fingerprint differently
+REQUESTS = [   # (path, body, content type, headers): what 0.1.0 and later releases fingerprint differently
     ("/charge", '{"amount": 5}', "application/json", {}),
     ("/charge?sku=a&qty=2", '{"b": 1, "a": [1, 2]}', "application/json", {}),
     ("/charge", MULTIPART, "multipart/form-data; boundary=xyz", {}),
@@ -203,33 +207,28 @@ async def test_a_request_in_flight_on_one_release_is_409_on_the_other(fleet, red
     assert await _runs(redis_url, "slow") == 1
 
 
-def test_the_0_1_0_fingerprint_is_recomputed_exactly():
-    """fingerprint_v1 is 0.1.0's own algorithm: the same hex for the same request, run by 0.1.0."""
+# The hex 0.1.0 itself gave for these requests: this test's earlier form ran them through 0.1.0's own
+# `fingerprint` in its venv (while 0.1.0 was the previous release) and compared; the digests are kept.
+V1_SCOPES = [
+    ({"method": "POST", "path": "/a/b", "query_string": b"x=1&y=%20z&x=0",
+      "headers": [(b"content-type", b"application/json")]}, "/a/{id}", '{"b": 1, "a": "\\u00e9"}',
+     "22fa0d6b4dd335fd5b42c9107d3c47c72d6fcc6da06bc4998dee5eca63365bae"),
+    ({"method": "PUT", "path": "/c", "query_string": b"", "headers": [(b"Content-Type", b"Multipart/Form-Data; boundary=q")]},
+     "/c", "--q\r\n\r\nx\r\n--q--", "f5c7539d8ebf2f37bec07a15916cb0a3031664c83a4e9901ea40d59c7f25afcf"),
+    ({"method": "POST", "path": "/d", "query_string": b"", "headers": []}, "/d", "not json",
+     "062bb619df96600952310933222fbaacb90c14469c1b34b3f273739da8cb40b6"),
+    ({"method": "DELETE", "path": "/e", "query_string": b"", "headers": [(b"host", b"a.example")]}, "/e", "",
+     "c3016ada2ed7928b516a203f401145dc43e9b8e5b491e8350a1266be87aa47c1"),
+    ({"method": "POST", "path": "/f", "query_string": b"", "headers": [(b"content-type", b"text/plain")]}, "/f",
+     '{"json": "but text"}', "3da3e91b925bbfcc51fac58c257fa90824fbf6a5dec89b3f46554beca14c132e"),
+]
+
+
+@pytest.mark.parametrize("scope, route, body, recorded", V1_SCOPES)
+def test_the_0_1_0_fingerprint_is_recomputed_exactly(scope, route, body, recorded):
+    """fingerprint_v1 is 0.1.0's own algorithm: the hex 0.1.0 gave for the same request."""
     from otel_lock.asgi.idempotency._fingerprint_v1 import fingerprint_v1
-    _, old_python = _previous()
-    scopes = [
-        {"method": "POST", "path": "/a/b", "query_string": "x=1&y=%20z&x=0", "headers": [["content-type", "application/json"]],
-         "route": "/a/{id}", "body": '{"b": 1, "a": "\\u00e9"}'},
-        {"method": "PUT", "path": "/c", "query_string": "", "headers": [["Content-Type", "Multipart/Form-Data; boundary=q"]],
-         "route": "/c", "body": "--q\r\n\r\nx\r\n--q--"},
-        {"method": "POST", "path": "/d", "query_string": "", "headers": [], "route": "/d", "body": "not json"},
-        {"method": "DELETE", "path": "/e", "query_string": "", "headers": [["host", "a.example"]], "route": "/e",
-         "body": ""},
-        {"method": "POST", "path": "/f", "query_string": "", "headers": [["content-type", "text/plain"]],
-         "route": "/f", "body": '{"json": "but text"}'},
-    ]
-    code = ("import json, sys\nfrom otel_lock.asgi._idem_request import fingerprint\n"
-            "for s in json.load(sys.stdin):\n"
-            "    scope = {'method': s['method'], 'path': s['path'], 'query_string': s['query_string'].encode(),\n"
-            "             'headers': [(k.encode(), v.encode()) for k, v in s['headers']]}\n"
-            "    print(fingerprint(b'k', scope, s['route'], s['body'].encode('latin-1')))\n")
-    old = subprocess.run([str(old_python), "-I", "-c", code], input=json.dumps(scopes), capture_output=True,
-                         text=True, timeout=DEADLINE, cwd=tempfile.gettempdir())
-    assert old.returncode == 0, old.stderr
-    ours = [fingerprint_v1(b"k", {"method": s["method"], "path": s["path"], "query_string": s["query_string"].encode(),
-                                  "headers": [(k.encode(), v.encode()) for k, v in s["headers"]]},
-                           s["route"], s["body"].encode("latin-1")) for s in scopes]
-    assert old.stdout.split() == ours
+    assert fingerprint_v1(b"k", scope, route, body.encode("latin-1")) == recorded
 
 
 def test_the_previous_release_is_named_by_one_commit_everywhere():

@@ -291,6 +291,17 @@ def render_lock(data: dict, collect: list | None = None) -> str:
     ratio = _ratio(ours and ours["p50_ms"], peer and peer["p50_ms"])
     targets.append(("uncontended p50 cycle time <= 1.1x redis-py asyncio Lock", ratio, ratio is not None and ratio <= 1.1))
 
+    sizes = data.get("held_bytes") or []
+    if sizes:
+        out += ["", "One lock held, nobody waiting: the keys it keeps in Redis and their `MEMORY USAGE` "
+                "(deterministic; otel-lock's namespace claim `<ns>:model` is one key per namespace, not counted).",
+                ""]
+        out.append(_table(["library", "keys", "bytes"], [[label(r["lib"]), r["keys"], r["bytes"]] for r in sizes]))
+        ours, peer = _row(sizes, "otel-lock"), _row(sizes, "redis-py")
+        ratio = _ratio(ours and ours["bytes"], peer and peer["bytes"])
+        targets.append(("a held lock's bytes in Redis <= 1.5x redis-py asyncio Lock's", ratio,
+                        ratio is not None and ratio <= 1.5))
+
     b = data["contended"]
     out += ["", "### (b) 8 workers contending for one key", "",
             "8 workers, either 8 processes with one waiter each or 8 tasks (threads for the sync peers) in one "

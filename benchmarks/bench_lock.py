@@ -156,3 +156,38 @@ def many(lib: str, url: str, counts: list[int]) -> list[dict]:
     flush(url)
     [result], _, _ = run_workers([{"mode": "many", "lib": lib, "url": url, "counts": counts}], 0.0, url)
     return [{"lib": lib, **row} for row in result["rows"]]
+
+
+def held_bytes(url: str) -> list[dict]:
+    """What one held lock keeps in Redis: its keys and their `MEMORY USAGE`, per library (deterministic)."""
+    import asyncio
+
+    import redis
+
+    def measure(client: redis.Redis) -> tuple[int, int]:
+        keys = [k for k in client.keys("*") if not k.endswith(b":model")]  # otel-lock's namespace claim
+        return len(keys), sum(client.memory_usage(k, samples=0) or 0 for k in keys)
+
+    async def otel_lock(client: redis.Redis) -> tuple[int, int]:
+        from otel_lock import LockManager
+
+        async with LockManager.from_url(url, namespace="bench") as locks:
+            async with locks.lock(KEY):
+                return measure(client)
+
+    rows = []
+    for lib in ("otel-lock", "redis-py", "python-redis-lock"):
+        flush(url)
+        with redis.Redis.from_url(url) as client:
+            if lib == "otel-lock":
+                keys, size = asyncio.run(otel_lock(client))
+            elif lib == "redis-py":
+                with client.lock(KEY, timeout=30):
+                    keys, size = measure(client)
+            else:
+                import redis_lock
+
+                with redis_lock.Lock(client, KEY, expire=30):
+                    keys, size = measure(client)
+        rows.append({"lib": lib, "keys": keys, "bytes": size})
+    return rows

@@ -66,7 +66,7 @@ def lock_suite(url: str, quick: bool, profile_dir: Path | None) -> dict:
     from . import bench_lock as b
 
     libs = [lib for lib in LOCK_LIBS if available(lib)]
-    out: dict = {"uncontended": [], "contended": [], "ring": [], "held": [], "many": [], "herd": [],
+    out: dict = {"uncontended": [], "contended": [], "ring": [], "held": [], "many": [], "herd": [], "held_bytes": [],
                  "failures": []}
 
     def attempt(table: str, what: str, fn, *args, **kwargs) -> None:
@@ -104,6 +104,11 @@ def lock_suite(url: str, quick: bool, profile_dir: Path | None) -> dict:
         out["contended"], "handoffs_per_s", True, group=lambda r: (r["lib"], r["processes"]))
     runs["ring"], out["ring"] = out["ring"], best_rounds(out["ring"], "handoffs_per_s", True)
     out["rounds"] = runs
+    _say("one held lock's keys and bytes in Redis")
+    try:
+        out["held_bytes"] = b.held_bytes(url)
+    except Exception as exc:  # noqa: BLE001 - reported in the tables
+        out["failures"].append({"what": "held bytes", "error": repr(exc)})
     counts = [500, 4000] if quick else [500, 2000, 8000, 16000]
     for lib in ("otel-lock", "redis-py"):
         _say(f"(c') {counts} locks held by one task: {lib}")

@@ -99,7 +99,6 @@ class Attempt:
         self._check_timer: asyncio.TimerHandle | None = None
         self._check: asyncio.Future[None] | None = None
         self._member: str | None = None  # this waiter's queue member (data model 2: its whole entry)
-        self._member_channel = ""
 
     def _args(self, queue: bool) -> list[Any]:
         r = self.request
@@ -123,18 +122,18 @@ class Attempt:
 
         A request sent again keeps the place of the first (ZADD NX), and LEAVE
         names the member: so it is made once, with the first request's wait
-        budget (the entry's deadline is its arrival plus that budget), and made
-        anew only when the wake channel moved (a Cluster slot's new node).
+        budget (the entry's deadline is its arrival plus that budget). A key's
+        wake channel never changes for its manager (on a Cluster, the slot's).
         """
         if _scripts.MODEL < 2:  # a manager of model 1 (a test of a mixed namespace)
             return self.request.waiter_id
-        if self._member is None or channel != self._member_channel:
+        if self._member is None:
             r = self.request
             record: list[Any] = [r.waiter_id, int(budget), r.lease_ms, r.owner, r.ctx, channel,
                                  1 if self.transport.waiting.sharded else 0]
             if r.shape.mode != "exclusive":
                 record.append(_deadlock.HOW[r.shape.mode])
-            self._member, self._member_channel = json.dumps(record, separators=(",", ":")), channel
+            self._member = json.dumps(record, separators=(",", ":"))
         return self._member
 
     def _waiter_name(self) -> str:

@@ -618,3 +618,53 @@ async def test_an_error_reply_redis_py_cannot_parse_fails_only_its_caller(world)
         assert answers == [f"e{i}".encode() for i in range(10)]
     finally:
         await connection.aclose()
+
+
+# -- one reply timer per socket ------------------------------------------------------------------------
+
+
+async def test_a_late_reply_drops_the_socket_only_while_its_caller_still_awaits_it(world):
+    """One watch timer per socket checks every reply's deadline: a given-up caller's late reply is let be."""
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    connection = Connection(port=world.proxy.port, timeout=0.3, connect_timeout=TIMEOUT)
+    try:
+        assert await connection.execute("PING") == b"PONG"
+        world.proxy.hold_replies_after(0)
+        given_up = connection.send_now("ECHO", "late")
+        given_up.cancel()
+        await asyncio.sleep(0.6)  # its deadline has passed twice over: it alone must not drop the socket
+        assert connection.connected
+        world.proxy.release()
+        assert await connection.execute("ECHO", "next") == b"next"  # and replies stay in their turn
+        world.proxy.hold_replies_after(0)
+        stuck = [connection.send_now("ECHO", str(i)) for i in range(3)]
+        answers = await asyncio.gather(*stuck, return_exceptions=True)
+        assert [type(a) for a in answers] == [RedisTimeoutError] * 3, answers
+        assert all("did not answer within 0.3 s" in str(a) for a in answers)
+        world.proxy.release()
+        assert await connection.execute("ECHO", "again") == b"again"  # a new socket
+    finally:
+        world.proxy.release()
+        await connection.aclose()
+
+
+async def test_the_watch_follows_the_oldest_reply_still_awaited(world):
+    """A reply answered in time moves the watch to the next one, whose own deadline drops the socket."""
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    connection = Connection(port=world.proxy.port, timeout=0.4, connect_timeout=TIMEOUT)
+    try:
+        assert await connection.execute("PING") == b"PONG"
+        loop = asyncio.get_running_loop()
+        first = connection.send_now("ECHO", "in time")
+        assert await first == b"in time"
+        await asyncio.sleep(0.2)  # the next command goes later, so its deadline is later than the first's
+        world.proxy.hold_replies_after(0)
+        sent = loop.time()
+        with pytest.raises(RedisTimeoutError):
+            await connection.send_now("ECHO", "stuck")
+        assert loop.time() - sent >= 0.4  # dropped at its own deadline, not at the first one's
+    finally:
+        world.proxy.release()
+        await connection.aclose()

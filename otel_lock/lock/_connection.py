@@ -122,8 +122,9 @@ class _Protocol(asyncio.Protocol):
         self.stuck_after: float | None = None  # the timeout a reply missed, when that dropped the socket
         # reply futures -> who gets the reply (or the error) if their caller gave up on them first
         self.orphans: dict[asyncio.Future[Any], Callable[[Any], None]] = {}
-        # reply futures -> the timer that drops the socket if that reply is late (cancelled by its reply)
-        self.deadlines: dict[asyncio.Future[Any], asyncio.TimerHandle] = {}
+        # reply futures -> the loop time by which their reply must be here, in the order they were sent
+        self.deadlines: dict[asyncio.Future[Any], float] = {}
+        self.watch: asyncio.TimerHandle | None = None  # one timer for all of them, at the oldest one's time
         self.refusal: Exception | None = None  # an error the server sent unasked, before hanging up
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -147,9 +148,8 @@ class _Protocol(asyncio.Protocol):
                 continue
             future = self.pending.popleft()
             orphan = self.orphans.pop(future, None) if self.orphans else None
-            deadline = self.deadlines.pop(future, None) if self.deadlines else None
-            if deadline is not None:
-                deadline.cancel()
+            if self.deadlines:
+                self.deadlines.pop(future, None)
             if future.done():
                 # its caller was cancelled; the reply is still this one's, and its owner may want it
                 if orphan is not None:
@@ -165,8 +165,9 @@ class _Protocol(asyncio.Protocol):
         if self.tls is not None and exc is not None and self.refusal is None:
             # TLS 1.3: the server refuses a client certificate after the client's handshake is done
             self.refusal = self.tls.refusal(exc, self.server)
-        for deadline in self.deadlines.values():
-            deadline.cancel()
+        if self.watch is not None:
+            self.watch.cancel()
+            self.watch = None
         self.deadlines.clear()
         while self.pending:
             future = self.pending.popleft()
@@ -183,6 +184,35 @@ class _Protocol(asyncio.Protocol):
                 orphan(error)
         if self.on_lost is not None:
             self.on_lost()
+
+    def expect(self, future: asyncio.Future[Any], loop: asyncio.AbstractEventLoop, timeout: float) -> None:
+        """Drop the socket if `future`'s reply is not here within `timeout` s.
+
+        Replies come in the order the commands went, and every command on a
+        socket has the same timeout, so one timer per socket, set for the
+        oldest reply still awaited, watches them all: a command costs a dict
+        entry instead of a timer made and cancelled.
+        """
+        self.deadlines[future] = loop.time() + timeout
+        if self.watch is None:
+            self.watch = loop.call_later(timeout, self._check_deadlines, loop, timeout)
+
+    def _check_deadlines(self, loop: asyncio.AbstractEventLoop, timeout: float) -> None:
+        """The watch timer: drop a stuck socket, or set the timer again for the oldest reply still awaited.
+
+        A reply whose caller gave up (its future cancelled) is let be late: its
+        reply still comes in its turn, and the socket is not dropped for it.
+        """
+        self.watch = None
+        now = loop.time()
+        for future, deadline in self.deadlines.items():
+            if deadline > now:
+                self.watch = loop.call_at(deadline, self._check_deadlines, loop, timeout)
+                return
+            if not future.done():
+                self.stuck, self.stuck_after = True, timeout
+                self.abort()
+                return
 
     def abort(self) -> None:
         if self.transport is not None:
@@ -341,10 +371,7 @@ class Connection:
             protocol.orphans[future] = on_orphan
         protocol.transport.write(data)
         if self._timeout is not None:
-            # cancelled by the reply (`data_received`); a caller that gives up leaves it: `_stuck` checks the
-            # future, so a cancelled one's late reply never drops the socket
-            protocol.deadlines[future] = loop.call_later(self._timeout, self._stuck, protocol, future,
-                                                         self._timeout)
+            protocol.expect(future, loop, self._timeout)
         return future
 
     async def execute(self, *args: Any) -> Any:
@@ -430,10 +457,9 @@ class Connection:
             handle.cancel()
 
     @staticmethod
-    def _stuck(protocol: _Protocol, future: asyncio.Future[Any], timeout: float | None = None) -> None:
+    def _stuck(protocol: _Protocol, future: asyncio.Future[Any]) -> None:
         if not future.done():
             protocol.stuck = True
-            protocol.stuck_after = timeout
             protocol.abort()
 
     # -- the subset of redis-py's client the lock uses --------------------------

@@ -15,7 +15,7 @@ import asyncio
 
 import pytest
 
-from _proc_helpers import until
+from _proc_helpers import keys, queued, until
 
 from otel_lock import LockError, LockManager, RedisMisconfigured, RedLockManager
 from otel_lock.cli._redis_server import RedisServer
@@ -27,13 +27,13 @@ DEADLINE = 10.0  # a bound that turns a hang into a failure, not a timing
 
 @pytest.fixture
 async def locks(redis_url):
-    async with LockManager.from_url(redis_url, namespace="t") as manager:
+    async with LockManager.from_url(redis_url) as manager:
         yield manager
 
 
 @pytest.fixture
 async def other(redis_url):
-    async with LockManager.from_url(redis_url, namespace="t") as manager:
+    async with LockManager.from_url(redis_url) as manager:
         yield manager
 
 
@@ -247,23 +247,20 @@ def test_a_manager_dropped_without_closing_is_collected_and_its_guard_ends(redis
 
 async def _queue(monkeypatch, locks: LockManager, redis_client, key: str, model: int, **kw) -> asyncio.Task:
     monkeypatch.setattr(_scripts, "MODEL", model)
-    before = await redis_client.zcard(f"t:{{{key}}}:q")
+    before = await redis_client.zcard(keys(key)[1])
     task = asyncio.create_task(locks.acquire(key, wait=10, **kw))
-    await until(lambda: _has(redis_client, f"t:{{{key}}}:q", before + 1), f"a model {model} waiter queued")
+    await queued(redis_client, key, before + 1)
     return task
-
-
-async def _has(client, queue: str, n: int) -> bool:
-    return await client.zcard(queue) == n
 
 
 async def test_a_queue_of_both_models_hands_over_in_order_with_growing_tokens(monkeypatch, locks, other,
                                                                                redis_client):
     holder = await locks.acquire("k")
     waiters = [await _queue(monkeypatch, other, redis_client, "k", model) for model in (1, 2, 1, 2)]
-    members = await redis_client.zrange("t:{k}:q", 0, -1)
+    lock, queue, entries = keys("k")
+    members = await redis_client.zrange(queue, 0, -1)
     assert [m.startswith(b"[") for m in members] == [False, True, False, True]
-    assert await redis_client.hlen("t:{k}:w") == 2  # model 1's entries only
+    assert await redis_client.hlen(entries) == 2  # model 1's entries only
     tokens = [holder.token]
     await holder.release()
     for i, waiter in enumerate(waiters):
@@ -273,8 +270,8 @@ async def test_a_queue_of_both_models_hands_over_in_order_with_growing_tokens(mo
         await held.release()
     assert tokens == sorted(set(tokens)), tokens  # strictly growing, across both kinds of hand-over
     assert tokens[2] == tokens[1] + 1 and tokens[4] == tokens[3] + 1  # a model 2 waiter: the next token
-    assert await redis_client.exists("t:{k}", "t:{k}:q", "t:{k}:w") == 0
-    assert int(await redis_client.get("t:{k}:fence")) == tokens[-1]  # the fence learnt the last one
+    assert await redis_client.exists(lock, queue, entries) == 0
+    assert int(await redis_client.get(lock + ":fence")) == tokens[-1]  # the fence learnt the last one
     async with locks.lock("k") as again:
         assert again.token > tokens[-1]
 
@@ -285,8 +282,8 @@ async def test_waiters_of_both_models_leave_and_pass_a_hand_over_on(monkeypatch,
     staying = await _queue(monkeypatch, other, redis_client, "k", 2)
     for task in leaving:
         task.cancel()
-    await until(lambda: _has(redis_client, "t:{k}:q", 1), "the two left the queue")
-    assert await redis_client.hlen("t:{k}:w") == 0
+    await queued(redis_client, "k", 1)  # the two left the queue
+    assert await redis_client.hlen(keys("k")[2]) == 0
     await holder.release()
     held = await asyncio.wait_for(staying, DEADLINE)
     assert held.token == holder.token + 1

@@ -668,3 +668,20 @@ async def test_the_watch_follows_the_oldest_reply_still_awaited(world):
     finally:
         world.proxy.release()
         await connection.aclose()
+
+
+async def test_a_stuck_batch_fails_with_the_timeout_in_every_place(world):
+    """`execute_many` (renewals, the server checks) is watched by the same timer as single commands."""
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    connection = Connection(port=world.proxy.port, timeout=0.3, connect_timeout=TIMEOUT)
+    try:
+        assert await connection.execute("PING") == b"PONG"
+        world.proxy.hold_replies_after(0)
+        answers = await connection.execute_many([("ECHO", "a"), ("ECHO", "b")])
+        assert [type(a) for a in answers] == [RedisTimeoutError] * 2, answers
+        world.proxy.release()
+        assert await connection.execute_many([("ECHO", "c")]) == [b"c"]  # on a new socket
+    finally:
+        world.proxy.release()
+        await connection.aclose()

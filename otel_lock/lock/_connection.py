@@ -118,7 +118,6 @@ class _Protocol(asyncio.Protocol):
         self.on_push = on_push
         self.on_lost = on_lost
         self.closed = False
-        self.stuck = False
         self.stuck_after: float | None = None  # the timeout a reply missed, when that dropped the socket
         # reply futures -> who gets the reply (or the error) if their caller gave up on them first
         self.orphans: dict[asyncio.Future[Any], Callable[[Any], None]] = {}
@@ -210,7 +209,7 @@ class _Protocol(asyncio.Protocol):
                 self.watch = loop.call_at(deadline, self._check_deadlines, loop, timeout)
                 return
             if not future.done():
-                self.stuck, self.stuck_after = True, timeout
+                self.stuck_after = timeout
                 self.abort()
                 return
 
@@ -370,8 +369,7 @@ class Connection:
         if on_orphan is not None:
             protocol.orphans[future] = on_orphan
         protocol.transport.write(data)
-        if self._timeout is not None:
-            protocol.expect(future, loop, self._timeout)
+        self._expect(protocol, [future])
         return future
 
     async def execute(self, *args: Any) -> Any:
@@ -392,7 +390,8 @@ class Connection:
         future = loop.create_future()
         protocol.pending.append(future)
         protocol.transport.write(data)
-        return await self._wait(protocol, future)
+        self._expect(protocol, [future])
+        return await future
 
     async def execute_many(self, commands: list[tuple[Any, ...]]) -> list[Any]:
         """Several commands in one write (one round trip); error replies are returned in place."""
@@ -405,7 +404,8 @@ class Connection:
         protocol = self._protocol
         assert protocol is not None  # connect() set it
         futures = self._queue(protocol, b"".join(packed), len(packed))
-        results: list[Any] = await self._wait(protocol, asyncio.gather(*futures, return_exceptions=True))
+        self._expect(protocol, futures)
+        results: list[Any] = await asyncio.gather(*futures, return_exceptions=True)
         return results
 
     @staticmethod
@@ -427,7 +427,8 @@ class Connection:
             protocol = solo._protocol
             assert protocol is not None  # connect() set it
             futures = self._queue(protocol, data, count)
-            results: list[Any] = await solo._wait(protocol, asyncio.gather(*futures, return_exceptions=True))
+            solo._expect(protocol, futures)
+            results: list[Any] = await asyncio.gather(*futures, return_exceptions=True)
         finally:
             await solo.aclose()
         if count == 1 and isinstance(results[0], Exception):
@@ -441,26 +442,13 @@ class Connection:
         solo._on_push = solo._on_lost = None
         return solo
 
-    async def _wait(self, protocol: _Protocol, future: asyncio.Future[Any]) -> Any:
-        if self._timeout is None:
-            return await future
-        # A reply that does not come in time means the socket is stuck: drop it,
-        # so every caller on it fails now instead of waiting in line.
-        handle = asyncio.get_running_loop().call_later(self._timeout, self._stuck, protocol, future)
-        try:
-            return await future
-        except RedisConnectionError as exc:
-            if protocol.stuck:
-                raise RedisTimeoutError(f"Redis at {self.server} did not answer within {self._timeout} s") from exc
-            raise
-        finally:
-            handle.cancel()
-
-    @staticmethod
-    def _stuck(protocol: _Protocol, future: asyncio.Future[Any]) -> None:
-        if not future.done():
-            protocol.stuck = True
-            protocol.abort()
+    def _expect(self, protocol: _Protocol, futures: list[asyncio.Future[Any]]) -> None:
+        """A reply that does not come in time means the socket is stuck: it is dropped, so every caller on it
+        fails now (RedisTimeoutError) instead of waiting in line."""
+        if self._timeout is not None:
+            loop = asyncio.get_running_loop()
+            for future in futures:
+                protocol.expect(future, loop, self._timeout)
 
     # -- the subset of redis-py's client the lock uses --------------------------
 

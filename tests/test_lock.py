@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from otel_lock import LockError, LockLost, LockManager, LockTimeout, RedisUnavailable
 from otel_lock.cli._redis_server import free_port
+from otel_lock.lock._attempt import queue_record
 
 
 @pytest.fixture
@@ -259,6 +263,36 @@ async def test_a_contended_hand_over_costs_twelve_redis_commands(locks, other, r
                if name not in ("cmdstat_config|resetstat", "cmdstat_zcard")}
     assert sum(counted.values()) <= 12, sorted(counted.items())
     assert held.token == holder.token + 1  # the next token follows the last
+
+
+@settings(max_examples=300, deadline=None)
+@given(texts=st.lists(st.text(), min_size=4, max_size=4), numbers=st.lists(st.integers(0, 2**53), min_size=2,
+                                                                          max_size=2),
+       sharded=st.booleans(), how=st.sampled_from(["", "s", "p"]))
+def test_a_queue_record_is_the_json_of_its_fields(texts, numbers, sharded, how):
+    """The waiter's queue entry is written out by hand (a hot path): byte for byte what json.dumps writes."""
+    waiter_id, owner, ctx, channel = texts
+    record = [waiter_id, numbers[0], numbers[1], owner, ctx, channel, 1 if sharded else 0] + ([how] if how else [])
+    assert queue_record(waiter_id, numbers[0], numbers[1], owner, ctx, channel, sharded, how) == \
+        json.dumps(record, separators=(",", ":"))
+
+
+async def test_an_explicit_owner_with_quotes_queues_as_a_readable_record(redis_url, redis_client):
+    """A user-named owner and namespace with quotes, backslashes and non-ASCII: the queue member parses back."""
+    owner, namespace = 'job "7" \\ café', 'ns"\\é'
+    async with LockManager.from_url(redis_url, namespace=namespace) as locks, \
+            LockManager.from_url(redis_url, namespace=namespace) as other:
+        holder = await locks.acquire("k")
+        waiter = asyncio.create_task(other.acquire("k", wait=10, owner=owner))
+        queue = f"{namespace}:{{k}}:q"
+        await until(lambda: _zcard_is(redis_client, queue, 1))
+        [member] = await redis_client.zrange(queue, 0, -1)
+        record = json.loads(member)
+        assert record[3] == owner and record[5].startswith(namespace)
+        await holder.release()
+        held = await asyncio.wait_for(waiter, 5)
+        assert held.owner == owner
+        await held.release()
 
 
 async def test_try_lock_on_a_busy_key_does_not_queue(locks, other, redis_client):

@@ -14,13 +14,13 @@ polls without queueing: fair hand-over needs the notice.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import random
 import time
 from dataclasses import dataclass, field
 from functools import partial
+from json.encoder import encode_basestring_ascii as _json_str  # a JSON string, as json.dumps writes it
 from typing import TYPE_CHECKING, Any, Coroutine
 
 from redis.exceptions import NoScriptError, RedisError
@@ -84,6 +84,18 @@ def poll_delay(pttl_ms: int, cap: float) -> float:
     return max(MIN_POLL, bound) * random.uniform(0.8, 1.1)
 
 
+def queue_record(waiter_id: str, budget_ms: int, lease_ms: int, owner: str, ctx: str, channel: str, sharded: bool,
+                 how: str) -> str:
+    """A waiter's queue entry (data model 2): `json.dumps([...], separators=(",", ":"))`, written out.
+
+    `how` is the wait's mode letter, absent ("") for an exclusive wait. Made
+    once per queued attempt, which is on every contended hand-over's path.
+    """
+    tail = f',"{how}"]' if how else "]"
+    return (f"[{_json_str(waiter_id)},{budget_ms},{lease_ms},{_json_str(owner)},{_json_str(ctx)},"
+            f"{_json_str(channel)},{1 if sharded else 0}{tail}")
+
+
 class Attempt:
     """Take `request.keys` within `request.wait` seconds; `run()` returns the Reply or raises."""
 
@@ -129,11 +141,9 @@ class Attempt:
             return self.request.waiter_id
         if self._member is None:
             r = self.request
-            record: list[Any] = [r.waiter_id, int(budget), r.lease_ms, r.owner, r.ctx, channel,
-                                 1 if self.transport.waiting.sharded else 0]
-            if r.shape.mode != "exclusive":
-                record.append(_deadlock.HOW[r.shape.mode])
-            self._member = json.dumps(record, separators=(",", ":"))
+            self._member = queue_record(r.waiter_id, int(budget), r.lease_ms, r.owner, r.ctx, channel,
+                                        self.transport.waiting.sharded,
+                                        "" if r.shape.mode == "exclusive" else _deadlock.HOW[r.shape.mode])
         return self._member
 
     def _waiter_name(self) -> str:

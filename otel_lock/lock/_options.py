@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
+
+from ..telemetry._bounds import key_name
 
 MAX_KEY_LENGTH = 512
 MIN_LEASE = 0.1
@@ -43,10 +46,12 @@ def refuse_theirs(options: dict[str, Any], where: str) -> None:
         raise TypeError(unknown_argument(theirs, where))
 
 
+@lru_cache(maxsize=4096)
 def default_name(key: str) -> str:
-    """`lock.name` when none is given: the key's leading word or its id's shape, never the id (telemetry._bounds)."""
-    from ..telemetry._bounds import key_name
+    """`lock.name` when none is given: the key's leading word or its id's shape, never the id (telemetry._bounds).
 
+    Cached: it runs on every acquisition without a name (a few regular expressions each).
+    """
     return key_name(key)
 
 

@@ -78,14 +78,21 @@ class SentinelSet:
         await until(lambda: self._online_replicas(self.master.port), "the master to count its replica")
         await until(lambda: self._acknowledges(self.master.port), "the replica to acknowledge a WAIT")
         binary = shutil.which("redis-server")
+        # Each sentinel starts knowing its peers and the replica, as a sentinel that restarts reads them
+        # back from the config it rewrote: otherwise they find each other by hello messages every 2 s.
+        ids = {port: os.urandom(20).hex() for port in self.sentinel_ports}
         for port in self.sentinel_ports:
             conf = Path(self._dir) / f"sentinel-{port}.conf"
+            known = "".join(f"sentinel known-sentinel {SERVICE} 127.0.0.1 {peer} {ids[peer]}\n"
+                            for peer in self.sentinel_ports if peer != port)
             conf.write_text(
                 f"port {port}\nbind 127.0.0.1\nprotected-mode no\ndir {self._dir}\n"
+                f"sentinel myid {ids[port]}\n"
                 f"sentinel monitor {SERVICE} 127.0.0.1 {self.master.port} 2\n"
                 f"sentinel down-after-milliseconds {SERVICE} {DOWN_AFTER_MS}\n"
                 f"sentinel failover-timeout {SERVICE} {FAILOVER_TIMEOUT_MS}\n"
-                f"sentinel parallel-syncs {SERVICE} 1\n")
+                f"sentinel parallel-syncs {SERVICE} 1\n"
+                f"sentinel known-replica {SERVICE} 127.0.0.1 {self.replica.port}\n{known}")
             self.sentinels.append(subprocess.Popen([binary, str(conf), "--sentinel"],
                                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         for port in self.sentinel_ports:
@@ -112,10 +119,12 @@ class SentinelSet:
             return int(await client.execute_command("WAIT", 1, 200)) >= 1
 
     async def _sentinel_ready(self, port: int) -> bool:
-        async with aioredis.Redis(port=port) as client:
+        """It knows its two peers and the replica, and is connected to each of them (no `disconnected` flag)."""
+        async with aioredis.Redis(port=port, decode_responses=True) as client:
             peers = await client.execute_command("SENTINEL", "SENTINELS", SERVICE)
             replicas = await client.execute_command("SENTINEL", "REPLICAS", SERVICE)
-        return len(peers) == 2 and len(replicas) == 1
+        linked = [_fields(entry).get("flags", "") for entry in (*peers, *replicas)]
+        return len(peers) == 2 and len(replicas) == 1 and not any("disconnected" in flags for flags in linked)
 
     async def master_port(self) -> int:
         """The master's port as the sentinels agree on it."""
@@ -171,3 +180,8 @@ class SentinelSet:
             if server is not None:
                 server.stop()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _fields(entry: list[str] | dict[str, str]) -> dict[str, str]:
+    """A SENTINEL SENTINELS/REPLICAS entry as a dict (RESP2 gives a flat list of name, value, ...)."""
+    return entry if isinstance(entry, dict) else dict(zip(entry[::2], entry[1::2]))

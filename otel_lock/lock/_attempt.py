@@ -18,7 +18,7 @@ import logging
 import math
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from json.encoder import encode_basestring_ascii as _json_str  # a JSON string, as json.dumps writes it
 from typing import TYPE_CHECKING, Any, Coroutine
@@ -41,7 +41,7 @@ MIN_POLL = 0.005
 GIVE_UP_WAIT = 0.1     # how long a cancelled or timed-out caller waits for its clean-up (the rest runs on)
 
 
-@dataclass
+@dataclass(slots=True)
 class Acquisition:
     """One acquisition as a transport sees it; the transport fills in what it found on the way."""
 
@@ -57,7 +57,6 @@ class Acquisition:
     contended: bool = False
     holder_ctx: str = ""           # traceparent of the holder found busy
     probe: _deadlock.Probe | None = None  # a waiter that holds locks: checked for a deadlock before it waits
-    extra: dict[str, Any] = field(default_factory=dict)
     shape: Shape = EXCLUSIVE       # exclusive, shared or permit: its scripts and keys (`_shapes.py`)
     permits: int = 0               # a permit's limit (ACQUIRE's ARGV[10])
 
@@ -98,6 +97,9 @@ def queue_record(waiter_id: str, budget_ms: int, lease_ms: int, owner: str, ctx:
 
 class Attempt:
     """Take `request.keys` within `request.wait` seconds; `run()` returns the Reply or raises."""
+
+    __slots__ = ("transport", "request", "loop", "deadline", "_waiter", "_maybe_taken", "_queued_at", "_pttl",
+                 "_refusal", "_check_timer", "_check", "_member")
 
     def __init__(self, transport: ScriptTransport, request: Acquisition) -> None:
         self.transport, self.request = transport, request

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import TYPE_CHECKING, Any, Callable, Coroutine, TypeVar
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Coroutine, TypeVar
 
 from ._errors import RedisUnavailable
 
@@ -97,6 +97,10 @@ class Breaker:
         """An admitted acquisition ended; a probe that got no answer (cancelled) lets the next one probe."""
         if probe and probe == self._probe:
             self._probe = 0
+
+    def guarded(self, call: Coroutine[Any, Any, T]) -> Awaitable[T]:
+        """`call` itself while the circuit is closed (no coroutine around it on every acquisition), else `guard`."""
+        return call if self._open_until is None else self.guard(call)
 
     async def guard(self, call: Coroutine[Any, Any, T]) -> T:
         """Await `call` if admitted; else close it unstarted and raise RedisUnavailable."""

@@ -413,7 +413,7 @@ class Core:
             outcome, error = "error", None  # type: str, BaseException | None
             try:
                 take = runtime.transport.take(request) if runtime.checked else self._first_take(runtime, request)
-                reply = await self._breaker.guard(take)
+                reply = await self._breaker.guarded(take)
                 if reply is None:
                     outcome = "busy"  # a try_lock miss: an answer, not an error
                     raise LockBusy(f"lock {redis_key} is held by another owner", key=redis_key, waited=0.0)

@@ -21,7 +21,7 @@ import weakref
 from contextvars import ContextVar
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, NamedTuple
 
 from opentelemetry import trace
 
@@ -66,9 +66,8 @@ class _Holds:
         return self._task() if self._task is not None else None
 
 
-@dataclass(frozen=True, slots=True)
-class _View:
-    """A task's holds as of `seq`: what a task spawned at that moment inherits."""
+class _View(NamedTuple):
+    """A task's holds as of `seq`: what a task spawned at that moment inherits (a tuple: made per acquisition)."""
 
     holds: _Holds
     seq: int
@@ -137,6 +136,13 @@ class Lease:
     the reply was read. `planned`: a fixed lease meant to run out (a
     once-per-period job's tick), whose expiry is no loss.
     """
+
+    # Slots: one Lease is made per acquisition (on every hand-over's path), and a fixed layout is cheaper to fill.
+    __slots__ = ("ends", "shape", "lock_base", "permits", "name", "owner", "token", "lock_key", "key",
+                 "lease_seconds", "renew_ms", "renew", "renew_every", "drift", "cancel_on_lost", "planned", "task",
+                 "span", "acquired_at", "expires_at", "renew_at", "depth", "child_holds", "_children_done",
+                 "closing", "loop", "lost", "lost_reason", "on_lost", "explicit_owner", "share_with_children",
+                 "cancelled_by_us", "finished", "ended", "renewing", "seq", "holds", "runtime", "__weakref__")
 
     runtime: Runtime  # the manager's runtime on the loop it was acquired on (set by the core, once taken)
 

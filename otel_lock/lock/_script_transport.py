@@ -91,15 +91,18 @@ class ScriptTransport(Transport):
         """The ACQUIRE of `shape` on this link (the exclusive one WAITs for replicas with wait_replicas)."""
         return self.acquire_script if shape is EXCLUSIVE else shape.acquire
 
-    async def take(self, request: Acquisition) -> Reply | None:
-        """The lock within `request.wait` (LockTimeout), or at once (None when busy) with wait=0."""
+    def take(self, request: Acquisition) -> Coroutine[Any, Any, Reply | None]:
+        """The lock within `request.wait` (LockTimeout), or at once (None when busy) with wait=0.
+
+        The attempt's own coroutine, not one around it: one level less to resume on every acquisition.
+        """
         if request.shape is not EXCLUSIVE and isinstance(self.link, ReplicatedLink):
             raise LockError(f"{request.shape.mode} holds are not offered with wait_replicas (each grant would "
                             "need its own WAIT): use a manager without wait_replicas for "
                             f"{request.keys[0]}", key=request.keys[0])
         request.keys = request.shape.keys(request.keys[0])
         attempt = Attempt(self, request)
-        return await (attempt.run() if request.wait > 0 else attempt.try_once())
+        return attempt.run() if request.wait > 0 else attempt.try_once()
 
     async def reenter(self, lease: Lease) -> int | None:
         """One more level in Redis (counted there for holders that share an explicit owner); None: lost.

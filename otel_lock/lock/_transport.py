@@ -48,7 +48,7 @@ class Transport(ABC):
     # -- a lock's life ---------------------------------------------------------
 
     @abstractmethod
-    async def take(self, request: Acquisition) -> Reply | None:
+    def take(self, request: Acquisition) -> Coroutine[Any, Any, Reply | None]:
         """The lock within `request.wait` (LockTimeout), or at once (None when busy) with wait=0."""
 
     @abstractmethod

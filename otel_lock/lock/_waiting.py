@@ -26,7 +26,6 @@ import asyncio
 import collections
 import contextlib
 import logging
-from collections import OrderedDict
 from typing import Any, Awaitable, Callable, NamedTuple, Protocol
 
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -150,42 +149,51 @@ class PubSubConnection:
 
 
 class Waiter:
-    """One caller waiting for one lock; `next()` gives a Grant, POLL, PROMOTED, or None (timer)."""
+    """One caller waiting for one lock; `next()` gives a Grant, POLL, PROMOTED, or None (timer).
 
-    __slots__ = ("id", "key", "_value", "_event")
+    One is made for every acquisition that may queue (before its first
+    request, so that no grant can come too early), most of which never
+    wait: the future `next()` awaits is made only when it has to wait.
+    """
+
+    __slots__ = ("id", "key", "_value", "_ready")
 
     def __init__(self, waiter_id: str, key: str) -> None:
         self.id = waiter_id
         self.key = key
-        self._value: Grant | str | None = None
-        self._event = asyncio.Event()
+        self._value: Grant | str | None = None  # the unread wake-up
+        self._ready: asyncio.Future[None] | None = None  # what `next()` awaits while it waits
 
     def wake(self, value: Grant | str) -> None:
         # Wake-ups are not queued: the strongest unread one wins (a grant beats a poll).
-        if not self._event.is_set() or _rank(value) > _rank(self._value):
+        if self._value is None or _rank(value) > _rank(self._value):
             self._value = value
-            self._event.set()
+            _resolve(self._ready)
 
     @property
     def granted(self) -> bool:
         """An unread grant: the lock was handed to this waiter."""
-        return self._event.is_set() and isinstance(self._value, Grant)
+        return isinstance(self._value, Grant)
 
     async def next(self, timeout: float | None) -> Grant | str | None:
         """The next wake-up, consumed, or None after `timeout` seconds."""
-        if not self._event.is_set():
-            if timeout is None:
-                await self._event.wait()
-            else:
-                # a timer that sets the event without a value: cheaper than a timeout scope per wait
-                timer = asyncio.get_running_loop().call_later(timeout, self._event.set)
-                try:
-                    await self._event.wait()
-                finally:
+        if self._value is None:
+            ready = self._ready = asyncio.get_running_loop().create_future()
+            # a timer that ends the wait without a value: cheaper than a timeout scope per wait
+            timer = None if timeout is None else ready.get_loop().call_later(timeout, _resolve, ready)
+            try:
+                await ready
+            finally:
+                self._ready = None
+                if timer is not None:
                     timer.cancel()
         value, self._value = self._value, None
-        self._event.clear()
         return value
+
+
+def _resolve(ready: asyncio.Future[None] | None) -> None:
+    if ready is not None and not ready.done():
+        ready.set_result(None)
 
 
 class Waiting:
@@ -201,7 +209,7 @@ class Waiting:
         self._on_idle = on_idle  # called when idle (Sentinel: is the master still it?)
         self.channel = channel
         self._waiters: dict[str, Waiter] = {}
-        self._by_key: dict[str, OrderedDict[str, Waiter]] = {}
+        self._by_key: dict[str, dict[str, Waiter]] = {}  # in arrival order
         self._task: asyncio.Task[None] | None = None
         self._subscribed: asyncio.Future[None] | None = None
 
@@ -228,7 +236,10 @@ class Waiting:
         """Register a waiter, behind the other local waiters of its key."""
         waiter = Waiter(waiter_id, key)
         self._waiters[waiter_id] = waiter
-        self._by_key.setdefault(key, OrderedDict())[waiter_id] = waiter
+        queue = self._by_key.get(key)
+        if queue is None:
+            queue = self._by_key[key] = {}
+        queue[waiter_id] = waiter
         return waiter
 
     def is_first(self, waiter: Waiter) -> bool:

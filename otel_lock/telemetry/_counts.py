@@ -103,7 +103,10 @@ class LockCounts:
     # -- holds ---------------------------------------------------------------
 
     def hold_started(self, hold: Hold) -> None:
-        self._holds.setdefault(hold.name, {})[id(hold)] = hold
+        holds = self._holds.get(hold.name)
+        if holds is None:  # not setdefault: it would make a dict on every acquisition
+            holds = self._holds[hold.name] = {}
+        holds[id(hold)] = hold
 
     def hold_ended(self, hold: Hold) -> None:
         holds = self._holds.get(hold.name)

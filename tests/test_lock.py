@@ -126,6 +126,25 @@ async def test_explicit_owner_shares_ownership(locks, other):
         assert await held.release()
 
 
+async def test_a_release_whose_script_redis_forgot_releases_one_level_only(locks, other, redis_client):
+    """Regression: a RELEASE answered NOSCRIPT was sent again twice (`wait` and a second look at the same
+    reply each started a reload), so with an owner shared by two holders the first holder's release took
+    both levels: the lock was free while the second holder still held it."""
+    first = await locks.acquire("k", owner="batch-7")
+    second = await other.try_lock("k", owner="batch-7")
+    assert second is not None and second.depth == 2
+    await redis_client.script_flush()
+    assert await first.release()
+
+    async def no_release_in_flight() -> bool:
+        return not [t for t in asyncio.all_tasks() if "let_go" in repr(t.get_coro())]
+    await until(no_release_in_flight)
+    assert await redis_client.hget("t:{k}", "depth") == b"1"
+    assert await locks.try_lock("k") is None  # still the second holder's
+    assert await second.release()
+    assert await redis_client.exists("t:{k}") == 0
+
+
 async def test_release_by_a_non_owner_never_deletes_the_lock(locks, redis_client):
     held = await locks.acquire("k")
     await redis_client.hset("t:{k}", "owner", "someone-else")

@@ -189,7 +189,7 @@ class Releasing:
     always ends. A Redis that forgot the script gets a task that loads it.
     """
 
-    __slots__ = ("ends", "lease", "reply", "began", "lost_before", "outcome", "waiting", "done")
+    __slots__ = ("ends", "lease", "reply", "began", "lost_before", "outcome", "waiting", "done", "reloading")
 
     def __init__(self, ends: HoldEnds, lease: Lease) -> None:
         self.ends: HoldEnds = ends
@@ -200,6 +200,7 @@ class Releasing:
         self.outcome: bool | LockError | None = None
         self.waiting: bool = False
         self.done: asyncio.Future[bool] | None = None  # for the other callers, and after a cancelled one
+        self.reloading: asyncio.Future[bool] | None = None  # the one release sent again after a NOSCRIPT
 
     async def wait(self) -> bool:
         reply = self.reply
@@ -224,11 +225,11 @@ class Releasing:
 
     def settle(self, answer: Any) -> None:
         """Redis answered (or the socket ended): end the hold once, and tell every caller waiting."""
-        if self.outcome is not None:
-            return
-        if isinstance(answer, NoScriptError):  # Redis forgot the script: load it, release again
-            task = asyncio.ensure_future(self.ends.let_go(self.lease, True))
-            task.add_done_callback(self._from_task)
+        if self.outcome is not None or self.reloading is not None:
+            return  # settled, or released again already: the same reply is read by `wait` and by a late look
+        if isinstance(answer, NoScriptError):  # Redis forgot the script: load it, release again (once)
+            self.reloading = asyncio.ensure_future(self.ends.let_go(self.lease, True))
+            self.reloading.add_done_callback(self._from_task)
             return
         self.outcome = self.ends.settle_release(self.lease, self.lost_before, self.began, answer)
         self._tell()

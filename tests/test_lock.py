@@ -438,3 +438,45 @@ async def test_a_held_lock_is_one_key_and_its_fence_is_written_when_it_goes(lock
     await held.release()
     assert sorted(await redis_client.keys("t:{k}*")) == [b"t:{k}:fence"]
     assert int(await redis_client.get("t:{k}:fence")) == held.token
+
+
+# -- a waiter's local wake-ups (no Redis: the order in which notices, polls and the timer are read) ----------
+
+
+async def test_a_waiters_strongest_unread_wake_up_wins_and_is_read_once():
+    from otel_lock.lock._waiting import POLL, PROMOTED, Grant, Waiter
+
+    waiter = Waiter("w", "k")
+    waiter.wake(Grant(7))  # nobody waits yet: kept
+    waiter.wake(POLL)      # weaker: does not replace it
+    assert waiter.granted
+    assert await waiter.next(0) == Grant(7)
+    assert not waiter.granted
+    waiter.wake(PROMOTED)
+    waiter.wake(Grant(8))  # stronger: replaces the unread promotion
+    assert await waiter.next(None) == Grant(8)
+    assert await waiter.next(0) is None  # consumed: the next read waits (here: its timer, at once)
+
+
+async def test_a_grant_after_the_timer_ended_the_wait_is_still_read():
+    from otel_lock.lock._waiting import Grant, Waiter
+
+    waiter = Waiter("w", "k")
+    reading = asyncio.ensure_future(waiter.next(0))
+    await asyncio.sleep(0)  # the reader armed its timer, due now
+    # Due with it: both run in one turn of the loop, before the reader resumes, whichever runs first.
+    asyncio.get_running_loop().call_later(0, waiter.wake, Grant(3))
+    assert await reading == Grant(3)
+
+
+async def test_a_cancelled_wait_leaves_the_next_wake_up_for_the_next_read():
+    from otel_lock.lock._waiting import Grant, Waiter
+
+    waiter = Waiter("w", "k")
+    reading = asyncio.ensure_future(waiter.next(None))
+    await asyncio.sleep(0)
+    reading.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await reading
+    waiter.wake(Grant(5))
+    assert await waiter.next(None) == Grant(5)

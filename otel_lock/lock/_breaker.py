@@ -103,9 +103,7 @@ class Breaker:
         return call if self._open_until is None else self.guard(call)
 
     async def guard(self, call: Coroutine[Any, Any, T]) -> T:
-        """Await `call` if admitted; else close it unstarted and raise RedisUnavailable."""
-        if self._open_until is None:
-            return await call
+        """Await `call` if admitted; else close it unstarted and raise RedisUnavailable (`guarded` calls it)."""
         try:
             probe = self.admit()
         except RedisUnavailable:

@@ -19,6 +19,7 @@ Where the two cannot be equal, the case says so and what is compared instead:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import gc
 import os
@@ -34,6 +35,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import DataError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from _redis_states import ByteProxy, add_acl_users, admin, loading_server, still_loading
 from otel_lock.cli._redis_server import RedisServer, free_port
@@ -623,13 +625,21 @@ async def test_an_error_reply_redis_py_cannot_parse_fails_only_its_caller(world)
 # -- one reply timer per socket ------------------------------------------------------------------------
 
 
-async def test_a_late_reply_drops_the_socket_only_while_its_caller_still_awaits_it(world):
-    """One watch timer per socket checks every reply's deadline: a given-up caller's late reply is let be."""
-    from redis.exceptions import TimeoutError as RedisTimeoutError
-
-    connection = Connection(port=world.proxy.port, timeout=0.3, connect_timeout=TIMEOUT)
+@contextlib.asynccontextmanager
+async def _through_proxy(world, timeout: float):
+    """A lean connection to Redis through the world's proxy, answered once; the proxy let go at the end."""
+    connection = Connection(port=world.proxy.port, timeout=timeout, connect_timeout=TIMEOUT)
     try:
         assert await connection.execute("PING") == b"PONG"
+        yield connection
+    finally:
+        world.proxy.release()
+        await connection.aclose()
+
+
+async def test_a_late_reply_drops_the_socket_only_while_its_caller_still_awaits_it(world):
+    """One watch timer per socket checks every reply's deadline: a given-up caller's late reply is let be."""
+    async with _through_proxy(world, 0.3) as connection:
         world.proxy.hold_replies_after(0)
         given_up = connection.send_now("ECHO", "late")
         given_up.cancel()
@@ -644,18 +654,11 @@ async def test_a_late_reply_drops_the_socket_only_while_its_caller_still_awaits_
         assert all("did not answer within 0.3 s" in str(a) for a in answers)
         world.proxy.release()
         assert await connection.execute("ECHO", "again") == b"again"  # a new socket
-    finally:
-        world.proxy.release()
-        await connection.aclose()
 
 
 async def test_the_watch_follows_the_oldest_reply_still_awaited(world):
     """A reply answered in time moves the watch to the next one, whose own deadline drops the socket."""
-    from redis.exceptions import TimeoutError as RedisTimeoutError
-
-    connection = Connection(port=world.proxy.port, timeout=0.4, connect_timeout=TIMEOUT)
-    try:
-        assert await connection.execute("PING") == b"PONG"
+    async with _through_proxy(world, 0.4) as connection:
         loop = asyncio.get_running_loop()
         first = connection.send_now("ECHO", "in time")
         assert await first == b"in time"
@@ -665,23 +668,13 @@ async def test_the_watch_follows_the_oldest_reply_still_awaited(world):
         with pytest.raises(RedisTimeoutError):
             await connection.send_now("ECHO", "stuck")
         assert loop.time() - sent >= 0.4  # dropped at its own deadline, not at the first one's
-    finally:
-        world.proxy.release()
-        await connection.aclose()
 
 
 async def test_a_stuck_batch_fails_with_the_timeout_in_every_place(world):
     """`execute_many` (renewals, the server checks) is watched by the same timer as single commands."""
-    from redis.exceptions import TimeoutError as RedisTimeoutError
-
-    connection = Connection(port=world.proxy.port, timeout=0.3, connect_timeout=TIMEOUT)
-    try:
-        assert await connection.execute("PING") == b"PONG"
+    async with _through_proxy(world, 0.3) as connection:
         world.proxy.hold_replies_after(0)
         answers = await connection.execute_many([("ECHO", "a"), ("ECHO", "b")])
         assert [type(a) for a in answers] == [RedisTimeoutError] * 2, answers
         world.proxy.release()
         assert await connection.execute_many([("ECHO", "c")]) == [b"c"]  # on a new socket
-    finally:
-        world.proxy.release()
-        await connection.aclose()

@@ -52,6 +52,10 @@ async def test_a_waiter_whose_client_hangs_up_stops_waiting_takes_no_lock_and_ne
             writer.close()   # the client gives up (a timeout, a retry elsewhere)
             await writer.wait_closed()
             await until(lambda: waiting(reader, "stock:{path.pid}") == 0, "the waiter to stop waiting")
+            # The wait is recorded once the waiter has also left the queue (a round trip after the gauge
+            # drops): wait for that, not for one look.
+            await until(lambda: _cancelled(histogram_counts(reader, "otel_lock.wait.duration")),
+                        "the cancelled wait to be recorded")
             outcomes = histogram_counts(reader, "otel_lock.wait.duration")
             await held.release()
             # The lock is free and nobody takes it: the hung-up request did not stay queued.
@@ -60,10 +64,15 @@ async def test_a_waiter_whose_client_hangs_up_stops_waiting_takes_no_lock_and_ne
 
             async with httpx.AsyncClient(base_url=f"http://{host}:{port}") as client:
                 after = await client.post("/stock/2/buy", json={})
-    cancelled = [attrs for attrs, count in outcomes.items() if dict(attrs).get("lock.outcome") == "cancelled"]
+    cancelled = _cancelled(outcomes)
     assert len(cancelled) == 1 and dict(cancelled[0])["lock.name"] == "stock:{path.pid}"
     assert ran == [2] and after.status_code == 200   # the server keeps serving; the gone buyer never ran
     assert await redis_client.exists(lock_key("stock:1")) == 0
+
+
+def _cancelled(outcomes: dict[tuple, int]) -> list[tuple]:
+    """The attribute sets of the wait-duration histogram's cancelled waits."""
+    return [attrs for attrs in outcomes if dict(attrs).get("lock.outcome") == "cancelled"]
 
 
 async def test_a_waiter_its_host_cancels_never_runs_and_leaves_no_lock(redis_url, redis_client):

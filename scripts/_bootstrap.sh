@@ -11,6 +11,11 @@
 #   ensure_previous_release            .venv-$PREVIOUS_VERSION: the previous release, built from its
 #                                      commit in this clone's history (tests/test_versions_*.py)
 set -euo pipefail
+# Bytecode caches are written (__pycache__/, git-ignored) even where the environment forbids them
+# (PYTHONDONTWRITEBYTECODE): otherwise every pytest process and every Python child compiles the
+# package again and pytest rewrites every test module's asserts again (collection 9 s instead of 4;
+# the behaviour job 151 s instead of 129 on a 2-core machine).
+unset PYTHONDONTWRITEBYTECODE
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 

@@ -36,7 +36,8 @@ class OtlpReceiver:
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        # shutdown() waits for serve_forever to look at its flag, every poll_interval (0.5 s by default)
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
 
     def _accept(self, path: str, body: bytes) -> None:
         with self.received:

@@ -308,7 +308,7 @@ class _HttpOnly(BaseHTTPRequestHandler):
 def http_url():
     """A Redis URL that points at an HTTP server (a wrong port in a config)."""
     server = ThreadingHTTPServer(("127.0.0.1", 0), _HttpOnly)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     yield f"redis://127.0.0.1:{server.server_address[1]}/0"
     server.shutdown()

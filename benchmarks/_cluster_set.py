@@ -20,7 +20,7 @@ import redis.asyncio as aioredis
 from redis.crc import key_slot
 
 from benchmarks._sentinel_set import until
-from otel_lock.cli._redis_server import RedisServer, free_port
+from otel_lock.cli._redis_server import RedisServer, free_port, stop_servers
 
 NODE_TIMEOUT_MS = 1000
 BUS_OFFSET = 10000  # a node also listens on port + 10000 (the cluster bus)
@@ -153,5 +153,4 @@ class ClusterSet:
         await until(covered, f"a replica to replace the master on {dead_port}")
 
     async def __aexit__(self, *exc: object) -> None:
-        for node in self.nodes:
-            node.stop()
+        stop_servers(self.nodes)

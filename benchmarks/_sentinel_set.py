@@ -21,7 +21,7 @@ from pathlib import Path
 import redis.asyncio as aioredis
 
 from benchmarks.safety._proxy import TcpProxy
-from otel_lock.cli._redis_server import RedisServer, _ping, free_port, stop_process
+from otel_lock.cli._redis_server import RedisServer, _ping, free_port, stop_processes, stop_servers
 
 SERVICE = "otel-lock-test"
 DOWN_AFTER_MS = 400
@@ -172,13 +172,13 @@ class SentinelSet:
         await until(lambda: self._online_replicas(self.replica.port), "the new master to count its replica")
 
     async def __aexit__(self, *exc: object) -> None:
-        for process in self.sentinels:
-            stop_process(process)
+        # The proxy goes first: a master told to stop waits (up to 10 s) for the replicas it still has
+        # to acknowledge its last writes, and through an open proxy a stopped replica looks there still.
         if self.proxy is not None:
             await self.proxy.aclose()
-        for server in (self.replica, self.master):
-            if server is not None:
-                server.stop()
+        servers = [server for server in (self.replica, self.master) if server is not None]
+        stop_processes([*self.sentinels, *(server.process for server in servers if server.process is not None)])
+        stop_servers(servers)
         shutil.rmtree(self._dir, ignore_errors=True)
 
 

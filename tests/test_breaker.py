@@ -21,7 +21,7 @@ from starlette.routing import Route
 from _middleware_helpers import client_for, counter_points, metered, problem
 from _proc_helpers import until
 from otel_lock import LockManager, LockMiddleware, RedisUnavailable, RedLockManager, locked
-from otel_lock.cli._redis_server import RedisServer
+from otel_lock.cli._redis_server import RedisServer, stop_servers
 from otel_lock.lock._breaker import CLOSED, HALF_OPEN, MAX_COOLDOWN, OPEN, Breaker
 
 pytestmark = pytest.mark.timeout(90)
@@ -317,8 +317,7 @@ async def test_redlock_opens_when_a_majority_is_down_and_releases_still_reach_ev
             with pytest.raises(RedisUnavailable, match="circuit open"):
                 await locks.try_lock("j")  # one breaker for the manager, fed by acquire rounds only
     finally:
-        for server in servers:
-            server.stop()
+        stop_servers(servers)
         provider.shutdown()
 
 

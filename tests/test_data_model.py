@@ -18,7 +18,7 @@ import pytest
 from _proc_helpers import keys, queued, until
 
 from otel_lock import LockError, LockManager, RedisMisconfigured, RedLockManager
-from otel_lock.cli._redis_server import RedisServer
+from otel_lock.cli._redis_server import RedisServer, stop_servers
 from otel_lock.lock import _scripts, _server_watch
 
 LEASE = 0.2  # the guard's tick is half the default lease (its floor lowered below)
@@ -116,8 +116,7 @@ async def test_redlock_refuses_when_any_master_holds_another_model(next_model):
             with pytest.raises(RedisMisconfigured, match="data model 7"):
                 await locks.acquire("k")
     finally:
-        for server in servers:
-            server.stop()
+        stop_servers(servers)
 
 
 async def test_a_running_manager_claims_the_namespace_again_after_a_flush(redis_url, redis_client, next_model,
@@ -202,8 +201,7 @@ async def test_redlock_claims_every_master_again_after_a_flush(awake):
                 for client in clients:
                     await client.aclose()
     finally:
-        for server in servers:
-            server.stop()
+        stop_servers(servers)
 
 
 def test_a_manager_dropped_without_closing_is_collected_and_its_guard_ends(redis_url, awake):

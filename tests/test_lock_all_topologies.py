@@ -14,7 +14,7 @@ import pytest
 from benchmarks._cluster_set import ClusterSet
 from benchmarks._sentinel_set import SentinelSet
 from otel_lock import LockManager, LockTimeout, RedLockManager
-from otel_lock.cli._redis_server import RedisServer
+from otel_lock.cli._redis_server import RedisServer, stop_servers
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -32,8 +32,7 @@ def cluster():
 def masters():
     servers = [RedisServer().start() for _ in range(3)]
     yield servers
-    for server in servers:
-        server.stop()
+    stop_servers(servers)
 
 
 async def opposite_orders(one, two, keys: list[str], rounds: int) -> list[dict[str, int]]:

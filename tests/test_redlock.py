@@ -18,7 +18,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 import otel_lock
 from otel_lock import (HeldLock, LockError, LockLost, LockMiddleware, LockTimeout, RedisUnavailable, RedLockManager,
                        idempotent, locked)
-from otel_lock.cli._redis_server import RedisServer
+from otel_lock.cli._redis_server import RedisServer, stop_servers
 
 from _proc_helpers import TcpProxy, assert_one_holder_at_a_time, run_holders, until
 
@@ -29,8 +29,7 @@ BOUND = 20.0  # turns a hang into a failure; not a timing
 def masters():
     servers = [RedisServer().start() for _ in range(3)]
     yield servers
-    for server in servers:
-        server.stop()
+    stop_servers(servers)
 
 
 def urls(servers) -> list[str]:

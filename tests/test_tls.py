@@ -29,7 +29,7 @@ from _proc_helpers import DEADLINE, TcpProxy, link_of, queued, until
 from benchmarks._cluster_set import ClusterSet, _bus_safe_port
 from benchmarks.tls_burst import make_certificates
 from otel_lock import LockManager, LockMiddleware, LockTimeout, RedisMisconfigured, RedLockManager, locked
-from otel_lock.cli._redis_server import RedisServer, free_port, stop_process
+from otel_lock.cli._redis_server import RedisServer, free_port, stop_process, stop_servers
 from otel_lock.lock._breaker import CLOSED
 from otel_lock.lock._sentinel import MasterConnection
 
@@ -102,8 +102,7 @@ def tls_trio(certs, tls_server):
     """Three TLS redis-servers: a RedLock quorum's independent masters."""
     others = [_started(TlsServer(certs, auth_clients=False)) for _ in range(2)]
     yield [tls_server, *others]
-    for server in others:
-        server.server.stop()
+    stop_servers(server.server for server in others)
 
 
 @pytest.fixture

@@ -13,11 +13,14 @@ put each test in one job of ./scripts/test are applied here from tests/_jobs.py.
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 import redis
 import redis.asyncio as aioredis
 
-from otel_lock.cli._redis_server import RedisServer, use_server
+from otel_lock.cli._redis_server import RedisServer, stop_servers, use_server
 
 from _jobs import JOBS, marks_for, misplaced
 
@@ -80,14 +83,29 @@ def redis_url(redis_server):
     return redis_server.url
 
 
+_STOPPING: list[RedisServer] = []  # told to stop; reaped at the end of the session
+
+
 @pytest.fixture
 def fresh_redis():
-    """A private redis-server for tests that kill, pause or restart it."""
+    """A private redis-server for tests that kill, pause or restart it.
+
+    It is told to stop when its test ends (SIGTERM, and SIGCONT in case the test paused it) and
+    reaped at the end of the session: a redis-server stops at its next cron tick, up to 100 ms
+    that no test needs to wait for (the next test's server takes a port of its own).
+    """
     server = start_own_server()
     try:
         yield server
     finally:
-        server.stop()
+        if server.process is not None and server.process.poll() is None:
+            os.kill(server.process.pid, signal.SIGTERM)
+            os.kill(server.process.pid, signal.SIGCONT)
+        _STOPPING.append(server)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    stop_servers(_STOPPING)
 
 
 @pytest.fixture

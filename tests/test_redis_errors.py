@@ -413,7 +413,11 @@ def refusing_writes(state: str):
                         time.sleep(0.01)   # polling the server's own state, no other event to wait on
                 with pytest.raises(ResponseError, match=state):
                     client.set("probe", "x")
-            yield server
+            try:
+                yield server
+            finally:
+                with admin(server.port) as client:
+                    client.config_set("save", "")  # else SIGTERM's save fails and it refuses to exit for 5 s
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 

@@ -5,13 +5,17 @@
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import sys
+import faulthandler
 
-import redis.asyncio as aioredis
+faulthandler.dump_traceback_later(30, exit=True)  # a hang ends with every thread's stack on stderr (the test shows it)
 
-from otel_lock import LockManager
+import asyncio  # noqa: E402
+import logging  # noqa: E402
+import sys  # noqa: E402
+
+import redis.asyncio as aioredis  # noqa: E402
+
+from otel_lock import LockManager  # noqa: E402
 
 URL, PERIOD, TICKS, NAME = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 

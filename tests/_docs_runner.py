@@ -1,7 +1,8 @@
-"""Run one ```python block of the docs as a reader would paste it, in a fresh interpreter.
+"""Run one ```python block of the docs as a reader would paste it, in a fresh interpreter (or a fork).
 
-Used by tests/test_docs_examples.py: `python _docs_runner.py < job.json` with
-{"path", "line", "source", "port"} and optionally "step_timeout". The block is compiled as `python -m asyncio`
+`python _docs_runner.py < job.json` runs one job, {"path", "line", "source", "port"} and optionally
+"step_timeout"; tests/test_docs_examples.py runs `python _docs_runner.py --serve` once and sends it a
+job per block, each run in a fork (`serve`). The block is compiled as `python -m asyncio`
 compiles its input (top-level `await`, `async with` and `async for` allowed);
 a block without any runs synchronously with no event loop, as in a plain
 `python` session (so a blocking API is tried where a reader would call it),
@@ -23,17 +24,21 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import atexit
 import builtins
 import inspect
 import json
 import logging
+import os
 import re
 import sys
+import tempfile
+import threading
 import traceback
 import types
 import uuid
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, NoReturn
 
 STEP_TIMEOUT = 15.0     # seconds for one request, a start-up or a shutdown
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
@@ -267,9 +272,9 @@ async def finish(pending: Any, namespace: dict[str, Any]) -> None:
         await close_resources(namespace)
 
 
-def main() -> int:
+def main(job: dict[str, Any] | None = None) -> int:
     global STEP_TIMEOUT
-    job = json.load(sys.stdin)
+    job = json.load(sys.stdin) if job is None else job
     STEP_TIMEOUT = job.get("step_timeout", STEP_TIMEOUT)
     errors = ErrorLog()
     logging.getLogger().addHandler(errors)
@@ -295,5 +300,58 @@ def main() -> int:
     return 1 if problems else 0
 
 
+def serve() -> None:
+    """`--serve`: a job per line of stdin, each run by `main` in a fork of this interpreter.
+
+    The fork starts as a fresh interpreter would, but with FastAPI, httpx and redis-py already
+    imported (no otel_lock module: the block imports it as a reader's would): about half a second
+    a block. Each job is answered with two lines: {"pid"} at once (the caller kills it on a hang),
+    then {"status", "stdout", "stderr"} when it has ended.
+    """
+    import fastapi, httpx, redis.asyncio, starlette.testclient  # noqa: E401, F401 (the forks' head start)
+
+    for line in sys.stdin:
+        job = json.loads(line)
+        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+            pid = os.fork()
+            if pid == 0:
+                run_forked(job, out.fileno(), err.fileno())
+            print(json.dumps({"pid": pid}), flush=True)
+            _, status = os.waitpid(pid, 0)
+            said = []
+            for stream in (out, err):
+                stream.seek(0)
+                said.append(stream.read().decode(errors="replace"))
+        print(json.dumps({"status": os.waitstatus_to_exitcode(status), "stdout": said[0], "stderr": said[1]}),
+              flush=True)
+
+
+def run_forked(job: dict[str, Any], out: int, err: int) -> NoReturn:
+    """In the fork: `main(job)` with stdin empty and the output in `out` and `err`, ended as an interpreter ends."""
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    os.dup2(out, 1)
+    os.dup2(err, 2)
+    code = 1
+    try:
+        code = main(job)
+    except SystemExit as exc:
+        if isinstance(exc.code, int) or exc.code is None:
+            code = exc.code or 0
+        else:
+            print(exc.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        # What the interpreter does at exit: wait for the threads the block left running, then atexit.
+        threading._shutdown()  # type: ignore[attr-defined]
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    if sys.argv[1:] == ["--serve"]:
+        serve()
+    else:
+        sys.exit(main())

@@ -1,6 +1,7 @@
 """Docs as tests: every ```python block of README.md and docs/*.md runs as pasted.
 
-Each block runs alone, in a fresh interpreter (tests/_docs_runner.py), the way
+Each block runs alone (tests/_docs_runner.py), in a fork of an interpreter that
+has imported FastAPI, httpx and redis-py and no otel_lock module, the way
 a reader pastes it into `python -m asyncio`: top-level `await` allowed, no
 name from another block. Its `redis://127.0.0.1:6379` is this test's
 redis-server; it may reach nothing else (a block naming another host is
@@ -17,9 +18,13 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
+import queue
 import re
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -81,12 +86,66 @@ def run_as_pasted(source: str, redis_url: str, path: str = "<block>", line: int 
     port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
     job = {"path": path, "line": line, "source": source.replace(DOC_URL, redis_url.rsplit("/", 1)[0]),
            "port": port, **options}
-    try:
-        run = subprocess.run([sys.executable, "-W", "error", str(RUNNER)], input=json.dumps(job),
-                             capture_output=True, text=True, timeout=RUN_TIMEOUT, cwd=RUNNER.parent.parent)
-    except subprocess.TimeoutExpired as exc:
-        return None, f"no end within {RUN_TIMEOUT} s:\n{exc.stdout or ''}{exc.stderr or ''}"
-    return run.returncode, run.stdout + run.stderr[-4000:]
+    return _RUNNER.run(job)
+
+
+class _ForkingRunner:
+    """tests/_docs_runner.py --serve, started at the first block: each block runs in a fork of it."""
+
+    def __init__(self) -> None:
+        self._process: subprocess.Popen[str] | None = None
+        self._lines: queue.Queue[str] = queue.Queue()
+
+    def run(self, job: dict[str, object]) -> tuple[int | None, str]:
+        process = self._started()
+        assert process.stdin is not None
+        process.stdin.write(json.dumps(job) + "\n")
+        process.stdin.flush()
+        pid = json.loads(self._line(30))["pid"]
+        try:
+            answer = json.loads(self._line(RUN_TIMEOUT))
+        except queue.Empty:
+            os.kill(pid, signal.SIGKILL)
+            answer = json.loads(self._line(30))
+            return None, f"no end within {RUN_TIMEOUT} s:\n{answer['stdout']}{answer['stderr']}"
+        return answer["status"], answer["stdout"] + answer["stderr"][-4000:]
+
+    def _started(self) -> subprocess.Popen[str]:
+        if self._process is None:
+            self._process = subprocess.Popen([sys.executable, "-W", "error", str(RUNNER), "--serve"],
+                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                             cwd=RUNNER.parent.parent)
+            self._reader = threading.Thread(target=self._read, args=(self._process.stdout,), daemon=True)
+            self._reader.start()
+        return self._process
+
+    def _read(self, stream) -> None:
+        for line in stream:
+            self._lines.put(line)
+        self._lines.put("")  # the runner ended: json.loads fails, naming it
+
+    def _line(self, timeout: float) -> str:
+        line = self._lines.get(timeout=timeout)
+        assert line, f"the docs runner ended (exit {self._process and self._process.wait()})"
+        return line
+
+    def close(self) -> None:
+        if self._process is not None:
+            assert self._process.stdin is not None and self._process.stdout is not None
+            self._process.stdin.close()  # it ends at the end of its stdin, and the reader at the end of its stdout
+            self._process.wait(30)
+            self._reader.join(30)
+            self._process.stdout.close()  # not before: closing it under the reading thread blocks
+            self._process = None
+
+
+_RUNNER = _ForkingRunner()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _runner_stopped_at_the_end():
+    yield
+    _RUNNER.close()
 
 
 def test_the_xfail_list_names_blocks_that_exist():
@@ -197,6 +256,25 @@ def test_a_request_that_hangs_fails(redis_url):
             "app = Starlette(routes=[Route('/stuck', stuck)])\n")
     returncode, output = run_as_pasted(APP.format(body=body), redis_url, step_timeout=0.5)
     assert returncode == 1 and "GET /stuck got no answer within 0.5 s" in output, output
+
+
+def test_a_block_that_never_ends_is_killed_and_the_next_block_runs(redis_url, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "RUN_TIMEOUT", 1.0)
+    looping = "import time\nprint('started', flush=True)\nwhile True:\n    time.sleep(0.05)\n"
+    returncode, output = run_as_pasted(looping, redis_url)
+    assert returncode is None and "no end within 1.0 s" in output and "started" in output, output
+    # As at an interpreter's exit, a thread the block left running is waited for.
+    left_running = "import threading, time\nthreading.Thread(target=time.sleep, args=(3600,)).start()\n"
+    assert run_as_pasted(left_running, redis_url)[0] is None
+    assert run_as_pasted("print('next')\n", redis_url) == (0, "next\n")
+
+
+def test_a_block_starts_with_no_otel_lock_module_and_nothing_left_by_the_block_before(redis_url):
+    first = "import sys, otel_lock\nsys.modules['left_behind'] = sys\n"
+    fresh = ("import sys\nloaded = [m for m in sys.modules if m.startswith('otel_lock') or m == 'left_behind']\n"
+             "assert not loaded, loaded\n")
+    assert run_as_pasted(first, redis_url) == (0, "")
+    assert run_as_pasted(fresh, redis_url) == (0, "")
 
 
 def test_an_error_in_the_log_fails(redis_url):

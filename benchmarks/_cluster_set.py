@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 
+import redis
 import redis.asyncio as aioredis
 from redis.crc import key_slot
 
@@ -43,6 +44,28 @@ def _free(port: int) -> bool:
     return True
 
 
+def _start_own(node: RedisServer, attempts: int = 5) -> None:
+    """Start `node`, on another free port if the first answers for another process.
+
+    A port picked free can be taken before the node binds it, by another test worker's server
+    (a cluster node too, perhaps): PING then answers, the node exits, and a cluster made of that
+    port would take in a node of another cluster and never converge.
+    """
+    for attempt in range(attempts):
+        try:
+            node.start()
+            with redis.Redis(port=node.port) as client:
+                answering = client.info("server")["process_id"]
+        except (RuntimeError, redis.ConnectionError):  # it exited at once: "Address already in use"
+            answering = None
+        if node.process is not None and node.process.poll() is None and answering == node.process.pid:
+            return
+        node.stop()
+        if attempt == attempts - 1:
+            raise RuntimeError(f"no cluster node of this process answered after {attempts} ports")
+        node.port = _bus_safe_port()
+
+
 class ClusterSet:
     """`async with ClusterSet() as c:`; `c.url` is the redis+cluster:// URL of the cluster."""
 
@@ -65,7 +88,7 @@ class ClusterSet:
     async def __aenter__(self) -> "ClusterSet":
         try:
             for node in self.nodes:
-                node.start()
+                _start_own(node)
             binary = shutil.which("redis-cli")
             if binary is None:
                 raise RuntimeError("redis-cli is not on PATH (Debian: apt-get install redis-tools)")

@@ -348,3 +348,16 @@ async def _on_replica(cluster: ClusterSet, master: int, key: str) -> bool:
             if not await replica.exists(f"otel-lock:{{{key}}}"):
                 return False
     return bool(replicas)
+
+
+async def test_a_node_port_another_server_took_is_replaced_and_the_cluster_has_none_of_it(redis_server):
+    """A free port can be taken before a node binds it: the set starts that node elsewhere."""
+    cluster = ClusterSet(masters=3)
+    cluster.nodes[0].port = redis_server.port  # answered by another process's redis-server
+    async with cluster:
+        assert redis_server.port not in cluster.ports
+        async with aioredis.Redis(port=cluster.ports[0], decode_responses=True) as client:
+            nodes = await client.execute_command("CLUSTER", "NODES")
+        assert f":{redis_server.port}@" not in str(nodes) and len(str(nodes).splitlines()) == 3
+    async with aioredis.Redis(port=redis_server.port) as other:
+        assert await other.ping()  # the other server was left alone

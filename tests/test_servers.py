@@ -51,6 +51,14 @@ def test_a_server_that_cannot_start_says_why():
         RedisServer(extra_args=("--bogus-option", "1")).start()
 
 
+def test_a_server_whose_port_another_server_holds_fails_to_start_and_leaves_it_alone(redis_server):
+    """PING would answer for the other process: start() waits for its own pid and reports the exit."""
+    with pytest.raises(RuntimeError, match="(?s)exited with code .*Address already in use"):
+        RedisServer(port=redis_server.port).start()
+    with redis.Redis(port=redis_server.port) as other:
+        assert other.info("server")["process_id"] == redis_server.process.pid
+
+
 def test_servers_stopped_together_are_all_gone_and_one_that_ignores_sigterm_is_killed():
     servers = [RedisServer().start() for _ in range(3)]
     folders = [Path(server._dir) for server in servers]

@@ -22,6 +22,7 @@ import atexit
 import importlib.util
 import os
 import platform
+import re
 import shutil
 import signal
 import socket
@@ -201,6 +202,31 @@ def _ping(port: int) -> bool:
         return False
 
 
+_PROCESS_ID = re.compile(rb"process_id:(\d+)\r\n")
+
+
+def _answering_pid(port: int) -> int | None:
+    """The pid of the Redis answering on `port` (INFO); 0 if it answers an error instead, None if none answers.
+
+    `start` waits for its own pid, not for any PONG: a port picked free can be bound by another
+    process first, which would answer while this server exits with "Address already in use".
+    """
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2) as sock:
+            sock.sendall(b"INFO server\r\n")
+            reply = b""
+            while not (found := _PROCESS_ID.search(reply)):
+                if reply.startswith(b"-"):
+                    return 0  # NOAUTH, say: it answers, and cannot say who it is
+                chunk = sock.recv(4096)
+                if not chunk:
+                    return None
+                reply += chunk
+            return int(found.group(1))
+    except OSError:
+        return None
+
+
 def stop_process(process: subprocess.Popen[Any], grace: float = 5.0) -> None:
     """SIGTERM by pid, then SIGKILL if it is still there after `grace` seconds."""
     stop_processes([process], grace)
@@ -234,7 +260,7 @@ def stop_servers(servers: Iterable[RedisServer]) -> None:
 
 @dataclass
 class RedisServer:
-    """One redis-server (or valkey-server) process; `start()` waits until it answers PING.
+    """One redis-server (or valkey-server) process; `start()` waits until it answers, as itself (its pid).
 
     `binary`: which server (default: `find_server()`, resolved at start).
     """
@@ -260,7 +286,7 @@ class RedisServer:
         with errors.open("wb") as log:
             self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=binary.env())
         deadline = time.monotonic() + timeout
-        while not _ping(self.port):
+        while _answering_pid(self.port) not in (self.process.pid, 0):
             if self.process.poll() is not None:
                 code, said = self.process.returncode, errors.read_text(errors="replace").strip()
                 self.process = None

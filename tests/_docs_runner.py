@@ -2,7 +2,8 @@
 
 `python _docs_runner.py < job.json` runs one job, {"path", "line", "source", "port"} and optionally
 "step_timeout"; tests/test_docs_examples.py runs `python _docs_runner.py --serve` once and sends it a
-job per block, each run in a fork (`serve`). The block is compiled as `python -m asyncio`
+job per block, each run in a fork (`serve`, and `Forks` on the caller's side; tests/test_asgi_import_graph.py
+imports each asgi module through it too). The block is compiled as `python -m asyncio`
 compiles its input (top-level `await`, `async with` and `async for` allowed);
 a block without any runs synchronously with no event loop, as in a plain
 `python` session (so a blocking API is tried where a reader would call it),
@@ -30,7 +31,10 @@ import inspect
 import json
 import logging
 import os
+import queue
 import re
+import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -38,6 +42,7 @@ import traceback
 import types
 import uuid
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any, AsyncIterator, NoReturn
 
 STEP_TIMEOUT = 15.0     # seconds for one request, a start-up or a shutdown
@@ -348,6 +353,57 @@ def run_forked(job: dict[str, Any], out: int, err: int) -> NoReturn:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+class Forks:
+    """The caller's side of `--serve`: started at the first job, each job run in a fork of it."""
+
+    def __init__(self) -> None:
+        self._process: subprocess.Popen[str] | None = None
+        self._lines: queue.Queue[str] = queue.Queue()
+
+    def run(self, job: dict[str, Any], timeout: float) -> tuple[int | None, str]:
+        """(exit status, stdout and the end of stderr) of one job; the status is None if it ran past `timeout`."""
+        process = self._started()
+        assert process.stdin is not None
+        process.stdin.write(json.dumps(job) + "\n")
+        process.stdin.flush()
+        pid = json.loads(self._line(30))["pid"]
+        try:
+            answer = json.loads(self._line(timeout))
+        except queue.Empty:
+            os.kill(pid, signal.SIGKILL)
+            answer = json.loads(self._line(30))
+            return None, f"no end within {timeout} s:\n{answer['stdout']}{answer['stderr']}"
+        return answer["status"], answer["stdout"] + answer["stderr"][-4000:]
+
+    def _started(self) -> subprocess.Popen[str]:
+        if self._process is None:
+            self._process = subprocess.Popen([sys.executable, "-W", "error", __file__, "--serve"],
+                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                             cwd=Path(__file__).parent.parent)
+            self._reader = threading.Thread(target=self._read, args=(self._process.stdout,), daemon=True)
+            self._reader.start()
+        return self._process
+
+    def _read(self, stream) -> None:
+        for line in stream:
+            self._lines.put(line)
+        self._lines.put("")  # the runner ended: json.loads fails, naming it
+
+    def _line(self, timeout: float) -> str:
+        line = self._lines.get(timeout=timeout)
+        assert line, f"the docs runner ended (exit {self._process and self._process.wait()})"
+        return line
+
+    def close(self) -> None:
+        if self._process is not None:
+            assert self._process.stdin is not None and self._process.stdout is not None
+            self._process.stdin.close()  # it ends at the end of its stdin, and the reader at the end of its stdout
+            self._process.wait(30)
+            self._reader.join(30)
+            self._process.stdout.close()  # not before: closing it under the reading thread blocks
+            self._process = None
 
 
 if __name__ == "__main__":

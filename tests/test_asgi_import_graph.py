@@ -7,15 +7,14 @@ under `if TYPE_CHECKING:` do not (they never run).
 from __future__ import annotations
 
 import ast
-import json
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 import otel_lock.asgi
+
+from _docs_runner import Forks
 
 ROOT = Path(otel_lock.asgi.__file__).parent
 PACKAGE = "otel_lock.asgi"
@@ -94,56 +93,27 @@ def test_the_cycle_finder_finds_one() -> None:
     assert _cycle({"a": {"b"}, "b": set()}) is None
 
 
-# One interpreter holds the third-party packages asgi/ imports, and no otel_lock module; each module
-# named on its stdin is imported in a fork of it, which answers with its traceback ("" when it imported).
-# A fork starts with no otel_lock module loaded, as a fresh interpreter does, without paying
-# redis-py's, Starlette's and OpenTelemetry's imports again for each of the ~40 modules.
-_IMPORTER = """
-import importlib, json, os, sys, traceback
-import redis.asyncio, starlette.requests, starlette.responses, opentelemetry.metrics, opentelemetry.trace
-assert not [name for name in sys.modules if name.partition(".")[0] == "otel_lock"]
-for line in sys.stdin:
-    read, write = os.pipe()
-    if os.fork() == 0:
-        os.close(read)
-        try:
-            importlib.import_module(line.strip())
-            error = ""
-        except BaseException:
-            error = traceback.format_exc()
-        os.write(write, error.encode())
-        os._exit(0)
-    os.close(write)
-    with os.fdopen(read, "rb") as answer:
-        error = answer.read().decode()
-    _, status = os.wait()
-    print(json.dumps(error or ("" if status == 0 else f"the import's process ended with status {status}")), flush=True)
-"""
-
-
 @pytest.fixture(scope="module")
-def import_alone() -> Iterator[Callable[[str], str]]:
-    """`import_alone(module)`: the traceback of importing it before any other otel_lock module ("" if none)."""
-    importer = subprocess.Popen([sys.executable, "-c", _IMPORTER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                text=True)
-    assert importer.stdin is not None and importer.stdout is not None
+def import_alone() -> Iterator[Callable[[str], tuple[int | None, str]]]:
+    """`import_alone(module)`: (exit status, output) of importing it in a fork of the docs runner, which
+    has the third-party packages loaded and no otel_lock module, as a fresh interpreter has none."""
+    forks = Forks()
 
-    def run(module: str) -> str:
-        importer.stdin.write(module + "\n")
-        importer.stdin.flush()
-        answer = importer.stdout.readline()
-        assert answer, f"the importer ended (exit {importer.wait()}) before it answered for {module}"
-        return str(json.loads(answer))
+    def run(module: str) -> tuple[int | None, str]:
+        return forks.run({"path": "<import>", "line": 0, "source": f"import {module}\n", "port": 0}, 60)
 
-    with importer:  # closes its pipes (it ends at the end of its stdin) and waits for it
+    try:
         yield run
+    finally:
+        forks.close()
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_each_asgi_module_imports_with_no_other_otel_lock_module_loaded(module: str, import_alone) -> None:
-    assert import_alone(module) == ""
+    assert import_alone(module) == (0, "")
 
 
 def test_the_importer_reports_a_failed_import(import_alone) -> None:
-    assert "ModuleNotFoundError" in import_alone("otel_lock.asgi._no_such_module")
-    assert import_alone("otel_lock.asgi") == ""  # the failed fork left the importer clean
+    status, output = import_alone("otel_lock.asgi._no_such_module")
+    assert status == 1 and "ModuleNotFoundError" in output, output
+    assert import_alone("otel_lock.asgi") == (0, "")  # the failed fork left the importer clean

@@ -18,23 +18,18 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import os
-import queue
 import re
-import signal
-import subprocess
 import sys
-import threading
-from pathlib import Path
 
 import pytest
 
 try:
+    from ._docs_runner import Forks
     from ._markdown import PythonBlock, doc_files, fenced_blocks, python_blocks
 except ImportError:
+    from _docs_runner import Forks
     from _markdown import PythonBlock, doc_files, fenced_blocks, python_blocks
 
-RUNNER = Path(__file__).with_name("_docs_runner.py")
 DOC_URL = "redis://127.0.0.1:6379"
 RUN_TIMEOUT = 90.0   # seconds for one block, its app's requests included
 BLOCKS = python_blocks()
@@ -86,60 +81,10 @@ def run_as_pasted(source: str, redis_url: str, path: str = "<block>", line: int 
     port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
     job = {"path": path, "line": line, "source": source.replace(DOC_URL, redis_url.rsplit("/", 1)[0]),
            "port": port, **options}
-    return _RUNNER.run(job)
+    return _RUNNER.run(job, RUN_TIMEOUT)
 
 
-class _ForkingRunner:
-    """tests/_docs_runner.py --serve, started at the first block: each block runs in a fork of it."""
-
-    def __init__(self) -> None:
-        self._process: subprocess.Popen[str] | None = None
-        self._lines: queue.Queue[str] = queue.Queue()
-
-    def run(self, job: dict[str, object]) -> tuple[int | None, str]:
-        process = self._started()
-        assert process.stdin is not None
-        process.stdin.write(json.dumps(job) + "\n")
-        process.stdin.flush()
-        pid = json.loads(self._line(30))["pid"]
-        try:
-            answer = json.loads(self._line(RUN_TIMEOUT))
-        except queue.Empty:
-            os.kill(pid, signal.SIGKILL)
-            answer = json.loads(self._line(30))
-            return None, f"no end within {RUN_TIMEOUT} s:\n{answer['stdout']}{answer['stderr']}"
-        return answer["status"], answer["stdout"] + answer["stderr"][-4000:]
-
-    def _started(self) -> subprocess.Popen[str]:
-        if self._process is None:
-            self._process = subprocess.Popen([sys.executable, "-W", "error", str(RUNNER), "--serve"],
-                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                             cwd=RUNNER.parent.parent)
-            self._reader = threading.Thread(target=self._read, args=(self._process.stdout,), daemon=True)
-            self._reader.start()
-        return self._process
-
-    def _read(self, stream) -> None:
-        for line in stream:
-            self._lines.put(line)
-        self._lines.put("")  # the runner ended: json.loads fails, naming it
-
-    def _line(self, timeout: float) -> str:
-        line = self._lines.get(timeout=timeout)
-        assert line, f"the docs runner ended (exit {self._process and self._process.wait()})"
-        return line
-
-    def close(self) -> None:
-        if self._process is not None:
-            assert self._process.stdin is not None and self._process.stdout is not None
-            self._process.stdin.close()  # it ends at the end of its stdin, and the reader at the end of its stdout
-            self._process.wait(30)
-            self._reader.join(30)
-            self._process.stdout.close()  # not before: closing it under the reading thread blocks
-            self._process = None
-
-
-_RUNNER = _ForkingRunner()
+_RUNNER = Forks()
 
 
 @pytest.fixture(scope="module", autouse=True)

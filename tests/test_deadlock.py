@@ -19,7 +19,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from otel_lock import LockDeadlock, LockError, LockManager
 
-from _proc_helpers import Agents, queued
+from _proc_helpers import Agents, queued, until
 
 BOUND = 20.0   # turns a hang into a failure; every wait below is longer, so a refusal within it is "at once"
 WAIT = 60.0
@@ -80,12 +80,19 @@ async def refused(holder: Holder) -> LockDeadlock:
     return holder.outcome
 
 
+async def recorded(redis, owner: str) -> None:
+    """`owner`'s wait record is written (CHECK_AFTER into its wait, not when it joins the queue): only
+    then is its wait a step of the cycle the next waiter closes, so that the next one is refused."""
+    await until(lambda: redis.exists(f"otel-lock:waits:{owner}"), f"the wait record of {owner}")
+
+
 async def test_the_second_of_two_crossed_waits_is_refused_and_the_first_proceeds(managers, redis_client):
     one, two, _ = managers
     a, b = Holder(one, "k1", "k2"), Holder(two, "k2", "k1")
     await started(a, b)
     a.go.set()
     await queued(redis_client, "k2", 1)
+    await recorded(redis_client, a.owner)
     b.go.set()
     error = await refused(b)
     assert error.key == "otel-lock:{k1}"
@@ -121,8 +128,10 @@ async def test_a_three_cycle_is_refused_to_the_waiter_that_closes_it(managers, r
     await started(a, b, c)
     a.go.set()
     await queued(redis_client, "k2", 1)
+    await recorded(redis_client, a.owner)
     b.go.set()
     await queued(redis_client, "k3", 1)
+    await recorded(redis_client, b.owner)
     c.go.set()
     error = await refused(c)
     assert [key for key, _, _ in error.cycle] == ["otel-lock:{k1}", "otel-lock:{k2}", "otel-lock:{k3}"]
@@ -165,6 +174,7 @@ async def test_lock_all_after_lock_can_still_close_a_cycle(managers, redis_clien
     async with two.lock("k1"):
         a.go.set()
         await queued(redis_client, "k1", 1)
+        await recorded(redis_client, a.owner)
         with pytest.raises(LockDeadlock):
             async with asyncio.timeout(BOUND):
                 await two.acquire_all(["k1", "k2"], wait=WAIT)   # k1 re-entered, k2 would close the cycle
@@ -185,6 +195,7 @@ async def test_a_deadlock_is_counted_and_named_on_the_acquire_span(redis_url, re
                 async with two.lock("k2"):
                     a.go.set()
                     await queued(redis_client, "k2", 1)
+                    await recorded(redis_client, a.owner)
                     with pytest.raises(LockDeadlock):
                         await two.acquire("k1", wait=WAIT)
 
@@ -210,6 +221,7 @@ async def test_crossed_waits_across_processes_are_refused_at_once_with_the_cycle
     owner_b = (await b.expect("acquired", "b"))["owner"]
     await a.send("go", id="a")
     await queued(redis_client, "k2", 1)
+    await recorded(redis_client, owner_a)
     await b.send("go", id="b")
     refusal = await b.expect("deadlock", "b", timeout=BOUND)   # well before either's wait of 60 s
     assert [step[:2] for step in refusal["cycle"]] == [["otel-lock:{k1}", owner_a], ["otel-lock:{k2}", owner_b]]
@@ -240,12 +252,13 @@ async def test_a_chain_across_processes_is_not_refused_and_a_three_cycle_is(agen
     await a.send("chain", id="a3", first="k1", then="k2", wait=WAIT)
     await b.send("chain", id="b3", first="k2", then="k3", wait=WAIT)
     await c.send("chain", id="c3", first="k3", then="k1", wait=WAIT)
-    for agent, ident in ((a, "a3"), (b, "b3"), (c, "c3")):
-        await agent.expect("acquired", ident)
+    owners = [(await agent.expect("acquired", ident))["owner"] for agent, ident in ((a, "a3"), (b, "b3"), (c, "c3"))]
     await a.send("go", id="a3")
     await queued(redis_client, "k2", 1)
+    await recorded(redis_client, owners[0])
     await b.send("go", id="b3")
     await queued(redis_client, "k3", 1)
+    await recorded(redis_client, owners[1])
     await c.send("go", id="c3")
     refusal = await c.expect("deadlock", "c3", timeout=BOUND)
     assert [step[0] for step in refusal["cycle"]] == ["otel-lock:{k1}", "otel-lock:{k2}", "otel-lock:{k3}"]

@@ -6,9 +6,9 @@ prom       otel_lock.telemetry.setup(prometheus=True, otlp=False): /metrics, the
            Prometheus reader; no tracer SDK
 otlp       setup() with OTEL_EXPORTER_OTLP_ENDPOINT and OTEL_METRICS_EXPORTER=otlp: traces and metrics over
            OTLP/HTTP to a local receiver (spans batched, metrics every second); the lock's metrics on the
-           fast path, exported with the SDK's in one request (issue 18)
+           fast path, exported with the SDK's in one request
 prom-workers  prom with PROMETHEUS_MULTIPROC_DIR (a fresh directory per process): the worker-process
-           mode, where every record is also written to prometheus-client's per-pid files (issue 23)
+           mode, where every record is also written to prometheus-client's per-pid files
 
 For the demo endpoint each telemetry mode also runs without the ASGI
 instrumentation (`prom-lock`, `otlp-lock`: the lock's telemetry alone), so

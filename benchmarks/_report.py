@@ -134,7 +134,7 @@ def render_middleware(data: dict, collect: list | None = None) -> str:
     if ours and hand:
         targets.append(("p50 not slower than the hand-written redis-py version (c=1), ratio", ours["p50_ms"] / hand["p50_ms"],
                         ours["p50_ms"] <= hand["p50_ms"]))
-    # Issue 26: against the lock written by hand, per framework
+    # Against the lock written by hand, per framework
     for framework, mine, theirs in (("Starlette", "locked", "redis-py"), ("FastAPI", "fastapi-locked",
                                                                            "fastapi-redis-py")):
         for c in (16, 64):
@@ -164,7 +164,7 @@ TELEMETRY_LABELS = {
     "prom-lock": "/metrics, lock telemetry only (no ASGI instrumentation)",
     "prom-workers": "/metrics, worker-process mode (PROMETHEUS_MULTIPROC_DIR)",
     "otlp-lock": "OTLP, lock telemetry only (no ASGI instrumentation)",
-    # results of earlier runs (issue 4)
+    # results of earlier runs
     "sdk-memory": "SDK, in-memory exporters",
     "otlp-prom": "OTLP/HTTP + Prometheus reader",
 }
@@ -444,7 +444,7 @@ def update_docs(path: Path, name: str, markdown: str) -> None:
 
 
 def render_deployments(data: dict, collect: list | None = None) -> str:
-    """Issue 11: one table, a row per deployment and lock, from benchmarks/bench_deployments.py."""
+    """One table, a row per deployment and lock, from benchmarks/bench_deployments.py."""
     out = _machine(data)
     loads = [r["load_1m_before"] for t in data["every_round"].values() for r in t]
     if loads:
@@ -481,7 +481,7 @@ def render_deployments(data: dict, collect: list | None = None) -> str:
 
 
 def render_shapes(data: dict, collect: list | None = None) -> str:
-    """Issue 27: the shapes beyond the mutex beside the exclusive lock, from benchmarks/bench_shapes.py."""
+    """The shapes beyond the mutex beside the exclusive lock, from benchmarks/bench_shapes.py."""
     from .bench_shapes import CONTENDED_PROCESSES, DEADLOCK_CHECK, TARGETS
 
     out = _machine(data)

@@ -1,4 +1,4 @@
-"""The lock scenarios of issue 2: uncontended cycles, 8 contending workers, many held locks, no thundering herd.
+"""The lock scenarios: uncontended cycles, 8 contending workers, many held locks, no thundering herd.
 
 Each function runs one library in fresh worker processes against the given
 Redis and returns one row of plain numbers (times in milliseconds).

@@ -4,8 +4,8 @@
     .venv/bin/python -m benchmarks.run --quick     # shorter windows, < 2 minutes per suite; no verdicts,
                                                    # results in a temporary directory (no tracked file changes)
     .venv/bin/python -m benchmarks.run --only lock --profile
-    .venv/bin/python -m benchmarks.run --only deployments    # issue 11: single, Sentinel, Cluster, RedLock(3)
-    .venv/bin/python -m benchmarks.run --only shapes         # issue 27: shared, lock_all, permits, deadlock check
+    .venv/bin/python -m benchmarks.run --only deployments    # single, Sentinel, Cluster, RedLock(3)
+    .venv/bin/python -m benchmarks.run --only shapes         # shared, lock_all, permits, deadlock check
     .venv/bin/python -m benchmarks.run --only telemetry --short   # every mode, fewer rounds: < 2 minutes
 
 Every suite starts its own redis-server on a free loopback port (never the
@@ -96,7 +96,7 @@ def lock_suite(url: str, quick: bool, profile_dir: Path | None) -> dict:
             attempt("ring", f"(b) a token around 8 processes by {via}, round {r + 1}", b.ring, url,
                     1.0 if quick else 2.0, via)
         for lib in _rotate(libs, r):
-            # the issue's reference numbers: 8 tasks (threads for sync peers) in one process
+            # 8 tasks (threads for sync peers) in one process
             attempt("contended", f"(b) 8 workers in 1 process, one key, round {r + 1}: {lib}", b.contended,
                     lib, url, 1.0 if quick else 2.0, processes=1)
     runs["uncontended"], out["uncontended"] = out["uncontended"], best_rounds(out["uncontended"], "cycles_per_s", True)
@@ -205,7 +205,7 @@ def shapes_suite(url: str, quick: bool, profile_dir: Path | None) -> dict:
 
     if not available("otel-lock"):
         return {"uncontended": [], "contended": [], "skipped": "otel_lock not importable"}
-    # issue 27: shared, lock_all, permits and the deadlock check beside the exclusive lock, one run
+    # shared, lock_all, permits and the deadlock check beside the exclusive lock, one run
     return bench_shapes.run(url, quick, say=_say)
 
 

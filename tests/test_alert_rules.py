@@ -82,7 +82,7 @@ def test_alert_has_for_severity_summary_description_and_runbook(alert):
 
 @pytest.mark.parametrize("alert", _alerts(), ids=lambda alert: alert["alert"])
 def test_label_values_in_links_are_url_encoded(alert):
-    """Issue 18: lock names hold braces, spaces and `&`; an unescaped one cut the link in pagers."""
+    """Lock names hold braces, spaces and `&`; an unescaped one once cut the link in pagers."""
     for link in (alert["annotations"]["dashboard"], alert["annotations"]["runbook_url"]):
         for value in re.findall(r"\{\{([^}]*)\}\}", link):
             assert "$labels" not in value or value.strip().endswith("| urlquery"), link
@@ -266,7 +266,7 @@ def test_the_event_panels_include_renewals_and_circuit_openings():
 @needs_promtool
 @pytest.mark.parametrize("title, expr", _born_targets(), ids=[f"{t} {i}" for i, (t, _) in enumerate(_born_targets())])
 def test_a_panel_draws_a_replicas_first_event(tmp_path, title, expr):
-    """Issue 18: a counter series born at 1 (a replica's first lost lease, circuit opening, 503) was never
+    """Regression test: a counter series born at 1 (a replica's first lost lease, circuit opening, 503) was never
     drawn: rate() and increase() need an earlier sample."""
     path = tmp_path / "panel.test.yml"
     path.write_text(yaml.safe_dump({"rule_files": [], "evaluation_interval": "1m", "tests": [_panel_case(expr)]}))
@@ -288,7 +288,7 @@ def test_the_old_rate_panels_missed_the_first_event(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-# -- issue 23: the rules against the library's own expositions -------------------------
+# -- the rules against the library's own expositions -------------------------
 
 
 def _exposed(registry, job: str = "shop", instance: str = "r1") -> dict[str, float]:
@@ -352,7 +352,7 @@ def installed():
 @needs_promtool
 async def test_a_restarted_replicas_first_lost_lease_pages_at_once_from_real_expositions(
         tmp_path, installed, redis_client):
-    """Issue 23: after a restart a replica's first lost lease paged 420 s late (its series born at 1, the old
+    """Regression test: after a restart a replica's first lost lease paged 420 s late (its series born at 1, the old
     one's value). Scrapes of a real manager: started, holding `stock`, after losing it (its key taken)."""
     from otel_lock import LockManager
 
@@ -383,7 +383,7 @@ async def test_a_restarted_replicas_first_lost_lease_pages_at_once_from_real_exp
 @needs_promtool
 async def test_a_replicas_first_redis_error_burst_and_circuit_opening_page_from_real_expositions(
         tmp_path, installed):
-    """Issue 23: with Redis down from the start, a replica's first burst of errors never paged, and a circuit
+    """Regression test: with Redis down from the start, a replica's first burst of errors never paged, and a circuit
     that opened had no alert. Scrapes of a real manager pointed at a port nobody listens on."""
     from otel_lock import LockManager
     from otel_lock.cli._redis_server import free_port
@@ -409,7 +409,7 @@ async def test_a_replicas_first_redis_error_burst_and_circuit_opening_page_from_
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-# -- issue 27: deadlocks and permit saturation, from the library's own expositions ------
+# -- deadlocks and permit saturation, from the library's own expositions ------
 
 
 @needs_promtool

@@ -131,7 +131,7 @@ async def settled(client) -> None:
 
 
 async def core_records_busy(redis_url: str) -> bool:
-    """Whether the lock core records a try_lock miss as `busy` (issue 9 item 1, the lead's part)."""
+    """Whether the lock core records a try_lock miss as `busy`."""
     reader = InMemoryMetricReader()
     meters = MeterProvider(metric_readers=[reader])
     a = LockManager.from_url(redis_url, namespace="busy-probe", meter_provider=meters)
@@ -151,7 +151,7 @@ async def core_records_busy(redis_url: str) -> bool:
 
 async def test_a_healthy_stack_under_contended_load_pages_no_one(stack, load):
     # Until the core records try_lock misses as busy, each replica's lost job tick
-    # is a "timeout": the alerts that exposes are the ones this issue is about.
+    # is a "timeout", which fires the timeout alerts tolerated here.
     tolerated = set() if await core_records_busy(stack.redis_url) else {
         "OtelLockAcquireTimeoutRatioHigh", "OtelLockAcquireBudgetBurnFast", "OtelLockAcquireBudgetBurnSlow"}
     async with httpx.AsyncClient(base_url=stack.prometheus.url, timeout=5.0) as client:
@@ -208,7 +208,7 @@ async def test_a_holder_stopped_past_its_lease_fires_lease_lost(short_leases):
         alert = await wait_for_alert(client, "OtelLockLeaseLost", ("firing",), lock_name="stock:{path.product_id}")
         assert alert["labels"]["severity"] == "critical"
         assert alert["labels"]["instance"] == replica.url.removeprefix("http://")
-        # Its runbook link opens the runbook, served by this Prometheus (issue 18: it pointed at a
+        # Its runbook link opens the runbook, served by this Prometheus (it once pointed at a
         # repository that does not exist).
         runbook = alert["annotations"]["runbook_url"]
         assert runbook.startswith(stack.prometheus.url + "/consoles/")
@@ -251,7 +251,7 @@ async def test_a_blocked_lock_makes_waiters_time_out_and_holds_near_their_lease(
 
 
 async def test_a_fixed_lease_expiring_under_a_live_holder_pages_before_it_returns(stack, fault_target):
-    """Issue 18 item 4: LeaseLost fired 112 s late (at release), or never for a holder that does not return."""
+    """Regression test: LeaseLost fired 112 s late (at release), or never for a holder that does not return."""
     holder = LockManager.from_url(stack.redis_url, namespace="faults", meter_provider=fault_target[0])
     try:
         async with httpx.AsyncClient(base_url=stack.prometheus.url, timeout=5.0) as client:
@@ -271,7 +271,7 @@ async def _seen_by_prometheus(client, selector: str, what: str) -> None:
 
 
 async def test_two_tasks_taking_two_locks_in_opposite_orders_fire_deadlocks(stack, fault_target):
-    """Issue 27: the second of two crossed waits is refused (LockDeadlock), and the first refusal pages."""
+    """The second of two crossed waits is refused (LockDeadlock), and the first refusal pages."""
     from otel_lock import LockDeadlock
 
     one = LockManager.from_url(stack.redis_url, namespace="faults", meter_provider=fault_target[0])

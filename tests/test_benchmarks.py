@@ -100,7 +100,7 @@ def test_deployments_benchmark_smoke_runs_every_row(redis_url):
 
 
 def test_shapes_benchmark_smoke_runs_every_row(redis_url):
-    # issue 27's side-by-side run at its smallest: every uncontended row, the contended pair, one table
+    # the shapes' side-by-side run at its smallest: every uncontended row, the contended pair, one table
     data = bench_shapes.run(redis_url, "smoke", say=lambda _: None)
     assert data["failures"] == []
     assert [r["lib"] for r in data["uncontended"]] == [lib for lib in bench_shapes.UNCONTENDED if available(lib)]

@@ -1,4 +1,4 @@
-"""Idempotency-Key: the DESIGN §2.3 table, against a real Redis."""
+"""Idempotency-Key: the table in docs/idempotency.md's "Behaviour" section, against a real Redis."""
 
 from __future__ import annotations
 

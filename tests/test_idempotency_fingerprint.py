@@ -1,4 +1,4 @@
-"""The fingerprint covers what the handler reads (issue 25, item 3), and its versions stay comparable.
+"""The fingerprint covers what the handler reads, and its versions stay comparable.
 
 Regression for "a replay to the wrong account": the same user and key with
 `X-Account: A`, then `B`, got A's stored 201 and B's withdrawal never

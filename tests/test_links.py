@@ -30,7 +30,7 @@ REAL = (
 URL = re.compile(r"https?://[^\s\"'<>)`\]|]+")
 RESERVED = re.compile(r"(^|\.)(example|test|invalid|localhost)$|(^|\.)example\.(com|net|org)$")
 # Files another engineer is changing this round (the runbook links of the alert rules and
-# `otel-lock stack --runbook-base`, the telemetry part of issue 19): strict, so each entry goes
+# `otel-lock stack --runbook-base`): strict, so each entry goes
 # when its file is fixed.
 PENDING: dict[str, str] = {}  # files known to hold a dead URL, each with why (none left)
 

@@ -1,4 +1,4 @@
-"""Issue 7: the lock is safe where it is contended. Each test names the item it pins.
+"""The lock is safe where it is contended. Each test is numbered after the section (7.1 to 7.8) it pins.
 
 Real redis-server processes, agents in other processes (tests/_proc_helpers.py)
 where a process must stall, die or be stopped.
@@ -87,7 +87,7 @@ async def test_7_2_spawned_workers_do_not_share_their_parents_hold(locks):
 
 
 async def test_7_2_task_group_children_inside_a_hold_do_not_run_under_it(locks, redis_client):
-    """The issue's counter read 50 of 100: two workers "took" the parent's hold at once."""
+    """Regression test: a counter read 50 of 100, two workers having "taken" the parent's hold at once."""
     await redis_client.set("counter", 0)
 
     async def bump():
@@ -438,7 +438,7 @@ async def test_7_8_a_replica_whose_master_is_down_is_unavailable():
         replica.stop()
 
 
-# -- issue 8 item 11: a burst queues for a pooled connection instead of failing ----
+# -- a burst queues for a pooled connection instead of failing ----
 
 
 async def test_a_burst_beyond_the_pool_queues_instead_of_failing(redis_url):

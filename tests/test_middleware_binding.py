@@ -1,6 +1,6 @@
 """Keys built from the values the handler receives, for every way FastAPI and Pydantic bind them.
 
-Regression tests for issue 17, "The key is not always what the handler sees":
+Regression tests for keys that were not what the handler sees:
 AliasChoices spellings that locked different keys (two buyers inside "the"
 lock), `{json.*}` on a Form route and FastAPI's GzipRequest recipe that
 answered 500 `lock-middleware-missing`.
@@ -423,7 +423,7 @@ async def test_a_placeholder_naming_a_list_parameter_fails_the_start_up(redis_ur
     assert "route /items" in messages[0]["message"] and "not one value" in messages[0]["message"]
 
 
-# -- Issue 25, items 1 and 5: equal for the handler means the same key; keys that start up never blame the client
+# -- equal for the handler means the same key; keys that start up never blame the client
 
 
 def replica(manager, shelf: Shelf) -> FastAPI:
@@ -448,7 +448,7 @@ def replica(manager, shelf: Shelf) -> FastAPI:
 
 
 async def test_7_and_7_0_of_a_raw_json_body_are_one_lock_no_oversell(redis_url):
-    """Issue 25, item 1: raw JSON numbers rendered with str(): `7` and `7.0` were two locks and two sales."""
+    """Regression test: raw JSON numbers rendered with str(): `7` and `7.0` were two locks and two sales."""
     shelf = Shelf(stock=1)          # one database behind two replicas
     async with make_manager(redis_url) as one, make_manager(redis_url) as two:
         async with client_for(replica(one, shelf)) as a, client_for(replica(two, shelf)) as b:
@@ -466,7 +466,7 @@ class Booking(BaseModel):
 
 
 async def test_one_slot_at_two_utc_offsets_is_one_booking(redis_url):
-    """Issue 25, item 1: `09:00Z` and `10:00+01:00` (one slot) were two keys, and both clients were told "booked"."""
+    """Regression test: `09:00Z` and `10:00+01:00` (one slot) were two keys, and both clients were told "booked"."""
     shelf = Shelf(stock=1)
     async with make_manager(redis_url) as manager:
         app = FastAPI()
@@ -543,7 +543,7 @@ SCALARS = [   # a type FastAPI can declare, two spellings of one value a client 
 
 @pytest.mark.parametrize("kind, first, second", SCALARS, ids=lambda v: getattr(v, "__name__", None) or str(v)[:20])
 async def test_every_scalar_type_fastapi_declares_starts_up_and_gives_one_key(redis_url, kind, first, second):
-    """Issue 25, item 5: HttpUrl, IPv4Address and timedelta passed the start-up check, then answered 400."""
+    """Regression test: HttpUrl, IPv4Address and timedelta passed the start-up check, then answered 400."""
     model = create_model("Body", value=(kind, ...))
     async with make_manager(redis_url) as manager:
         app = FastAPI()
@@ -597,7 +597,7 @@ def optional_email(template: str):
 
 
 async def test_an_optional_field_is_named_as_such_at_start_up_and_locked_with_a_fallback(redis_url):
-    """Issue 25, item 5: a field `X | None = None` was reported as having "no default"."""
+    """Regression test: a field `X | None = None` was reported as having "no default"."""
     async with make_manager(redis_url) as manager:
         refused = _mistake(optional_email("sub:{json.email|casefold}"))
         refused.add_middleware(LockMiddleware, manager=manager)
@@ -668,7 +668,7 @@ SPELLED = _spelled_binding()
        offsets=st.lists(st.integers(-14 * 60, 14 * 60), min_size=2, max_size=2), pick=st.randoms())
 def test_equivalent_spellings_through_fastapis_own_validation_are_one_key(qty, mantissa, exponent, moment,
                                                                           offsets, pick):
-    """Issue 25, item 1, as a property: what the handler cannot tell apart gives one key."""
+    """As a property: what the handler cannot tell apart gives one key."""
     template, binding = SPELLED
     number = decimal.Decimal(mantissa).scaleb(exponent)
     numbers = [format(number, "f"), format(number.quantize(decimal.Decimal(1).scaleb(exponent - 2)), "f"),

@@ -1,9 +1,8 @@
 """Protection follows the handler wherever it is called from; the decorator order that left a route bare.
 
-Regression tests for issue 17 ("a guarded handler called directly from
-another locked handler runs without its own lock: 3 deductions at once")
-and issue 19 ("`@locked` written above `@app.post` without the middleware
-runs silently unprotected").
+Regression tests: a guarded handler called directly from another locked
+handler ran without its own lock (3 deductions at once), and `@locked`
+written above `@app.post` without the middleware ran silently unprotected.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """LockMiddleware in FastAPI apps written the usual way: typed keys, yield dependencies, routers, OpenAPI.
 
-Regression tests for issue 8, items 1, 2, 8 and 10 (one route match).
+Regression tests; among them, a request's route is matched only once.
 """
 
 from __future__ import annotations
@@ -377,7 +377,7 @@ async def test_starlette_path_convertors_type_the_key(redis_url):
     assert len(shelf.sold) == 1
 
 
-# -- custom route classes (issue 25, item 6) ------------------------------------------
+# -- custom route classes ------------------------------------------
 
 
 class HeadersRoute(APIRoute):
@@ -532,7 +532,7 @@ async def test_a_misconfigured_redis_is_the_same_problem_when_the_lock_is_taken_
     assert body["type"] == "redis-misconfigured" and "password" in body["detail"] and "s3cret" not in answer.text
 
 
-# -- the lock after the caller is known (issue 25, item 4) ---------------------------------
+# -- the lock after the caller is known ---------------------------------
 
 
 class Store:

@@ -1,9 +1,9 @@
 """Other ASGI frameworks (Litestar, Quart): `rules=` matched in front of the app, or start-up says what is not supported.
 
-Regression tests for issue 17: Litestar's `.routes` list was taken for a
-Starlette router, so rules never applied (without lifespan two requests ran
-the handler at once; under uvicorn start-up failed with a misleading
-"matches no route"); on Quart a completed response was never replayed.
+Regression tests: Litestar's `.routes` list was taken for a Starlette router,
+so rules never applied (without lifespan two requests ran the handler at once;
+under uvicorn start-up failed with a misleading "matches no route"); on Quart
+a completed response was never replayed.
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ async def test_decorators_on_quart_views_fail_the_start_up_saying_use_rules(redi
     assert "deduct" in text and "Quart" in text and "rules=" in text, text
 
 
-# Spellings of one path that the frameworks' routers may lead to the same handler (issue 25, item 2).
+# Spellings of one path that the frameworks' routers may lead to the same handler.
 SPELLINGS = ["/stock/7/deduct", "/stock/7/deduct/", "//stock/7//deduct", "/stock/+7/deduct", "/stock/%207/deduct",
              "/stock/07/deduct"]
 

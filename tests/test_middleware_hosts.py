@@ -1,9 +1,9 @@
 """Who is still there, on real servers: waiters that hang up, state every middleware sees, body limits per route.
 
-Regression tests for issue 17: a request whose client disconnected while it
-waited still took the lock and ran the purchase; `request.state` set inside a
-`@locked` route was lost to outer middlewares (the scope's state was replaced
-by a copy); limits were one global `max_body` and a whole-body timeout.
+Regression tests: a request whose client disconnected while it waited still
+took the lock and ran the purchase; `request.state` set inside a `@locked`
+route was lost to outer middlewares (the scope's state was replaced by a
+copy); limits were one global `max_body` and a whole-body timeout.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Protection never disappears without a word: fail closed, annotation mistakes at start-up, CORS order.
 
-Regression tests for issue 8, items 7, 9 and the Content-Length part of 11.
+Also: a Content-Length that is not ASCII digits is the client's 400.
 """
 
 from __future__ import annotations
@@ -204,7 +204,7 @@ async def test_an_annotated_http_endpoint_class_without_the_middleware_fails_clo
     assert [r.status_code for r in answers] == [500, 500] and ran == []
 
 
-# -- each cause its own problem type (issue 17: lock-middleware-missing covered three) -------
+# -- each cause its own problem type (lock-middleware-missing once covered three) -------
 
 
 async def test_a_value_judged_invalid_that_the_framework_accepts_is_refused_as_a_binding_mismatch(

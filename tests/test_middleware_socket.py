@@ -1,7 +1,4 @@
-"""Slow clients on a real uvicorn socket hold no lock: the body is read first, sends are bounded.
-
-Regression tests for issue 8, item 3.
-"""
+"""Slow clients on a real uvicorn socket hold no lock: the body is read first, sends are bounded."""
 
 from __future__ import annotations
 

@@ -1,10 +1,9 @@
 """A start-up failure ends the start-up under every server and test client, promptly, with the message.
 
-Regression tests for issue 17 (`with TestClient(app)` hung on an annotation
-mistake: the middleware sent `lifespan.startup.failed` while the app's
-lifespan waited on) and issue 19 (a CancelledError traceback followed the
-failure). Each host runs in its own process, as users run it; the app's own
-lifespan clean-up must run too.
+Regression tests: `with TestClient(app)` hung on an annotation mistake (the
+middleware sent `lifespan.startup.failed` while the app's lifespan waited
+on), and a CancelledError traceback followed the failure. Each host runs in
+its own process, as users run it; the app's own lifespan clean-up must run too.
 """
 
 from __future__ import annotations

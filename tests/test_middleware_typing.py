@@ -1,9 +1,9 @@
 """`LockMiddleware(app, manager=...)` is typed with the `Locks` protocol: clean under `mypy --strict` in user code.
 
-Regression test for issue 15 (`LockMiddleware(manager=RedLockManager(...))`
-worked but failed `mypy --strict` for the user), and of the lazy forms
-(a factory, nothing) that issue added. Both files are checked in the suite's
-one mypy run (the `type_checks` fixture, tests/_typecheck.py).
+Regression test: `LockMiddleware(manager=RedLockManager(...))` worked but
+failed `mypy --strict` for the user. Also checks the lazy forms added with the
+fix (a factory, nothing). Both files are checked in the suite's one mypy run
+(the `type_checks` fixture, tests/_typecheck.py).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.timeout(660)  # the one mypy run, if this module asks f
 
 def test_every_documented_way_to_give_the_manager_passes_mypy_strict(type_checks):
     # RedLockManager satisfies `Locks` once the one-core refactor gives it held_locks and
-    # force_release (issue 15); until then this names exactly those two members.
+    # force_release; until then this names exactly those two members.
     mypy = type_checks.mypy
     assert mypy.errors_in(MIDDLEWARE_USAGE) == [], mypy.output()
 

@@ -382,7 +382,7 @@ def test_an_acl_refusal_names_the_user_and_the_exact_rule():
     assert re.search(r"ACL SETUSER default &shop:wake:\*", str(error))
 
 
-# -- one classifier, one answer: the lock and the idempotency record store agree (issue 25) -----
+# -- one classifier, one answer: the lock and the idempotency record store agree -----
 
 
 @pytest.mark.parametrize("error, kind", [(e, k) for e, k in ERROR_KINDS])

@@ -5,7 +5,7 @@ on every fault of the quick set, no overlap may be both untold and unfenced,
 only stalls past the lease and a Redis restarted empty may give overlaps at all,
 no waiter may outlast its wait by more than the socket timeout plus a round
 trip, and the Redis commands per handoff must stay flat. Checks that the
-current core is known to miss would be xfailed with the issue item that fixes them (none now).
+current core is known to miss would be xfailed, with the reason (none now).
 
 A smaller run covers the other deployments (~1 minute more): the quick set on a
 Redis Cluster (a master killed, a slot migrated under load) and one Sentinel
@@ -137,7 +137,7 @@ def test_wait_overrun_does_not_count_time_the_process_was_stopped():
 
 # -- the quick run against real Redis --------------------------------------------
 
-# Checks the core is known to miss, by (check, fault), with the reason: none since issue 7.
+# Checks the core is known to miss, by (check, fault), with the reason: none now.
 KNOWN: dict[tuple[str, str], str] = {}
 
 

@@ -1,4 +1,4 @@
-"""Issue 18 item 2: nothing lost at shutdown.
+"""Nothing lost at shutdown.
 
 A real `otel-lock serve` process (uvicorn, which raises SIGTERM again after
 its graceful shutdown) and plain `setup()` scripts get a real signal; a real
@@ -152,7 +152,7 @@ def test_without_flush_on_signal_sigterm_keeps_its_default_action(redis_url):
     with OtlpReceiver() as receiver:
         status, output = run_script(redis_url, receiver, "no-signals")
         assert status == -signal.SIGTERM, output
-        assert acquisitions(receiver, "report") == 0  # what every deploy lost before issue 18
+        assert acquisitions(receiver, "report") == 0  # what every deploy lost before `flush_on_signal` existed
 
 
 class SilentCollector:
@@ -192,7 +192,7 @@ class SilentCollector:
 
 
 def test_shutdown_honours_its_timeout_and_names_what_it_could_not_deliver(monkeypatch, caplog):
-    """Issue 23: with a collector that does not answer, `shutdown(timeout=3)` took 29 s and returned True
+    """Regression test: with a collector that does not answer, `shutdown(timeout=3)` took 29 s and returned True
     with nothing delivered."""
     import logging
 

@@ -1,4 +1,4 @@
-"""Issue 11: the lock on every deployment, under the same 8-process contention, beside the peers.
+"""The lock on every deployment, under the same 8-process contention, beside the peers.
 
     .venv/bin/python -m benchmarks.run --only deployments            # 2-3 minutes on 2 CPUs
     .venv/bin/python -m benchmarks.run --only deployments --quick    # 40-60 s, no uncontended column,

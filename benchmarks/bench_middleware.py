@@ -1,4 +1,4 @@
-"""Issue 3: what LockMiddleware costs per request, against no lock and a hand-written redis-py Lock.
+"""What LockMiddleware costs per request, against no lock and a hand-written redis-py Lock.
 
 Each variant is a real uvicorn process (one worker, h11, asyncio loop) on a
 loopback port, driven over keep-alive connections by benchmarks._load from

@@ -1,4 +1,4 @@
-"""Issue 27's measurements, side by side in one run: the shapes beyond the mutex against the exclusive lock.
+"""The shapes beyond the mutex against the exclusive lock, measured side by side in one run.
 
     .venv/bin/python -m benchmarks.run --only shapes           # ~1 minute, rewrites docs/benchmarks.md
     .venv/bin/python -m benchmarks.run --only shapes --quick   # ~30 s, one round, no verdicts
@@ -27,7 +27,7 @@ from ._harness import best_rounds, flush, rotate, run_workers
 UNCONTENDED = ["otel-lock", "otel-lock-shared", "otel-lock-all2", "otel-lock-permit", "redis-py", "python-redis-lock"]
 CONTENDED_PROCESSES = 4
 
-# The issue's targets: (what, numerator row, denominator row, bound on the ratio of p50 cycle times).
+# The targets: (what, numerator row, denominator row, bound on the ratio of p50 cycle times).
 TARGETS = [
     ("uncontended shared acquire + release, p50 vs exclusive", "otel-lock-shared", "otel-lock", 1.2),
     ("uncontended `lock_all` of 2 keys, p50 vs one lock", "otel-lock-all2", "otel-lock", 2.2),

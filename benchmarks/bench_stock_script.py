@@ -1,4 +1,4 @@
-"""Issue 8: a seckill under the product's lock vs one atomic Lua script, on 2 demo replicas.
+"""A seckill under the product's lock vs one atomic Lua script, on 2 demo replicas.
 
     .venv/bin/python -m benchmarks.bench_stock_script           # ~1.5 minutes
     .venv/bin/python -m benchmarks.bench_stock_script --quick   # ~30 s, one round

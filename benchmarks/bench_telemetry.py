@@ -1,4 +1,4 @@
-"""Issues 4 and 9: what telemetry costs, off vs the /metrics fast path vs OTLP, in one run.
+"""What telemetry costs, off vs the /metrics fast path vs OTLP, in one run.
 
 (1) the uncontended otel-lock cycle of bench_lock (a), one worker process per mode (off, prom,
     prom-workers, otlp);

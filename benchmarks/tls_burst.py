@@ -1,4 +1,4 @@
-"""Issue 24: a burst over TLS against the same burst over plain TCP, side by side in one run.
+"""A burst over TLS against the same burst over plain TCP, side by side in one run.
 
     .venv/bin/python -m benchmarks.tls_burst              # 3 rounds after a warm-up, about 30 s on 2 CPUs
     .venv/bin/python -m benchmarks.tls_burst --rounds 1

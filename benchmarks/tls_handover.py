@@ -1,4 +1,4 @@
-"""Issue 24: the 8-process hand-over over TLS against plain TCP, side by side in one run.
+"""The 8-process hand-over over TLS against plain TCP, side by side in one run.
 
     .venv/bin/python -m benchmarks.tls_handover                # 2 rounds of 4 s per row, about 40 s on 2 CPUs
     .venv/bin/python -m benchmarks.tls_handover --rounds 1 --duration 2

@@ -582,7 +582,8 @@ def test_a_call_from_another_running_loop_raises_at_once_and_disturbs_no_caller(
 
 
 async def test_an_unencodable_key_fails_alone_and_every_other_lock_call_gets_its_own_answer(world):
-    """Issue 16 as seen from outside: try_lock("busy") returned a hold while another manager held "busy"."""
+    """Regression test, through the lock: beside a key that cannot be encoded, try_lock("busy") returned a
+    hold while another manager held "busy"."""
     from otel_lock import LockManager
 
     url = f"redis://127.0.0.1:{world.server.port}/0"

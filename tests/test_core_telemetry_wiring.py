@@ -1,4 +1,4 @@
-"""Issue 9 end to end through the lock core: the hooks of otel_lock.telemetry as the core will call them.
+"""Telemetry end to end through the lock core: the hooks of otel_lock.telemetry as the core calls them.
 
 The hooks themselves are tested in test_telemetry_hooks.py; these prove the
 core calls them.

@@ -206,7 +206,7 @@ def test_committed_runbooks_page_matches_the_docs():
 
 
 def test_no_link_points_at_a_repository_that_does_not_exist():
-    """Issue 18: the runbook links pointed at github.com/otel-lock/otel-lock, which does not exist."""
+    """Regression test: the runbook links pointed at github.com/otel-lock/otel-lock, which does not exist."""
     owned = [ROOT / "docker-compose.yml", ROOT / "docs" / "observability.md", *ROOT.glob("deploy/**/*.*"),
              *ROOT.glob("dashboards/*"), *ROOT.glob("otel_lock/telemetry/*.py"), ROOT / "otel_lock/cli/_local_stack.py"]
     for path in owned:

@@ -1,4 +1,4 @@
-"""Issue 18 item 5: the compose stack builds and runs its own commands, replayed without Docker.
+"""The compose stack builds and runs its own commands, replayed without Docker.
 
 The Dockerfile's COPY and RUN steps are replayed into a fresh virtualenv from
 a clean `git archive` of this checkout (tracked files, with uncommitted edits,

@@ -1,4 +1,4 @@
-"""Issue 17, "Idempotency and HTTP answers": what a retry is the same request as, and answers that follow the RFCs.
+"""Idempotency and HTTP answers: what a retry is the same request as, and answers that follow the RFCs.
 
 Tenants by Host, multipart uploads with a fresh boundary, replayed 204/304,
 the 401 challenge, problem `type` URIs, and keys that could be spelled two ways.
@@ -37,7 +37,7 @@ def user(request: Request) -> str | None:
     return request.headers.get("x-user-id")
 
 
-# -- 1. the authority is part of the request ------------------------------------------------
+# -- the authority is part of the request ------------------------------------------------
 
 
 def tenant_shop() -> tuple[FastAPI, list]:
@@ -103,7 +103,7 @@ def test_scheme_and_host_are_normalised_as_rfc_3986_says(scope, expected):
     assert authority(scope) == expected
 
 
-# -- 1. multipart bodies by their parts -------------------------------------------------------
+# -- multipart bodies by their parts -------------------------------------------------------
 
 
 def upload_shop() -> tuple[FastAPI, list]:
@@ -195,7 +195,7 @@ def test_distinct_multipart_bodies_never_collide():
     assert len(seen) == len(variants) + 2
 
 
-# -- 2. replays follow RFC 9110 ------------------------------------------------------------
+# -- replays follow RFC 9110 ------------------------------------------------------------
 
 
 async def _record_replay(app, path: str, headers, method: str = "POST") -> list:
@@ -266,7 +266,7 @@ async def test_a_replay_sends_only_allow_listed_headers_even_from_a_tampered_rec
     assert not {"set-cookie", "authorization", "x-debug"} & set(replay.headers)
 
 
-# -- 3. the 401 carries a challenge ----------------------------------------------------------
+# -- the 401 carries a challenge ----------------------------------------------------------
 
 
 async def _first_answer(redis_url, annotation, headers=None):
@@ -308,7 +308,7 @@ async def test_a_401_raised_by_the_principal_gets_a_challenge_unless_it_has_one(
     assert own_answer.headers.get_list("www-authenticate") == ['Bearer error="invalid_token"']
 
 
-# -- 4. problem types are absolute URIs, the same on every route ---------------------------
+# -- problem types are absolute URIs, the same on every route ---------------------------
 
 
 async def test_every_problem_type_is_one_absolute_uri_whatever_the_path(redis_url):
@@ -346,7 +346,7 @@ async def test_every_problem_type_is_one_absolute_uri_whatever_the_path(redis_ur
     assert answers["lock-timeout"].json()["type"] == TYPE_BASE + "lock-timeout"
 
 
-# -- 5. one key, one spelling ----------------------------------------------------------------
+# -- one key, one spelling ----------------------------------------------------------------
 
 
 @pytest.mark.parametrize("raw", [
@@ -359,8 +359,8 @@ def test_control_and_whitespace_tricks_are_rejected(raw):
 
 
 async def test_a_key_ending_in_lf_never_runs_the_handler_a_second_time(redis_url):
-    # Issue 17: "A bare key ending in LF is accepted as a different key (handler ran twice)
-    # by servers that pass it through." Driven over raw ASGI, as such a server would.
+    # Regression test: a bare key ending in LF was accepted as a different key (the handler ran
+    # twice) by servers that pass it through. Driven over raw ASGI, as such a server would.
     runs = []
 
     @idempotent(shared_scope=True)

@@ -1,4 +1,4 @@
-"""Issue 16 item 4: idempotency records are bounded, may live on their own Redis, and Redis failures are answers.
+"""Idempotency records are bounded, may live on their own Redis, and Redis failures are answers.
 
 Every test runs real redis-server processes: some with `maxmemory` and an
 evicting policy or `noeviction`, one with a password, one at `maxclients`.
@@ -266,12 +266,12 @@ async def test_record_keys_beside_the_locks_do_not_look_like_locks(redis_url):
     assert [info.key for info in listed] == [f"{NAMESPACE}:{{stock:9}}"]
 
 
-# -- the issue's scenario: memory limits --------------------------------------------------------
+# -- memory limits: one principal's answers never evict another's record or a lock -------------
 
 
 @pytest.mark.parametrize("policy", ["allkeys-lru", "volatile-lru", "noeviction"])
 async def test_one_principals_big_answers_never_evict_anothers_record_or_a_lock(policy, caplog):
-    # Issue 16 item 4: one principal storing 60 answers of 900 KB evicted another user's completed
+    # Regression test: one principal storing 60 answers of 900 KB evicted another user's completed
     # record (her retry ran the handler again) and a held lock; under noeviction another user's
     # @locked request got a plain 500. With the default store, on the same Redis as the locks:
     shop = Shop()

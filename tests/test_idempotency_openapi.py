@@ -1,4 +1,4 @@
-"""Issue 17: the published OpenAPI matches every answer the middleware can give, and the route's own entries win."""
+"""The published OpenAPI matches every answer the middleware can give, and the route's own entries win."""
 
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ async def test_the_key_schema_is_exactly_what_is_accepted(redis_url):
                  if p["name"] == "Idempotency-Key"]
     assert header["required"] is False and header["schema"] == {"type": "string", "pattern": KEY_PATTERN}
     pattern = re.compile(header["schema"]["pattern"])
-    # The issue's two cases: `a b` (answered 400) and a valid 255-character sf-string (answered 201).
+    # Judged as the middleware answers them: `a b` (answered 400), a valid 255-character sf-string (201).
     assert not pattern.fullmatch("a b") and pattern.fullmatch('"' + "k" * 255 + '"')
     assert not pattern.fullmatch('"' + "k" * 256 + '"') and pattern.fullmatch('"' + '\\"' * 255 + '"')
 

@@ -1,4 +1,4 @@
-"""Issue 8, items 4 and 5: a stored answer is replayed only to the same caller for the same request.
+"""A stored answer is replayed only to the same caller for the same request.
 
 The fingerprint covers the concrete path and query (not only the route
 template and body), and the principal is named by the app, never guessed
@@ -45,7 +45,7 @@ def bank() -> tuple[FastAPI, list]:
     return app, runs
 
 
-# -- item 4: the fingerprint covers the concrete path and query -------------------
+# -- the fingerprint covers the concrete path and query -------------------
 
 
 async def test_same_key_on_another_account_is_422_not_a_replay(redis_url):
@@ -109,7 +109,7 @@ def test_canonical_target(one, other, same):
     assert (canonical_target(one) == canonical_target(other)) is same
 
 
-# -- item 5: no implicit principal ----------------------------------------------------
+# -- no implicit principal ----------------------------------------------------
 
 SESSIONS = {"s-alice": "alice", "s-bob": "bob"}  # server-side sessions: cookie -> user
 

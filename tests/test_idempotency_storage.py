@@ -1,4 +1,4 @@
-"""Issue 8, items 6 and 11: which answers are stored, and options checked at decoration time."""
+"""Which answers are stored, and options checked at decoration time."""
 
 from __future__ import annotations
 
@@ -150,7 +150,7 @@ def test_the_docs_table_of_stored_answers_matches_the_code():
     assert checked >= 15
 
 
-# -- item 11: nonsense options fail when the route is decorated ----------------------
+# -- nonsense options fail when the route is decorated ----------------------
 
 @pytest.mark.parametrize("options, names", [
     ({"ttl": 0.0001}, "ttl"), ({"ttl": 0}, "ttl"), ({"ttl": -1}, "ttl"), ({"ttl": math.nan}, "ttl"),
@@ -182,7 +182,7 @@ def test_sensible_options_are_accepted():
 
 
 def test_max_body_is_the_deprecated_name_of_max_stored_response():
-    # Issue 17: `max_body` meant the request on LockMiddleware and the stored response here.
+    # `max_body` meant the request on LockMiddleware and the stored response here.
     with pytest.warns(DeprecationWarning, match="max_stored_response"):
         old = idempotent(max_body=1000)
     assert old == idempotent(max_stored_response=1000) and old.max_stored_response == 1000
@@ -249,8 +249,8 @@ async def test_app_failing_after_the_response_makes_the_stored_answer_unknown(re
     assert runs == ["db"]
 
 
-# -- Issue 22, items 1 and 2: records release 0.1.0 reads and writes (tests/test_versions_mixed_fleet.py
-# runs 0.1.0 itself beside this code) ------------------------------------------------------------------
+# -- records release 0.1.0 reads and writes (tests/test_versions_mixed_fleet.py runs 0.1.0 itself
+# beside this code) ------------------------------------------------------------------
 
 SECRET = "storage-test-secret"
 MULTIPART = (b"--xyz\r\nContent-Disposition: form-data; name=\"f\"; filename=\"a.txt\"\r\n"

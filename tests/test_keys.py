@@ -159,7 +159,7 @@ def test_typed_values_render_canonically():
     assert render(None, Part("json", "x", "{json.x?}", optional=True)) is None
 
 
-# -- Issue 25, item 1: equal for the handler means the same key --------------------------------------------
+# -- equal for the handler means the same key --------------------------------------------
 
 
 @pytest.mark.parametrize("number, text", [

@@ -104,7 +104,7 @@ async def test_sibling_tasks_taking_a_new_key_exclude_each_other(locks):
 
 
 async def test_a_task_spawned_by_the_holder_is_another_caller(locks):
-    """Issue 7.2: re-entry belongs to the task that acquired the lock, like threading.RLock."""
+    """Re-entry belongs to the task that acquired the lock, like threading.RLock."""
     async with locks.lock("a"):
         async def child():
             async with locks.lock("a", wait=0):

@@ -435,7 +435,7 @@ async def test_redis_restart_with_waiters_in_other_processes_strands_nobody(fres
         await asyncio.to_thread(fresh_redis.restart)  # the lock and its queue are gone
         # The holder hears it at its next renewal.
         await holder.expect("lost", "h")
-        # Issue 7.9: a queued waiter whose deadline has not passed rides out the
+        # A queued waiter whose deadline has not passed rides out the
         # restart (it re-queues once Redis answers) instead of failing. The queue
         # was lost with the data, so they come in whatever order they re-queue.
         tokens = []

@@ -1,6 +1,6 @@
 """The manager the app's lifespan owns: a factory, app.state.locks, the lifespan state; none is a clear error.
 
-Issue 15: `LockMiddleware` takes the manager lazily, so the documented
+`LockMiddleware` takes the manager lazily, so the documented
 pattern creates it on the serving loop and closes it at shutdown.
 """
 

@@ -1,4 +1,4 @@
-"""Issue 27 in the middleware: several templates in one @locked, a lock per element of a list, bounds, mistakes.
+"""Beyond the mutex in the middleware: several templates in one @locked, a lock per element of a list, bounds, mistakes.
 
 Apps are written the way users write them: Pydantic bodies with list fields
 and aliases, routers, dependencies. Every ugly input answers a 4xx

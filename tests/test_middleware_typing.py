@@ -16,8 +16,7 @@ pytestmark = pytest.mark.timeout(660)  # the one mypy run, if this module asks f
 
 
 def test_every_documented_way_to_give_the_manager_passes_mypy_strict(type_checks):
-    # RedLockManager satisfies `Locks` once the one-core refactor gives it held_locks and
-    # force_release; until then this names exactly those two members.
+    # RedLockManager included: as a Core it has every member of `Locks` (held_locks, force_release).
     mypy = type_checks.mypy
     assert mypy.errors_in(MIDDLEWARE_USAGE) == [], mypy.output()
 

@@ -103,7 +103,7 @@ def _hold_points(metrics: list, name: str) -> dict[str, float]:
 
 
 async def test_an_ended_hold_is_pushed_at_zero_once_not_left_at_its_last_age(receiver, redis_client):
-    """Issue 23: the hold-age and lease points of a hold that ended were left out of later pushes, so the
+    """Regression test: the hold-age and lease points of a hold that ended were left out of later pushes, so the
     collector kept the last values and OtelLockHoldNearLease went pending for a lock nobody held."""
     from otel_lock import LockManager
 

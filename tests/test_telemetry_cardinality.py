@@ -1,4 +1,4 @@
-"""Issue 18 item 1: cardinality bounded by construction, whatever the key's shape or the client's Host.
+"""Cardinality bounded by construction, whatever the key's shape or the client's Host.
 
 Lock names of unnamed locks come from `key_name` (never the id); every
 instrument admits a bounded number of values per attribute, on the fast path

@@ -1,6 +1,6 @@
-"""Issue 23: every standard OpenTelemetry variable `setup()` reads is honoured, or refused at start-up.
+"""Every standard OpenTelemetry variable `setup()` reads is honoured, or refused at start-up.
 
-`OTEL_EXPORTER_OTLP_PROTOCOL=grpc` sent HTTP to the gRPC port, `OTEL_TRACES_EXPORTER=none`
+Before, `OTEL_EXPORTER_OTLP_PROTOCOL=grpc` sent HTTP to the gRPC port, `OTEL_TRACES_EXPORTER=none`
 still exported spans, `OTEL_SDK_DISABLED=true` still pushed the lock's metrics. A real
 OTLP/HTTP receiver (and a real gRPC one, where the gRPC exporter is installed) decodes what arrives.
 """

@@ -1,4 +1,4 @@
-"""Issue 23: the library's own warnings (lease lost, circuit open, Redis errors) carry trace and span ids."""
+"""The library's own warnings (lease lost, circuit open, Redis errors) carry trace and span ids."""
 
 from __future__ import annotations
 

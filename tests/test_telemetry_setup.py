@@ -199,7 +199,7 @@ def _samples(text: str, family: str) -> dict[str, float]:
 
 
 async def test_series_exist_at_zero_before_their_first_event(redis_client):
-    """Issue 23: counters were born at their first event, so increase() missed a replica's first lost lease,
+    """Regression test: counters were born at their first event, so increase() missed a replica's first lost lease,
     its first Redis errors and its first circuit opening (a series born at 1 has no earlier sample)."""
     from otel_lock import LockManager
 
@@ -276,7 +276,7 @@ OPENMETRICS = "application/openmetrics-text; version=1.0.0"
 
 
 async def test_openmetrics_counters_and_histograms_carry_created_and_the_text_format_does_not(redis_client):
-    """Issue 23: OpenMetrics `_created` says when a series started (a restart is a new start, not a drop);
+    """OpenMetrics `_created` says when a series started (a restart is a new start, not a drop);
     the Prometheus text format has no such sample and stays as it was (no extra `*_created` gauges)."""
     import time
 

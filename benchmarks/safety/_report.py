@@ -54,7 +54,7 @@ def row(run) -> dict:
 
 
 def misses(row: dict, fault, baseline: dict | None) -> list[str]:
-    """The issue's targets this row misses (see docs/safety.md, "Targets")."""
+    """The targets this row misses (see docs/safety.md, "Targets")."""
     missed = []
     if row["unsafe"]:
         missed.append("unsafe")

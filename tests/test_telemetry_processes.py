@@ -127,6 +127,18 @@ def _counters(text: str) -> dict[tuple, float]:
     return out
 
 
+async def _get_past_a_leaving_worker(client: httpx.AsyncClient, path: str, tries: int = 5) -> httpx.Response:
+    """GET `path`, again on a transport error: a worker shutting down may reset a connection it accepted.
+
+    uvicorn's graceful shutdown closes the connections whose request it has not read yet; the
+    client's next connection goes to a worker still listening.
+    """
+    for _ in range(tries - 1):
+        with contextlib.suppress(httpx.TransportError):
+            return await client.get(path)
+    return await client.get(path)
+
+
 @pytest.mark.parametrize("host", list(HOSTS))
 async def test_one_port_serves_the_sum_of_every_worker(host, redis_url, tmp_path):
     if host.startswith("gunicorn"):
@@ -180,10 +192,11 @@ async def test_one_port_serves_the_sum_of_every_worker(host, redis_url, tmp_path
                 os.kill(gone, signal.SIGTERM)
 
                 async def replaced() -> bool:
-                    text = (await client.get("/metrics")).text
+                    text = (await _get_past_a_leaving_worker(client, "/metrics")).text
                     return str(gone) not in {s.labels["pid"] for s in _samples(text, "target_info")}
 
                 await until(replaced, f"worker {gone} to leave /metrics")
+                # Its series leave once it has exited (or in its exit hooks, its server closed): no retry.
                 for _ in range(3):
                     assert _acquired((await client.get("/metrics")).text) == truth
 
@@ -404,6 +417,41 @@ def test_a_scrape_while_a_worker_creates_its_file_answers(tmp_path):
         (tmp_path / f"{kind}_{os.getpid() + 100_000}.db").touch()
     text = generate_latest(registry).decode()
     assert [s.value for s in _samples(text, "otel_lock_errors_total")] == [1.0]
+
+
+def test_a_scrape_while_another_worker_sweeps_the_same_dead_worker_answers(tmp_path, monkeypatch):
+    """A stopped uvicorn worker leaves its live gauges to the next scrape (it ends by SIGTERM, no exit hooks).
+
+    Two workers scraping at once both removed them, and the second to remove a file answered 500.
+    """
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.exposition import generate_latest
+    from prometheus_client.mmap_dict import MmapedDict, mmap_key
+
+    from otel_lock.telemetry import _multiproc
+    from otel_lock.telemetry._prom import FastMetrics
+
+    registry = CollectorRegistry()
+    fast = FastMetrics(registry, shared=str(tmp_path))
+    _multiproc.serve(registry, str(tmp_path), fast, dict)
+    fast.instruments["errors"].add(1, {"lock.name": "a", "lock.operation": "acquire", "error.type": "x"})
+    gone = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True, check=True).stdout)  # exited and reaped
+    for kind in ("gauge_livesum", "gauge_liveall"):  # what it wrote while it lived
+        file = MmapedDict(str(tmp_path / f"{kind}_{gone}.db"))
+        file.write_value(mmap_key("target_info", "target_info", [], [], "Target metadata"), 1.0, 0.0)
+        file.close()
+    remove = os.remove
+
+    def removed_by_another_worker_first(name):
+        remove(name)  # the other worker's sweep, between this one's listing and its removal
+        remove(name)
+
+    monkeypatch.setattr(os, "remove", removed_by_another_worker_first)
+    text = generate_latest(registry).decode()
+    assert [s.value for s in _samples(text, "otel_lock_errors_total")] == [1.0]
+    assert str(gone) not in {s.labels.get("pid") for s in _samples(text, "target_info")}
+    assert sorted(tmp_path.glob(f"*_{gone}.db")) == []
 
 
 def test_every_observed_gauge_has_a_chosen_multiprocess_mode():

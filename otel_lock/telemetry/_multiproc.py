@@ -113,7 +113,7 @@ class Files:
         name = os.path.join(self.path, f"{kind}_{self.pid}.db")
         if os.path.exists(name):  # a dead process had this pid (or an earlier setup() of this one)
             if kind.startswith("gauge_live"):
-                os.remove(name)  # its live gauges died with it
+                _remove(name)  # its live gauges died with it
             else:
                 os.replace(name, os.path.join(self.path, f"{kind}_{self.pid}-{uuid.uuid4().hex[:8]}.db"))
         return name
@@ -315,11 +315,22 @@ def _started(path: str) -> list[str]:
 
 
 def sweep(path: str) -> None:
-    """Remove the live gauges of processes that are gone (gunicorn's ``child_exit`` may not be configured)."""
+    """Remove the live gauges of processes that are gone (gunicorn's ``child_exit`` may not be configured).
+
+    Every worker sweeps at each scrape it answers, so two may remove the same file at once. A
+    uvicorn worker stopped by SIGTERM ends by that signal, without exit hooks: each such exit
+    leaves its files to the sweep.
+    """
     for name in glob.glob(os.path.join(path, "gauge_live*_*.db")):
         pid = os.path.basename(name).rsplit("_", 1)[-1][:-3]
         if pid.isdigit() and not _alive(int(pid)):
-            mark_process_dead(int(pid), path)
+            _remove(name)
+
+
+def _remove(name: str) -> None:
+    # Not mark_process_dead: it raises when another process removed the file first (a scrape answered 500).
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(name)
 
 
 def _alive(pid: int) -> bool:

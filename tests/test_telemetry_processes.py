@@ -13,12 +13,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import httpx
@@ -245,6 +247,53 @@ def test_a_multiproc_dir_that_is_not_a_directory_is_refused(tmp_path, monkeypatc
     try:
         with pytest.raises(ValueError, match="PROMETHEUS_MULTIPROC_DIR"):
             telemetry.setup(otlp=False, flush_on_signal=False)
+    finally:
+        telemetry._reset_for_tests()
+
+
+def test_the_worker_files_thread_starts_once_a_provider_holds_the_sdk_reader(tmp_path, monkeypatch, caplog):
+    """Its first publish collects the SDK's Prometheus reader; before a provider held it, that warned.
+
+    Every worker logged "Cannot call collect on a MetricReader until it is
+    registered on a MeterProvider" at start-up when its thread ran first (41
+    of 60 gunicorn starts). Here the provider's construction waits for a
+    publish whenever the thread is already running, so the order is tested,
+    not the luck of a race.
+    """
+    from opentelemetry.sdk import metrics as sdk_metrics
+
+    from otel_lock.telemetry import _multiproc
+
+    published, publishers = threading.Event(), [0]
+    publish, start = _multiproc.Publisher.publish, _multiproc.Publisher._start
+
+    def publishing(self: _multiproc.Publisher) -> None:
+        publish(self)
+        published.set()
+
+    def starting(self: _multiproc.Publisher) -> None:
+        publishers[0] += 1
+        start(self)
+
+    class Provider(sdk_metrics.MeterProvider):
+        def __init__(self, *args, **kwargs) -> None:
+            if publishers[0]:
+                assert published.wait(10)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(_multiproc.Publisher, "publish", publishing)
+    monkeypatch.setattr(_multiproc.Publisher, "_start", starting)
+    monkeypatch.setattr(sdk_metrics, "MeterProvider", Provider)
+    for name in [n for n in os.environ if n.startswith(("OTEL_", "PROMETHEUS_"))]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    telemetry._reset_for_tests()
+    try:
+        with caplog.at_level(logging.WARNING):
+            telemetry.setup("ordered", otlp=False, flush_on_signal=False)
+            assert published.wait(10)  # the thread ran, after the provider took the reader
+        assert publishers[0] == 1
+        assert [r.getMessage() for r in caplog.records if "MetricReader" in r.getMessage()] == []
     finally:
         telemetry._reset_for_tests()
 

@@ -276,9 +276,6 @@ def _install(service_name: str, service_instance_id: str | None, prometheus: boo
     sdk_registry = CollectorRegistry() if shared and prometheus else registry
     if shared is None:
         registry.register(TargetInfo(resource))
-    else:
-        _multiproc.serve(registry, shared, fast if prometheus else None, lambda: resource.attributes,
-                         sdk_registry if prometheus else None)
     readers: list[MetricReader] = []
     if prometheus:
         from opentelemetry.exporter.prometheus import PrometheusMetricReader
@@ -302,6 +299,10 @@ def _install(service_name: str, service_instance_id: str | None, prometheus: boo
         trace.set_tracer_provider(tracer_provider)
     meter_provider = MeterProvider(resource=resource, metric_readers=readers, shutdown_on_exit=False)
     metrics.set_meter_provider(meter_provider)
+    if shared is not None:
+        # Only now: its thread collects the SDK's reader, which warns until a provider holds it.
+        _multiproc.serve(registry, shared, fast if prometheus else None, lambda: resource.attributes,
+                         sdk_registry if prometheus else None)
     route_default_metrics(fast, meter_provider)
     return TelemetrySetup(tracer_provider or trace.get_tracer_provider(), meter_provider, registry, resource,
                           installed=True, otlp=bool(otlp), push=push)

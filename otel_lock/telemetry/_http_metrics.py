@@ -45,7 +45,7 @@ ALLOWED: dict[str, frozenset[str] | None] = {
     "http.status_code": None, "http.response.status_code": None,
     "http.target": None, "http.route": None, "error.type": None,
 }
-# Read by no panel or rule: not recorded (DESIGN §2.4, issue 18).
+# Read by no panel or rule: not recorded (their cost per request bought nothing).
 DROPPED = frozenset({"http.server.request.size", "http.server.response.size",
                      "http.server.request.body.size", "http.server.response.body.size"})
 

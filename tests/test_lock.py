@@ -480,3 +480,24 @@ async def test_a_cancelled_wait_leaves_the_next_wake_up_for_the_next_read():
         await reading
     waiter.wake(Grant(5))
     assert await waiter.next(None) == Grant(5)
+
+
+async def test_the_next_local_waiter_polls_once_the_first_one_left(redis_url, other, redis_client):
+    """Only a manager's first waiter of a key polls; when it leaves, the next one must start polling.
+
+    A holder whose lease runs out unreleased sends no notice: polling is the
+    only way the remaining waiter learns the lock is free. Without it, that
+    waiter would sit until its own deadline (30 s here).
+    """
+    async with LockManager.from_url(redis_url, namespace="t", poll_cap=0.2) as waiters:
+        gone = await other.acquire("left", lease=1.0)  # a holder that will never release
+        first = asyncio.create_task(waiters.acquire("left", wait=30))
+        await queued(redis_client, "left", 1)
+        second = asyncio.create_task(waiters.acquire("left", wait=30))
+        await queued(redis_client, "left", 2)
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        held = await asyncio.wait_for(second, 10)  # the lease ends after 1 s; a poll finds the lock free
+        assert held.token > gone.token
+        await held.release()

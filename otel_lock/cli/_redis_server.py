@@ -295,7 +295,8 @@ class RedisServer:
                                    + (f": {said[-500:]}" if said else ""))
             if time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError(f"{binary.name} did not answer PING on port {self.port} within {timeout}s")
+                raise RuntimeError(f"{binary.name} did not answer as itself (its pid in INFO) on port {self.port} "
+                                   f"within {timeout}s")
             time.sleep(0.02)
         return self
 

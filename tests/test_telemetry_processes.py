@@ -102,6 +102,7 @@ def _serving(host: str, redis_url: str, multiproc_dir: Path, otlp: str):
             server.wait(5)
         with contextlib.suppress(ProcessLookupError):  # a worker left behind
             os.killpg(server.pid, signal.SIGKILL)
+        server.said = server.stderr.read()  # type: ignore[attr-defined]  # what the host and workers logged
         server.stderr.close()
 
 
@@ -201,6 +202,8 @@ async def test_one_port_serves_the_sum_of_every_worker(host, redis_url, tmp_path
                 # Its series leave once it has exited (or in its exit hooks, its server closed): no retry.
                 for _ in range(3):
                     assert _acquired((await client.get("/metrics")).text) == truth
+    # Every worker's setup() started its files' thread after the SDK's reader had a provider.
+    assert "Cannot call collect on a MetricReader" not in server.said, server.said[-3000:]
 
 
 def _run(script: str, env: dict[str, str]) -> str:

@@ -9,6 +9,7 @@ talks to Redis through redis-py, so the same wrapper sees all of them.
 
 from __future__ import annotations
 
+import resource
 import time
 
 import redis.asyncio.connection as aconn
@@ -23,6 +24,11 @@ class Counts:
     @classmethod
     def snapshot(cls) -> dict:
         return {"round_trips": cls.round_trips, "commands": cls.commands}
+
+
+def sleeps() -> int:
+    """How often this process has gone to sleep waiting (voluntary context switches): one per wake-up it needed."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
 
 
 def _wrap_async() -> None:

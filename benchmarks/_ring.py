@@ -18,6 +18,8 @@ from typing import Any, Awaitable, Callable
 
 from otel_lock.lock._connection import Connection
 
+from . import _counting
+
 PREFIX = "bench:ring"
 
 
@@ -49,14 +51,14 @@ async def _pubsub(spec: dict, send: Callable[[dict], None], await_start: Callabl
     start, stop = await loop.run_in_executor(None, await_start)
     hops[1] = stop
     await asyncio.sleep(max(0.0, start - time.monotonic()))
-    cpu = time.process_time()
+    cpu, sleeps = time.process_time(), _counting.sleeps()
     if index == 0:
         await out.execute("PUBLISH", nxt, "t")
     await asyncio.sleep(max(0.0, stop - time.monotonic()))
-    cpu = time.process_time() - cpu
+    cpu, sleeps = time.process_time() - cpu, _counting.sleeps() - sleeps
     await sub.aclose()
     await out.aclose()
-    return {"hops": hops[0], "cpu": cpu}
+    return {"hops": hops[0], "cpu": cpu, "sleeps": sleeps}
 
 
 async def _circulate(index: int, await_start: Callable[[], tuple[float, float]],
@@ -64,7 +66,7 @@ async def _circulate(index: int, await_start: Callable[[], tuple[float, float]],
     """From the common start to the common stop: whenever `take()` got the token, `pass_on()` it."""
     start, stop = await asyncio.get_running_loop().run_in_executor(None, await_start)
     await asyncio.sleep(max(0.0, start - time.monotonic()))
-    cpu = time.process_time()
+    cpu, sleeps = time.process_time(), _counting.sleeps()
     if index == 0:
         await pass_on()
     hops = 0
@@ -72,7 +74,7 @@ async def _circulate(index: int, await_start: Callable[[], tuple[float, float]],
         if await take():
             hops += 1
             await pass_on()
-    return {"hops": hops, "cpu": time.process_time() - cpu}
+    return {"hops": hops, "cpu": time.process_time() - cpu, "sleeps": _counting.sleeps() - sleeps}
 
 
 async def _lists(spec: dict, send: Callable[[dict], None], await_start: Callable[[], tuple[float, float]]) -> dict:

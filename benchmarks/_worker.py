@@ -47,7 +47,7 @@ class _Window:
 
     @staticmethod
     def _now() -> dict:
-        return {"cpu": time.process_time(), "t": time.monotonic(), **_counting.Counts.snapshot()}
+        return {"cpu": time.process_time(), "t": time.monotonic(), "sleeps": _counting.sleeps(), **_counting.Counts.snapshot()}
 
     def _close(self) -> None:
         self.end = self._now()

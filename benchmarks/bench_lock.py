@@ -95,6 +95,7 @@ def contended(lib: str, url: str, duration: float, workers: int = 8, processes: 
         redis_commands_per_handoff=redis_delta["total"] / handoffs,
         redis_cpu_ms_per_handoff=redis_delta["cpu"] / handoffs * 1e3,
         client_cpu_ms_per_handoff=cpu / handoffs * 1e3,
+        client_sleeps_per_handoff=sum(res["window"]["sleeps"] for res in results) / handoffs,
         redis_calls=redis_delta["calls"],
     )
     if count:
@@ -147,6 +148,7 @@ def ring(url: str, duration: float, via: str, processes: int = 8) -> dict:
         "handoffs_per_s": hops / window,
         "redis_commands_per_handoff": redis_delta["total"] / max(1, hops),
         "client_cpu_ms_per_handoff": sum(r["cpu"] for r in results) / max(1, hops) * 1e3,
+        "client_sleeps_per_handoff": sum(r["sleeps"] for r in results) / max(1, hops),
         "redis_cpu_ms_per_handoff": redis_delta["cpu"] / max(1, hops) * 1e3,
     }
 

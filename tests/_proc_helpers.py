@@ -205,6 +205,28 @@ async def queued(redis, name: str, n: int) -> None:
     await until(check, f"{n} queued on {name}")
 
 
+async def entered_instead_of_queueing(agent: "Agent", redis, name: str, id: str) -> dict | None:
+    """After `agent`'s waiter `id` was handed a grant it read too late: its 'acquired' event if it entered on it.
+
+    A waiter that does not trust the stale grant asks Redis again and, the lock
+    being someone else's, joins the queue again: that is the event waited
+    for (never a quiet period), and an 'acquired' that came first is returned.
+    """
+    entering = asyncio.ensure_future(agent.expect("acquired", id))
+    requeued = asyncio.ensure_future(queued(redis, name, 1))
+    try:
+        await asyncio.wait({entering, requeued}, return_when=asyncio.FIRST_COMPLETED)
+        if entering.done():
+            return entering.result()
+        requeued.result()  # a waiter that neither entered nor queued again fails here, after DEADLINE
+    finally:
+        for task in (entering, requeued):
+            task.cancel()
+        await asyncio.gather(entering, requeued, return_exceptions=True)
+    early = [e for e in agent.pending_events() if e["ev"] == "acquired" and e.get("id") == id]
+    return early[0] if early else None
+
+
 # -- child side --------------------------------------------------------------
 
 

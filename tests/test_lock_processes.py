@@ -12,7 +12,7 @@ import signal
 
 import pytest
 
-from _proc_helpers import DEADLINE, AgentError, Agents, TcpProxy, keys, queued, until
+from _proc_helpers import DEADLINE, Agents, TcpProxy, entered_instead_of_queueing, keys, queued, until
 from otel_lock import LockManager
 
 pytestmark = pytest.mark.timeout(90)
@@ -181,11 +181,8 @@ async def test_waiter_paused_past_its_hand_over_grace_does_not_use_the_stale_gra
         held = mine.result()  # ...whose lease ran out while it was paused, so it passed to us
         sleeper.signal(signal.SIGCONT)
         await redis_client.lpush("unblock", "go")
-        try:
-            # While we hold the lock, the resumed sleeper must not believe it holds it too.
-            early = await sleeper.expect("acquired", "s", timeout=2.0)
-        except AgentError:
-            early = None
+        # While we hold the lock, the resumed sleeper must not believe it holds it too.
+        early = await entered_instead_of_queueing(sleeper, redis_client, "grant", "s")
         if early is not None:
             lost = await sleeper.expect("lost", "s")
             print(f"the resumed sleeper ran {(lost['t'] - early['t']) * 1000:.0f} ms on a stale grant "
@@ -267,10 +264,7 @@ async def test_waiter_whose_poll_reply_was_read_late_does_not_use_a_stale_grant(
         assert mine is not None
         proxy.forward()
         await redis_client.lpush("unblock", "go")  # the poll reply and the grant are read together
-        try:
-            early = await sleeper.expect("acquired", "s", timeout=2.0)
-        except AgentError:
-            early = None
+        early = await entered_instead_of_queueing(sleeper, redis_client, "late", "s")
         assert early is None, (f"mutual exclusion broken: the sleeper entered with token {early['token']} "
                                f"while we held the lock with {mine.token}")
         assert await mine.release()

@@ -101,6 +101,14 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 @pytest.fixture
+def brisk_health_checks(monkeypatch):
+    """An idle subscriber PINGed every 0.5 s instead of 2: a test of the check need not wait out the default."""
+    from otel_lock.lock import _waiting
+
+    monkeypatch.setattr(_waiting, "HEALTH_INTERVAL", 0.5)
+
+
+@pytest.fixture
 async def redis_client(redis_url):
     client = aioredis.Redis.from_url(redis_url)
     yield client

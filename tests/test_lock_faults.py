@@ -539,7 +539,7 @@ async def test_waiter_whose_subscriber_went_silent_still_gets_the_lock(proxy, ma
     proxy.forward()
 
 
-async def test_silent_subscriber_connection_is_replaced(proxy, managers, redis_url):
+async def test_silent_subscriber_connection_is_replaced(proxy, managers, redis_url, brisk_health_checks):
     holder = managers(redis_url)
     locks = managers(proxy.url)
     held = await holder.acquire("silent2")

@@ -309,7 +309,8 @@ def _subscribers(server: TlsServer) -> list[dict]:
     return [c for c in server.tls_clients() if int(c.get("sub", 0)) > 0]
 
 
-async def test_a_silently_dropped_tls_subscriber_flow_is_noticed_and_subscribed_again(tls_server, managers):
+async def test_a_silently_dropped_tls_subscriber_flow_is_noticed_and_subscribed_again(tls_server, managers,
+                                                                                    brisk_health_checks):
     proxy = await FlowProxy("127.0.0.1", tls_server.tls_port).start()
     locks = managers(f"rediss://127.0.0.1:{proxy.port}/0", ssl_ca_certs=tls_server.ca,
                      socket_timeout=SOCKET_TIMEOUT)
@@ -320,7 +321,7 @@ async def test_a_silently_dropped_tls_subscriber_flow_is_noticed_and_subscribed_
         await proxy.aclose()
 
 
-async def test_the_redis_py_subscriber_has_the_same_health_check(tls_server, managers):
+async def test_the_redis_py_subscriber_has_the_same_health_check(tls_server, managers, brisk_health_checks):
     """A client with a connection class of its own subscribes through redis-py, in the same loop: PINGed, replaced."""
     class OwnConnection(aioredis.SSLConnection):
         pass

@@ -109,6 +109,35 @@ async def test_the_second_of_two_crossed_waits_is_refused_and_the_first_proceeds
         assert in_queue == 1 and await redis_client.zscore(waits_for + ":q", waiter) is None
 
 
+async def test_a_task_asking_for_one_more_permit_than_it_holds_of_a_full_key_is_refused(managers):
+    """It would wait for itself; with one of the permits held by another task, it waits (that one may let go)."""
+    one, two, _ = managers
+    async with one.semaphore("export", permits=2), one.semaphore("export", permits=2):
+        with pytest.raises(LockDeadlock) as refused:
+            async with asyncio.timeout(BOUND):
+                async with one.semaphore("export", permits=2, wait=WAIT):
+                    pass
+        assert [key for key, _, _ in refused.value.cycle] == ["otel-lock:{export}:permits"]
+    holding, leave = asyncio.Event(), asyncio.Event()
+
+    async def other_task() -> None:
+        async with two.semaphore("export", permits=2):
+            holding.set()
+            await leave.wait()
+
+    other = asyncio.create_task(other_task())
+    try:
+        await holding.wait()
+        async with one.semaphore("export", permits=2):
+            with pytest.raises(LockError) as waited:
+                async with one.semaphore("export", permits=2, wait=0.3):
+                    pass
+            assert not isinstance(waited.value, LockDeadlock), waited.value
+    finally:
+        leave.set()
+        await other
+
+
 async def test_a_plain_chain_is_not_refused(managers, redis_client):
     one, two, three = managers
     a, b, c = Holder(one, "k1", "k2"), Holder(two, "k2", "k3"), Holder(three, "k3")

@@ -451,6 +451,41 @@ async def test_an_oserror_from_the_handler_is_not_mistaken_for_redis(redis_url):
     assert problem(retry)["type"] == "idempotency-outcome-unknown"
 
 
+async def test_an_oserror_of_the_app_is_its_failure_not_a_client_gone(redis_url):
+    """Regression: any OSError (a database's ConnectionRefusedError, SMTP, `asyncio.timeout`'s TimeoutError) was taken
+    for the client going away: a `retry_on_5xx` attempt was never run again (409 "interrupted" for ever), and a
+    background task failing after the answer left that answer to be replayed as if the work had happened."""
+    from starlette.background import BackgroundTask
+
+    runs = {"refused": 0, "mailed": 0}
+
+    async def database_down(request):
+        runs["refused"] += 1
+        raise ConnectionRefusedError(111, "the database refused the connection")
+
+    def send_mail():
+        runs["mailed"] += 1
+        raise ConnectionResetError(104, "the mail server went away")
+
+    async def order_then_mail(request):
+        return JSONResponse({"ok": True}, status_code=201, background=BackgroundTask(send_mail))
+
+    async with make_manager(redis_url) as manager:
+        app = Starlette(routes=[
+            Route("/retried", idempotent(retry_on_5xx=True)(database_down), methods=["POST"]),
+            Route("/mailed", idempotent()(order_then_mail), methods=["POST"]),
+        ])
+        app.add_middleware(LockMiddleware, manager=manager, principal=caller)
+        async with client_for(app) as client:
+            retried = [await client.post("/retried", json={}, headers={"idempotency-key": '"r"'}) for _ in range(2)]
+            first = await client.post("/mailed", json={}, headers={"idempotency-key": '"m"'})  # then the task fails
+            replay = await client.post("/mailed", json={}, headers={"idempotency-key": '"m"'})
+    assert runs == {"refused": 2, "mailed": 1}
+    assert [r.status_code for r in retried] == [500, 500] and first.status_code == 201
+    assert replay.status_code == 409 and problem(replay)["type"] == "idempotency-outcome-unknown"
+    assert replay.headers.get("idempotent-replayed") is None
+
+
 async def test_no_key_or_principal_on_spans(redis_url):
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor

@@ -137,6 +137,7 @@ class IdempotentRequest:
         self.store: IdempotencyStore = gate.store
         self.response_started = False
         self.handler_called = False
+        self.send_failed = False  # the server's send raised: the client is gone (uvicorn's ClientDisconnected...)
         self.seen: Record | None = None        # the record found before taking the in-flight lock
         self.legacy: LegacyRecords | None = None   # release 0.1.0's records, kept in step for one release
         self.written: Written | None = None    # what this request's last write costs, as counted
@@ -360,7 +361,11 @@ class IdempotentRequest:
                 # Stored before the last byte goes out, so a client that
                 # retries at once finds the outcome, not an in-flight claim.
                 await self._settle(held, capture, None)
-            await self.send(message)
+            try:
+                await self.send(message)
+            except BaseException:
+                self.send_failed = True
+                raise
 
         self.handler_called = True
         try:
@@ -368,7 +373,7 @@ class IdempotentRequest:
         except BaseException as error:
             if not capture.finished:
                 await _shielded(self._settle(held, capture, error))
-            elif capture.stored and isinstance(error, Exception) and not isinstance(error, (OSError, ClientDisconnect)):
+            elif capture.stored and isinstance(error, Exception) and not self._client_gone(error):
                 # The answer went out, then the app failed (a yield dependency's commit,
                 # a background task): what the stored answer claims may not have happened.
                 await _shielded(self._unsettle(held))
@@ -392,7 +397,7 @@ class IdempotentRequest:
         interrupted = _business_lock_lost(self.scope)
         # A client that went away (disconnect message, or the server's send
         # raising) is not a failure of the handler: 409, like a crash.
-        gone = isinstance(error, (OSError, ClientDisconnect))
+        gone = self._client_gone(error)
         if capture.status and not interrupted and (error is None or gone) and await self._write_answer(capture, error):
             return
         failed = not (gone or interrupted) and (
@@ -403,6 +408,11 @@ class IdempotentRequest:
             return
         await self._write({**self._record(UNKNOWN), "cause": "failed" if failed else "interrupted"})
         self.gate.count(self.route, "stored")
+
+    def _client_gone(self, error: BaseException | None) -> bool:
+        """Did `error` come of the client going away? Only if the server's send raised, or the body's read
+        said so: an OSError of the app's own (a database, SMTP, `asyncio.timeout`) is the handler failing."""
+        return error is not None and (self.send_failed or isinstance(error, ClientDisconnect))
 
     async def _write_answer(self, capture: Capture, error: BaseException | None) -> bool:
         """Free the key or store the answer, as its verdict says; False: the outcome is unknown."""

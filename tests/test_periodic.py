@@ -145,3 +145,57 @@ async def test_bad_arguments_are_refused_before_redis(redis_url, kwargs, message
         arguments = {"period": 1.0, "keep": 2, **kwargs}
         with pytest.raises(ValueError, match=message):
             await locks.once_per_period("x", arguments["period"], job, keep=arguments["keep"])
+
+
+@pytest.mark.parametrize("period, keep, message", [
+    (1e16, 2, r"\(keep \+ 1\) \* period, the tick's longest lease, must be at most 9007199254740 s"),
+    (1e300, 2, r"\(keep \+ 1\) \* period, .* at most 9007199254740 s"),
+    (10**30, 2, r"\(keep \+ 1\) \* period, .* at most 9007199254740 s"),
+    (1.0, 10**30, r"\(keep \+ 1\) \* period, .* at most 9007199254740 s"),
+    (0.001, 2, r"keep \* period, the tick's shortest lease, must be at least 0.1 s"),
+    (0.09, 1, r"keep \* period, .* at least 0.1 s"),
+], ids=["period-1e16", "period-1e300", "period-int-1e30", "keep-1e30", "period-1ms", "keep-1-period-90ms"])
+async def test_a_tick_lease_redis_refuses_or_loses_is_a_value_error_before_anything_is_sent(period, keep, message):
+    # An unreachable Redis: a call that sent anything would come back False (fail closed), not raise.
+    async with LockManager.from_url("redis://127.0.0.1:1/0", socket_timeout=0.5) as locks:
+        async def job(tick: int) -> None:
+            raise AssertionError("never runs")
+        with pytest.raises(ValueError, match=message):
+            await locks.once_per_period("x", period, job, keep=keep)
+        with pytest.raises(ValueError, match=message):
+            await asyncio.wait_for(locks.run_every("x", period, job, keep=keep), 5)
+
+
+@pytest.mark.parametrize("keep", [1, 2])
+async def test_the_shortest_tick_lease_runs_every_time_on_one_replica(redis_url, keep):
+    # Was: period=0.001 ran 0 times in 20 (its 2 ms lease ran out before the grant's reply was
+    # read, the grant was given back and the call reported another replica's tick).
+    period = 0.1 / keep
+    async with LockManager.from_url(redis_url, namespace=f"floor{keep}") as locks:
+        ran: list[int] = []
+
+        async def job(tick: int) -> None:
+            ran.append(tick)
+        with pytest.raises(ValueError, match="at least 0.1 s"):
+            await locks.once_per_period("below", period * 0.99, job, keep=keep)
+        results = []
+        for i in range(20):  # spread over a period: some calls fall just before a boundary, the shortest lease
+            results.append(await locks.once_per_period(f"fresh-{i}", period, job, keep=keep))
+            await asyncio.sleep(period / 20)
+    assert results == [True] * 20 and len(ran) == 20
+
+
+async def test_the_longest_tick_lease_is_accepted_by_redis(redis_url):
+    # Was: period=1e16 reached Redis and came back as a LockError ("value is not an integer or out of range").
+    longest = 9007199254740 // 3  # (keep + 1) * period == 9007199254740 s with keep=2
+    async with LockManager.from_url(redis_url, namespace="ceiling") as locks:
+        ran: list[int] = []
+
+        async def job(tick: int) -> None:
+            ran.append(tick)
+        with pytest.raises(ValueError, match="at most 9007199254740 s"):
+            await locks.once_per_period("above", longest + 1, job)
+        assert await locks.once_per_period("far", longest, job) is True
+    assert ran == [0]
+    with redis.Redis.from_url(redis_url) as client:
+        assert client.pttl("ceiling:{far:tick:0}") > (longest * 3 - time.time() - 60) * 1000

@@ -407,23 +407,50 @@ class SyncHeldLock:
         return f"<SyncHeldLock {self.key} owner={self.owner} token={self.token} depth={self.depth}>"
 
 
-class SyncLockContext:
+class _PerThread(Generic[T]):
+    """A `with` context that threads may share and nest, as one does a `threading.RLock`.
+
+    Each thread's holds are kept apart, innermost last: an exit releases the
+    hold its own thread entered last, never another thread's (which would
+    leave its own held and renewed for ever).
+    """
+
+    __slots__ = ("_acquire", "_entered")
+
+    def __init__(self, acquire: Callable[[], T]) -> None:
+        self._acquire = acquire
+        # A thread only ever adds or removes its own entry: no lock needed.
+        self._entered: dict[int, list[T]] = {}
+
+    def _enter(self) -> T:
+        held = self._acquire()
+        self._entered.setdefault(threading.get_ident(), []).append(held)
+        return held
+
+    def _exit(self) -> T:
+        me = threading.get_ident()
+        stack = self._entered.get(me)
+        if not stack:
+            raise RuntimeError(f"{type(self).__name__} exited in a thread that is not inside it: each `with` "
+                               "releases the hold its own thread took (to let go of a hold from another thread, "
+                               "hand that thread the hold and call held.release())")
+        held = stack.pop()
+        if not stack:
+            del self._entered[me]
+        return held
+
+
+class SyncLockContext(_PerThread[SyncHeldLock]):
     """`with locks.lock(...) as held:`: acquire on enter, release on exit (LockLost on loss, if asked)."""
 
-    __slots__ = ("_acquire", "_held")
-
-    def __init__(self, acquire: Callable[[], SyncHeldLock]) -> None:
-        self._acquire = acquire
-        self._held: SyncHeldLock | None = None
+    __slots__ = ()
 
     def __enter__(self) -> SyncHeldLock:
-        self._held = self._acquire()
-        return self._held
+        return self._enter()
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        held, self._held = self._held, None
-        assert held is not None, "__exit__ without __enter__"
+        held = self._exit()
         try:
             held.release()
         except RedisUnavailable as error:
@@ -499,23 +526,17 @@ def _release_each(holds: Iterable[SyncHeldLock]) -> bool:
     return ok
 
 
-class SyncMultiLockContext:
+class SyncMultiLockContext(_PerThread[SyncHeldLocks]):
     """`with locks.lock_all([...]) as held:`: every key on enter, all released on exit."""
 
-    __slots__ = ("_acquire", "_held")
-
-    def __init__(self, acquire: Callable[[], SyncHeldLocks]) -> None:
-        self._acquire = acquire
-        self._held: SyncHeldLocks | None = None
+    __slots__ = ()
 
     def __enter__(self) -> SyncHeldLocks:
-        self._held = self._acquire()
-        return self._held
+        return self._enter()
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        held, self._held = self._held, None
-        assert held is not None, "__exit__ without __enter__"
+        held = self._exit()
         try:
             held.release()
         except RedisUnavailable as error:

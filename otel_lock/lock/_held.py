@@ -307,23 +307,55 @@ class HeldLock:
 
 
 class LockContext:
-    """`async with manager.lock(...)`: acquire on enter, release on exit, LockLost on loss."""
+    """`async with manager.lock(...)`: acquire on enter, release on exit, LockLost on loss.
 
-    __slots__ = ("_acquire", "_held")
+    Tasks may share one context object and nest it (`ctx = locks.lock(k)`
+    made once): each exit releases the hold its own task entered last.
+    """
+
+    # The hold of a context nobody else is inside sits in a slot: the usual `async with locks.lock(k):`
+    # allocates nothing more. Holds entered while it is taken go on a stack of their task's.
+    __slots__ = ("_acquire", "_held", "_task", "_more")
 
     def __init__(self, acquire: Callable[[], Awaitable[HeldLock]]) -> None:
         self._acquire = acquire
         self._held: HeldLock | None = None
+        self._task: asyncio.Task[Any] | None = None
+        self._more: dict[asyncio.Task[Any] | None, list[HeldLock]] | None = None
 
     async def __aenter__(self) -> HeldLock:
         held: HeldLock = await self._acquire()
-        self._held = held
+        task = asyncio.current_task()
+        if self._held is None and not self._more:
+            self._held, self._task = held, task
+        else:  # entered already: a stack per task, newer than the slot, so exits go innermost first
+            if self._more is None:
+                self._more = {}
+            self._more.setdefault(task, []).append(held)
         return held
+
+    def _take_back(self) -> HeldLock:
+        """The hold this task entered last, out of the context; RuntimeError if it entered none."""
+        task = asyncio.current_task()
+        more = self._more
+        if more:
+            stack = more.get(task)
+            if stack:
+                held = stack.pop()
+                if not stack:
+                    del more[task]
+                return held
+        outer = self._held
+        if outer is None or self._task is not task:
+            raise RuntimeError("LockContext exited in a task that is not inside it: each `async with` releases "
+                               "the hold its own task took (to let go of a hold from another task, hand that "
+                               "task the hold and await held.release())")
+        self._held = self._task = None
+        return outer
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
-        held, self._held = self._held, None
-        assert held is not None, "__aexit__ without __aenter__"
+        held = self._take_back()
         lease = held._lease
         try:
             await held.release()

@@ -77,17 +77,30 @@ class RunningLoopError(RuntimeError):
     """A blocking call was made from a thread that runs an event loop; use the async API there."""
 
 
+# What each refused call is in async code: a context for `async with`, the rest awaited.
+_ASYNC_API = {
+    "lock": "async with locks.lock(...)",
+    "semaphore": "async with locks.semaphore(...)",
+    "lock_all": "async with locks.lock_all(...)",
+    "acquire": "await locks.acquire(...)",
+    "try_lock": "await locks.try_lock(...)",
+    "acquire_permit": "await locks.acquire_permit(...)",
+    "acquire_all": "await locks.acquire_all(...)",
+    "held_locks": "await locks.held_locks()",
+    "force_release": "await locks.force_release(...)",
+    "check_servers": "await locks.check_servers()",
+}
+
+
 def _refuse_in_loop(call: str) -> None:
     try:
         asyncio.get_running_loop()
     except RuntimeError:
         return
-    same = call if call in ("acquire", "try_lock", "held_locks", "force_release", "acquire_all", "lock_all") else "lock"
     raise RunningLoopError(
         f"SyncLockManager.{call}() blocks its thread, and this thread runs an event loop: every task on it "
-        f"would stop for the whole wait. In async code use the async API instead: `async with "
-        f"locks.lock(...)` or `await locks.{same}(...)` on an otel_lock.LockManager (LockManager.from_url) "
-        f"or RedLockManager")
+        f"would stop for the whole wait. In async code use the async API instead: `{_ASYNC_API[call]}` "
+        f"on an otel_lock.LockManager (LockManager.from_url) or RedLockManager")
 
 
 class _Call(Generic[T]):

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import multiprocessing
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -14,6 +16,7 @@ import textwrap
 import threading
 import time
 import traceback
+import typing
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -25,6 +28,7 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from otel_lock import LockError, LockLost, LockManager, LockTimeout, RedisMisconfigured, RedLockManager
+from otel_lock import sync as sync_module
 from otel_lock.cli._redis_server import RedisServer, free_port, stop_process, stop_servers
 from otel_lock.sync import RunningLoopError, SyncHeldLock, SyncLockManager
 
@@ -359,12 +363,50 @@ def test_the_loop_thread_does_not_keep_the_process_alive(redis_url):
 def test_a_call_from_a_running_event_loop_is_refused_at_once(sync_locks, other, client, call):
     with other.lock("k") as held:  # busy: a blocking call would stall the loop for its whole wait
         async def inside_a_loop():
-            with pytest.raises(RunningLoopError, match=r"async with locks\.lock\(\.\.\.\).*LockManager"):
+            with pytest.raises(RunningLoopError, match=r"use the async API instead: `.*LockManager"):
                 call(sync_locks)
 
         asyncio.run(asyncio.wait_for(inside_a_loop(), BOUND))
         assert owner_of(client, "k") == held.owner and queued(client, "k") == 0
     assert issubclass(RunningLoopError, RuntimeError)
+
+
+REFUSED = {  # every SyncLockManager call that refuses to block a running loop
+    "lock": lambda s: s.lock("k"),
+    "semaphore": lambda s: s.semaphore("p", permits=2),
+    "lock_all": lambda s: s.lock_all(["k", "j"]),
+    "acquire": lambda s: s.acquire("k"),
+    "try_lock": lambda s: s.try_lock("k"),
+    "acquire_permit": lambda s: s.acquire_permit("p", permits=2),
+    "acquire_all": lambda s: s.acquire_all(["k", "j"]),
+    "held_locks": lambda s: s.held_locks(),
+    "force_release": lambda s: s.force_release("k"),
+    "check_servers": lambda s: s.check_servers(),
+}
+
+
+def test_every_refusing_call_is_in_the_table_below():
+    refusing = set(re.findall(r'_refuse_in_loop\("(\w+)"\)', inspect.getsource(sync_module)))
+    assert refusing == set(REFUSED)
+
+
+@pytest.mark.parametrize("name", REFUSED)
+def test_a_refused_call_names_its_async_equivalent_as_it_is_called(sync_locks, name):
+    async def inside_a_loop() -> str:
+        with pytest.raises(RunningLoopError) as refused:
+            REFUSED[name](sync_locks)
+        return str(refused.value)
+
+    message = asyncio.run(asyncio.wait_for(inside_a_loop(), BOUND))
+    advice = re.findall(r"`(async with|await) locks\.(\w+)\(", message)
+    assert [api for _, api in advice] == [name], message  # its own name, and no other advice
+    how, api = advice[0]
+    method = getattr(LockManager, api)
+    if how == "await":  # a coroutine function: `await locks.lock(...)` would be a TypeError
+        assert inspect.iscoroutinefunction(method), message
+    else:  # returns an async context manager
+        assert not inspect.iscoroutinefunction(method)
+        assert hasattr(typing.get_type_hints(method)["return"], "__aenter__"), message
 
 
 # -- interrupted waits ------------------------------------------------------------

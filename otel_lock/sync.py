@@ -649,6 +649,7 @@ class SyncLockManager:
         LockLost as the block ends if the lease was lost meanwhile.
         """
         _refuse_in_loop("lock")
+        check_key(key)
         return SyncLockContext(partial(self.acquire, key, wait=wait, lease=lease, name=name,
                                        cancel_on_lost=cancel_on_lost, shared=shared))
 
@@ -663,6 +664,7 @@ class SyncLockManager:
         acquire inside this thread's shared hold of the key is refused.
         """
         _refuse_in_loop("acquire")
+        check_key(key)  # before the thread's holds are looked up by it
         nested = self._reenter(key, shared)
         if nested is not None:
             return nested
@@ -675,6 +677,7 @@ class SyncLockManager:
                  cancel_on_lost: bool | None = None, shared: bool = False) -> SyncHeldLock | None:
         """The hold if the lock is free right now (or this thread holds it), else None."""
         _refuse_in_loop("try_lock")
+        check_key(key)  # before the thread's holds are looked up by it
         nested = self._reenter(key, shared)
         if nested is not None:
             return nested
@@ -689,6 +692,7 @@ class SyncLockManager:
         any thread (no re-entry); `held.permits` is the limit.
         """
         _refuse_in_loop("semaphore")
+        check_key(key)
         return SyncLockContext(partial(self.acquire_permit, key, permits=permits, wait=wait, lease=lease, name=name,
                                        cancel_on_lost=cancel_on_lost))
 
@@ -696,6 +700,7 @@ class SyncLockManager:
                        name: str | None = None, cancel_on_lost: bool | None = None) -> SyncHeldLock:
         """Block until a permit of `key` is held (LockTimeout after `wait`); release it with `held.release()`."""
         _refuse_in_loop("acquire_permit")
+        check_key(key)
         slot = f"\x00permit\x00{key}\x00{next(self._permit_ids)}"  # a slot of its own in the thread's holds
         held = self._take(slot, lambda manager: manager.acquire_permit(key, permits=permits, wait=wait, lease=lease,
                                                                        name=name, cancel_on_lost=False),
@@ -764,6 +769,7 @@ class SyncLockManager:
     def force_release(self, key: str) -> bool:
         """Release whoever holds `key` (an operator's last resort)."""
         _refuse_in_loop("force_release")
+        check_key(key)
         runtime = self._current()
         return runtime.run(partial(runtime.manager.force_release, key))
 

@@ -263,6 +263,22 @@ def test_sync_bad_input_raises_value_error(sync_locks):
         SyncLockManager.from_url("redis://127.0.0.1:1", lease=-1)
 
 
+@pytest.mark.parametrize("call", [
+    lambda s, key: s.lock(key).__enter__(),
+    lambda s, key: s.acquire(key),
+    lambda s, key: s.try_lock(key),
+    lambda s, key: s.semaphore(key, permits=2).__enter__(),
+    lambda s, key: s.acquire_permit(key, permits=2),
+    lambda s, key: s.force_release(key),
+], ids=["lock", "acquire", "try_lock", "semaphore", "acquire_permit", "force_release"])
+@pytest.mark.parametrize("key", [["job"], {"job": 1}, None, 7], ids=["list", "dict", "None", "int"])
+def test_a_key_that_is_no_string_is_the_async_api_s_value_error(sync_locks, call, key):
+    # An unhashable key used to reach the thread's holds first: a bare "TypeError: unhashable type".
+    # (lock_all's keys are a TypeError that names them, in async code too.)
+    with pytest.raises(ValueError, match="lock key must be a non-empty string"):
+        call(sync_locks, key)
+
+
 def test_options_are_explicit_keywords(sync_locks, redis_url):
     with pytest.raises(TypeError, match="wiat"):
         sync_locks.lock("k", wiat=1.0)

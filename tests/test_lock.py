@@ -383,9 +383,10 @@ async def test_redis_unreachable_raises_redis_unavailable_not_a_hang():
         (lambda m: m.acquire("k", lease=0), "lease must be > 0"),
         (lambda m: m.acquire("k", lease="5"), "number of seconds"),
         (lambda m: m.acquire("k", owner=""), "owner must be"),
+        (lambda m: m.acquire("k", lease=1e16), "lease must be at most 9007199254740 s"),
     ],
     ids=["empty", "oversized", "braces", "not-a-string", "negative-wait", "nan-wait",
-         "negative-lease", "zero-lease", "string-lease", "empty-owner"],
+         "negative-lease", "zero-lease", "string-lease", "empty-owner", "lease-beyond-redis"],
 )
 async def test_bad_arguments_raise_value_error(locks, call, message):
     with pytest.raises(ValueError, match=message):
@@ -400,12 +401,38 @@ async def test_bad_arguments_raise_value_error(locks, call, message):
         (dict(wait=-1), "wait must be >= 0"),
         (dict(namespace=""), "namespace"),
         (dict(fence_ttl=0), "fence_ttl"),
+        (dict(lease=1e16), "lease must be at most"),
+        (dict(fence_ttl=1e16), "fence_ttl must be at most"),
     ],
-    ids=["lease-shorter-than-renewal", "tiny-lease", "negative-wait", "empty-namespace", "zero-fence-ttl"],
+    ids=["lease-shorter-than-renewal", "tiny-lease", "negative-wait", "empty-namespace", "zero-fence-ttl",
+         "lease-beyond-redis", "fence-ttl-beyond-redis"],
 )
 def test_bad_manager_options_raise_value_error(options, message):
     with pytest.raises(ValueError, match=message):
         LockManager(object(), **options)
+
+
+@pytest.mark.parametrize("wait", [1e10, 1e16, 1e300])
+async def test_a_wait_too_long_for_redis_queues_without_deadline_and_gets_the_lock(locks, other, redis_client, wait):
+    """Regression: a finite wait whose deadline Redis cannot store (1e16 s) failed with Redis' own error."""
+    held = await locks.acquire("k")
+    waiting = asyncio.create_task(other.acquire("k", wait=wait))
+    await until(lambda: _zcard_is(redis_client, "t:{k}:q", 1))
+    assert await held.release()
+    handed = await asyncio.wait_for(waiting, 10)
+    assert handed.token > held.token
+    await handed.release()
+
+
+async def test_the_longest_lease_is_kept_by_redis(locks, other, redis_client):
+    """A waiter's lease is written by another client's release: the longest one allowed must not fail it."""
+    held = await locks.acquire("k")
+    waiting = asyncio.create_task(other.acquire("k", lease=9007199254740, wait=10))
+    await until(lambda: _zcard_is(redis_client, "t:{k}:q", 1))
+    assert await held.release()
+    handed = await asyncio.wait_for(waiting, 10)
+    assert await redis_client.pttl("t:{k}") > 9_000_000_000_000_000 - 60_000
+    await handed.release()
 
 
 def test_unknown_url_scheme_is_rejected():

@@ -27,6 +27,7 @@ from redis.exceptions import NoScriptError, RedisError
 
 from . import _deadlock, _scripts
 from ._errors import LockDeadlock, LockError, LockTimeout, RedisUnavailable, is_unavailable
+from ._options import NO_DEADLINE_ABOVE
 from ._shapes import EXCLUSIVE, Shape
 from ._waiting import POLL, PROMOTED, Grant, Waiter
 
@@ -118,7 +119,7 @@ class Attempt:
         r = self.request
         if not queue:
             budget = "-1"
-        elif math.isinf(r.wait):
+        elif r.wait > NO_DEADLINE_ABOVE:  # inf, or as good as it
             budget = "0"
         else:
             budget = str(max(1, int((self.deadline - self.loop.time()) * 1000)))

@@ -46,7 +46,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import os
 from contextvars import ContextVar
 from functools import partial
@@ -55,6 +54,7 @@ from typing import Any, Callable
 from . import _scripts
 from ._errors import LockDeadlock
 from ._held import _HELD, _Holds
+from ._options import NO_DEADLINE_ABOVE
 
 log = logging.getLogger("otel_lock")
 
@@ -114,7 +114,7 @@ def _label(holds: _Holds, manager_id: str) -> str:
 
 
 def ttl_ms(wait_left: float) -> int:
-    return INFINITE_TTL_MS if math.isinf(wait_left) else max(1, int(wait_left * 1000)) + 1000
+    return INFINITE_TTL_MS if wait_left > NO_DEADLINE_ABOVE else max(1, int(wait_left * 1000)) + 1000
 
 
 def refusal(want: str, cycle: tuple[tuple[str, str, str], ...]) -> LockDeadlock:

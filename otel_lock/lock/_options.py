@@ -16,6 +16,12 @@ from ..telemetry._bounds import key_name
 
 MAX_KEY_LENGTH = 512
 MIN_LEASE = 0.1
+# Whole seconds whose milliseconds Lua's numbers hold exactly (2**53 ms); Redis refuses an expiry past
+# 2**63 ms, which a lease of 1e16 s reaches, and a script that fails there has written half its work.
+MAX_LEASE = 2**53 // 1000
+# A longer wait is queued as one without deadline: its deadline in microseconds would not fit Lua's numbers,
+# nor its queue's expiry Redis' (the waiter keeps its own deadline either way; 1e9 s is 31 years).
+NO_DEADLINE_ABOVE = 1e9
 
 # Option names other lock libraries use, and what to write here instead.
 _THEIRS = {
@@ -65,6 +71,19 @@ def check_seconds(what: str, value: float, *, allow_zero: bool, allow_inf: bool 
     return float(value)
 
 
+def _fence_ttl(fence_ttl: float) -> float:
+    seconds = check_seconds("fence_ttl", fence_ttl, allow_zero=False)
+    if seconds > MAX_LEASE:
+        raise ValueError(f"fence_ttl must be at most {MAX_LEASE} s (2**53 ms), not {fence_ttl!r}")
+    return seconds
+
+
+def check_longest_lease(lease: object, lease_s: float) -> None:
+    if lease_s > MAX_LEASE:
+        raise ValueError(f"lease must be at most {MAX_LEASE} s (2**53 ms, what Redis' expiry times and Lua's "
+                         f"numbers both hold), not {lease!r}")
+
+
 def check_key(key: object) -> None:
     """A lock key: a non-empty str, encodable, at most MAX_KEY_LENGTH, no hash-tag braces."""
     if not isinstance(key, str) or not key:
@@ -104,12 +123,13 @@ class ManagerOptions:
         lease_s = check_seconds("lease", lease, allow_zero=False)
         if lease_s < MIN_LEASE:
             raise ValueError(f"lease must be at least {MIN_LEASE} s, not {lease!r}")
+        check_longest_lease(lease, lease_s)
         every = lease_s / 3 if renew_interval is None else check_seconds("renew_interval", renew_interval,
                                                                          allow_zero=False)
         if every >= lease_s:
             raise ValueError(f"lease ({lease} s) must be longer than the renewal interval ({every} s)")
         return cls(namespace, lease_s, check_seconds("wait", wait, allow_zero=True, allow_inf=True),
-                   bool(cancel_on_lost), check_seconds("fence_ttl", fence_ttl, allow_zero=False),
+                   bool(cancel_on_lost), _fence_ttl(fence_ttl),
                    check_seconds("poll_cap", poll_cap, allow_zero=False), every,
                    require_noeviction=bool(require_noeviction))
 
@@ -124,6 +144,7 @@ class ManagerOptions:
         lease_s = check_seconds("lease", lease, allow_zero=False)
         if lease_s < self.min_lease:
             raise ValueError(f"lease must be at least {self.min_lease:g} s{self.min_lease_why}, not {lease!r}")
+        check_longest_lease(lease, lease_s)
         return lease_s
 
 

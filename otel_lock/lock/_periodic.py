@@ -22,7 +22,7 @@ from typing import Any, Awaitable, Callable
 
 from ._errors import LockBusy, RedisUnavailable
 from ._held import HeldLock
-from ._options import MIN_LEASE, check_key, check_seconds
+from ._options import MAX_LEASE, MIN_LEASE, check_key, check_seconds
 from ..telemetry._instruments import Telemetry
 
 log = logging.getLogger("otel_lock")
@@ -33,7 +33,7 @@ log = logging.getLogger("otel_lock")
 # grant is given back and the tick never runs, on every replica. At most 2**53
 # ms, whole seconds: milliseconds Lua's numbers hold exactly (Redis refuses an
 # expiry past 2**63 ms, which a period of 1e16 s reaches).
-MAX_TICK_LEASE = 2**53 // 1000
+MAX_TICK_LEASE = MAX_LEASE
 
 TakeTick = Callable[[str, float, str], Awaitable[HeldLock]]
 

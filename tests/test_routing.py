@@ -11,7 +11,7 @@ from starlette.endpoints import HTTPEndpoint
 from starlette.responses import JSONResponse
 from starlette.routing import Mount, Route, Router
 
-from otel_lock import LockMiddleware, idempotent, locked
+from otel_lock import LockMiddleware, idempotent, limited, locked
 from otel_lock.asgi._routing import parse_rules, plan
 
 try:
@@ -120,6 +120,22 @@ def test_rules_override_decorators():
 def test_bad_rules_are_rejected(rules, message):
     with pytest.raises(ValueError, match=message):
         parse_rules(rules)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(lease=float("inf")), "lease must be at most 9007199254740 s"),
+    (dict(lease=1e16), "lease must be at most 9007199254740 s"),
+    (dict(lease=0.001), "lease must be at least 0.01 s"),
+    (dict(retry_after=float("inf")), "retry_after must be at most 1000000000 s"),
+    (dict(retry_after=1e300), "retry_after must be at most"),
+])
+def test_a_lease_or_retry_after_no_request_could_use_is_refused_at_decoration(options, message):
+    """Regression: each passed the decorator and answered every request with a bare 500 (the manager refused the
+    lease; `Retry-After: inf` could not be written, 1e300 was a 301-digit header)."""
+    with pytest.raises(ValueError, match=message):
+        locked("k", **options)
+    with pytest.raises(ValueError, match=message):
+        limited("k", permits=2, **options)
 
 
 def test_duplicate_decorator_is_rejected():

@@ -21,6 +21,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, TypeVar
 
+from ..lock._options import MAX_LEASE, NO_DEADLINE_ABOVE, ManagerOptions
 from ._attach import ATTR, attach
 from ._keys import parse_template
 from ._keyset import KeySet, check_one_wildcard
@@ -37,12 +38,24 @@ RELEASE_AFTER = ("app", "response")   # when the app call returns (default), or 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _check_seconds(what: str, value: float | None, *, allow_zero: bool) -> None:
+def _check_seconds(what: str, value: float | None, *, allow_zero: bool, most: float | None = None) -> None:
     if value is None:
         return
     if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value or value < 0 \
             or (value == 0 and not allow_zero):
         raise ValueError(f"{what} must be a {'non-negative' if allow_zero else 'positive'} number of seconds, got {value!r}")
+    if most is not None and value > most:  # inf too: said here, not as a 500 on every request
+        raise ValueError(f"{what} must be at most {most:.0f} s, got {value!r}")
+
+
+SHORTEST_LEASE = ManagerOptions.min_lease
+
+
+def _check_lease(lease: float | None) -> None:
+    """What every manager takes (a RedLock quorum may ask for a longer minimum: its own check says so)."""
+    _check_seconds("lease", lease, allow_zero=False, most=MAX_LEASE)
+    if lease is not None and lease < SHORTEST_LEASE:
+        raise ValueError(f"lease must be at least {SHORTEST_LEASE:g} s, got {lease!r}")
 
 
 @dataclass(frozen=True)
@@ -160,8 +173,8 @@ def _check_common(wait: float | None, lease: float | None, retry_after: float | 
                   max_body: int | None, status: int, name: str | None, release_after: str,
                   after_auth: bool | None) -> None:
     _check_seconds("wait", wait, allow_zero=True)
-    _check_seconds("lease", lease, allow_zero=False)
-    _check_seconds("retry_after", retry_after, allow_zero=True)
+    _check_lease(lease)
+    _check_seconds("retry_after", retry_after, allow_zero=True, most=NO_DEADLINE_ABOVE)
     _check_seconds("body_idle_timeout", body_idle_timeout, allow_zero=False)
     if max_body is not None and (not isinstance(max_body, int) or isinstance(max_body, bool) or max_body < 0):
         raise ValueError(f"max_body must be a non-negative number of bytes, got {max_body!r}")

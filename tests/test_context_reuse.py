@@ -251,3 +251,34 @@ async def test_a_lock_context_exited_in_another_task_is_refused_and_releases_not
     assert await redis_client.hget(held.key, "owner") == held.owner.encode()
     await job.__aexit__(None, None, None)
     assert await redis_client.exists(held.key) == 0
+
+
+async def test_tasks_sharing_a_lock_all_context_exclude_each_other_and_may_nest_it(locks, redis_client):
+    both = locks.lock_all(["a", "b"])
+    inside: list[int] = []
+
+    async def work(i: int) -> None:
+        for _ in range(3):
+            async with both as outer:
+                inside.append(i)
+                assert len(inside) == 1, f"two tasks inside at once: {inside}"
+                async with both:
+                    pass
+                for held in outer.holds:  # the inner exit let go of its own level only
+                    assert await redis_client.hget(held.key, "owner") == held.owner.encode()
+                inside.remove(i)
+
+    async with asyncio.timeout(BOUND):
+        await asyncio.gather(*(work(i) for i in range(3)))
+    assert await redis_client.exists(f"{NS}:{{a}}", f"{NS}:{{b}}") == 0  # nothing left held by anyone
+
+
+async def test_a_lock_all_context_exited_in_another_task_is_refused_and_releases_nothing(locks, redis_client):
+    both = locks.lock_all(["a", "b"])
+    held = await both.__aenter__()
+    with pytest.raises(RuntimeError, match="task that is not inside it"):
+        await asyncio.create_task(both.__aexit__(None, None, None))
+    assert await redis_client.exists(f"{NS}:{{a}}", f"{NS}:{{b}}") == 2
+    await both.__aexit__(None, None, None)
+    assert await redis_client.exists(f"{NS}:{{a}}", f"{NS}:{{b}}") == 0
+    assert held.holds

@@ -21,7 +21,7 @@ import weakref
 from contextvars import ContextVar
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Generic, NamedTuple, TypeVar
 
 from opentelemetry import trace
 
@@ -306,25 +306,25 @@ class HeldLock:
         return f"<HeldLock {self.key} owner={self.owner} token={self.token} depth={self.depth}>"
 
 
-class LockContext:
-    """`async with manager.lock(...)`: acquire on enter, release on exit, LockLost on loss.
+H = TypeVar("H")  # a context's hold: a HeldLock, or lock_all's HeldLocks
 
-    Tasks may share one context object and nest it (`ctx = locks.lock(k)`
-    made once): each exit releases the hold its own task entered last.
+
+class PerTaskHolds(Generic[H]):
+    """The holds of one context object, each with the task that entered it: tasks may share the object and
+    nest it (`ctx = locks.lock(k)` made once), and each exit takes back the hold its own task entered last.
+
+    The hold of a context nobody else is inside sits in a slot: the usual `async with locks.lock(k):`
+    allocates nothing more. Holds entered while it is taken go on a stack of their task's.
     """
 
-    # The hold of a context nobody else is inside sits in a slot: the usual `async with locks.lock(k):`
-    # allocates nothing more. Holds entered while it is taken go on a stack of their task's.
-    __slots__ = ("_acquire", "_held", "_task", "_more")
+    __slots__ = ("_held", "_task", "_more")
 
-    def __init__(self, acquire: Callable[[], Awaitable[HeldLock]]) -> None:
-        self._acquire = acquire
-        self._held: HeldLock | None = None
+    def __init__(self) -> None:
+        self._held: H | None = None
         self._task: asyncio.Task[Any] | None = None
-        self._more: dict[asyncio.Task[Any] | None, list[HeldLock]] | None = None
+        self._more: dict[asyncio.Task[Any] | None, list[H]] | None = None
 
-    async def __aenter__(self) -> HeldLock:
-        held: HeldLock = await self._acquire()
+    def keep(self, held: H) -> None:
         task = asyncio.current_task()
         if self._held is None and not self._more:
             self._held, self._task = held, task
@@ -332,9 +332,8 @@ class LockContext:
             if self._more is None:
                 self._more = {}
             self._more.setdefault(task, []).append(held)
-        return held
 
-    def _take_back(self) -> HeldLock:
+    def take_back(self, what: str) -> H:
         """The hold this task entered last, out of the context; RuntimeError if it entered none."""
         task = asyncio.current_task()
         more = self._more
@@ -347,15 +346,34 @@ class LockContext:
                 return held
         outer = self._held
         if outer is None or self._task is not task:
-            raise RuntimeError("LockContext exited in a task that is not inside it: each `async with` releases "
+            raise RuntimeError(f"{what} exited in a task that is not inside it: each `async with` releases "
                                "the hold its own task took (to let go of a hold from another task, hand that "
                                "task the hold and await held.release())")
         self._held = self._task = None
         return outer
 
+
+class LockContext(PerTaskHolds[HeldLock]):
+    """`async with manager.lock(...)`: acquire on enter, release on exit, LockLost on loss.
+
+    Tasks may share one context object and nest it: each exit releases the
+    hold its own task entered last (`PerTaskHolds`).
+    """
+
+    __slots__ = ("_acquire",)
+
+    def __init__(self, acquire: Callable[[], Awaitable[HeldLock]]) -> None:
+        super().__init__()
+        self._acquire = acquire
+
+    async def __aenter__(self) -> HeldLock:
+        held: HeldLock = await self._acquire()
+        self.keep(held)
+        return held
+
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
-        held = self._take_back()
+        held = self.take_back("LockContext")
         lease = held._lease
         try:
             await held.release()

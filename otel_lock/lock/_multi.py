@@ -24,7 +24,7 @@ from types import TracebackType
 from typing import Any, Awaitable, Callable, Iterable
 
 from ._errors import LockBusy, LockError, LockTimeout
-from ._held import HeldLock, Lease
+from ._held import HeldLock, Lease, PerTaskHolds
 
 log = logging.getLogger("otel_lock")
 
@@ -173,24 +173,26 @@ def _log_failure(task: asyncio.Future[bool]) -> None:
                     task.exception())
 
 
-class MultiLockContext:
-    """`async with manager.lock_all([...])`: acquire on enter, release on exit, LockLost on loss."""
+class MultiLockContext(PerTaskHolds["HeldLocks"]):
+    """`async with manager.lock_all([...])`: acquire on enter, release on exit, LockLost on loss.
 
-    __slots__ = ("_acquire", "_held")
+    Shared by tasks and nested as `LockContext` is: each exit releases what its own task entered last.
+    """
+
+    __slots__ = ("_acquire",)
 
     def __init__(self, acquire: Callable[[], Awaitable[HeldLocks]]) -> None:
+        super().__init__()
         self._acquire = acquire
-        self._held: HeldLocks | None = None
 
     async def __aenter__(self) -> HeldLocks:
         held: HeldLocks = await self._acquire()
-        self._held = held
+        self.keep(held)
         return held
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
-        held, self._held = self._held, None
-        assert held is not None, "__aexit__ without __aenter__"
+        held = self.take_back("MultiLockContext")
         try:
             await held.release()
         except LockError as error:

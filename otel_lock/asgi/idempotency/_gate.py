@@ -57,6 +57,9 @@ _UNKNOWN_CAUSES = {
     "interrupted": "was interrupted (client gone, lock lost or replica died)",
 }
 _REDIS_ERRORS = (RedisUnavailable, RedisMisconfigured)
+# Looks again at a key held without a record (seconds between them, about 90 ms in all): a claim follows its
+# lock by a round trip, so a second request racing the first sees it, unless the first died before it.
+_CLAIM_PAUSES = (0.002, 0.005, 0.01, 0.02, 0.05)
 # Any other error of the lock core before the handler ran (an unexpected reply): still an answer.
 _LOCK_ERRORS = (*_REDIS_ERRORS, LockError)
 
@@ -276,6 +279,13 @@ class IdempotentRequest:
 
     async def _busy(self) -> None:
         record = await self._load()
+        for pause in _CLAIM_PAUSES:
+            if record is not None:
+                break
+            # Held, not yet claimed: the first request writes its record a round trip after it takes the
+            # lock. Looking again a few times lets a different payload meet its 422 here, not a 409.
+            await asyncio.sleep(pause)
+            record = await self._load()
         # Finished between our two looks, or a different request: 422 is checked before 409.
         if record is not None and (record.get("state") != STARTED or not self._matches(record)):
             await self._answer_settled(record)

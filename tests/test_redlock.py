@@ -567,3 +567,22 @@ async def test_held_locks_with_a_master_stopped_lists_what_the_quorum_holds(mast
     finally:
         for client in clients:
             await client.aclose()
+
+
+async def test_a_route_lease_under_the_quorums_minimum_fails_the_start_up_naming_it(masters):
+    """Regression: `@locked(lease=0.5)` passed the decorator (any manager takes 0.5 s) and, behind a RedLock quorum
+    whose minimum is 1 s, answered every request with a bare 500."""
+    from _middleware_helpers import run_lifespan
+
+    async with RedLockManager.from_urls(urls(masters)) as locks:
+        app = FastAPI()
+
+        @app.post("/jobs/{job_id}")
+        @locked("job:{path.job_id}", lease=0.5)
+        async def run_job(job_id: int):
+            return {}
+
+        app.add_middleware(LockMiddleware, manager=locks)
+        messages = await run_lifespan(app)
+    assert messages[0]["type"] == "lifespan.startup.failed"
+    assert "/jobs/{job_id}" in messages[0]["message"] and "lease must be at least 1 s" in messages[0]["message"]

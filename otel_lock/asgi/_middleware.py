@@ -211,6 +211,7 @@ class LockMiddleware:
                 install(route_plan.route, RouteHandle(self, route_plan, original_handle(route_plan.route),
                                                       protections))
         _expect(self._manager, names)
+        problems += self._lease_problems(plans)
         if startup and self._manager is not None:
             # Settings the idempotency gate needs (a principal): at start-up they fail the start;
             # on first use the gate answers for itself.
@@ -293,6 +294,23 @@ class LockMiddleware:
                              f"principal=<callable(request)> (e.g. otel_lock.asgi.authenticated_user after "
                              f"Starlette's AuthenticationMiddleware) to LockMiddleware(...)")
         return source
+
+    def _lease_problems(self, plans: list[RoutePlan]) -> list[Problem]:
+        """Leases the manager refuses (a RedLock quorum's minimum is longer than what the decorator checked):
+        said at start-up (or first use), not as a 500 on every request."""
+        options = getattr(self._manager, "options", None)
+        found: list[Problem] = []
+        for route_plan in plans:
+            for annotated in route_plan.methods.values():
+                lease = annotated.locked.lease if annotated.locked is not None else None
+                if lease is not None and options is not None:
+                    try:
+                        options.check_lease(lease)
+                    except ValueError as error:
+                        found.append(Problem(route_plan.template, f"@locked(lease={lease!r}): {error}",
+                                             route_plan.route))
+                        break
+        return found
 
     def _gate_problems(self, plans: list[RoutePlan]) -> list[Problem]:
         found: list[Problem] = []

@@ -58,8 +58,10 @@ class Bound:
 class RouteBinding:
     """How one route's handler receives each value of one key template."""
 
-    def __init__(self, template: KeySet, dependant: Any = None, embed: bool = False) -> None:
+    def __init__(self, template: KeySet, dependant: Any = None, embed: bool = False,
+                 json_without_content_type: bool = True) -> None:
         self.template = template
+        self.json_without_content_type = json_without_content_type  # as the route's FastAPI reads a body
         own = _Declared(dependant, top_only=True) if dependant is not None else None
         declared = _Declared(dependant) if dependant is not None else None
         self.body_fields: list[Any] = declared.body if declared is not None else []
@@ -154,7 +156,7 @@ class RouteBinding:
 
         if self.form:
             return await _validate_form(self.body_fields, self.embed, scope, body)
-        document = _json_body(scope, body)
+        document = _json_body(scope, body, self.json_without_content_type)
         if document is INVALID:
             return INVALID
         values, errors = await request_body_to_args(body_fields=self.body_fields, received_body=document,
@@ -289,11 +291,14 @@ def _mapping(scope: Scope, source: str) -> Any:
     return Headers(scope=scope)
 
 
-def _json_body(scope: Scope, body: bytes) -> Any:
-    """The body as FastAPI hands it to validation: JSON for JSON (or no) content types, else bytes."""
+def _json_body(scope: Scope, body: bytes, without_content_type: bool = True) -> Any:
+    """The body as FastAPI hands it to validation: JSON for JSON content types (and none, unless the route is
+    strict about it: FastAPI's `strict_content_type`, on by default), else bytes, which FastAPI answers 422."""
     if not body:
         return None
     content_type = _content_type(scope)
+    if not content_type and not without_content_type:
+        return body
     if content_type:
         main, _, sub = content_type.partition("/")
         if main != "application" or not (sub == "json" or sub.endswith("+json")):
@@ -302,6 +307,15 @@ def _json_body(scope: Scope, body: bytes) -> Any:
         return json.loads(body)
     except (ValueError, RecursionError):
         return INVALID
+
+
+def json_without_content_type(route: Any) -> bool:
+    """Does this FastAPI route read a body sent without Content-Type as JSON? Not when `strict_content_type`
+    (FastAPI's default since it has the setting); always before it."""
+    strict = getattr(route, "strict_content_type", None)
+    if strict is None:
+        return True
+    return not bool(getattr(strict, "value", strict))  # a DefaultPlaceholder holds its value
 
 
 def _content_type(scope: Scope) -> str:

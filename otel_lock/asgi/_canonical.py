@@ -143,12 +143,19 @@ def _is_url(cls: type) -> bool:
                and base.__module__.startswith(("pydantic", "pydantic_core")) for base in cls.__mro__)
 
 
+def _refuse(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
 def loads(body: bytes | str) -> Any:
     """Decode JSON keeping every number exact (Decimal for fractions); NaN and infinities refused."""
-    def refuse(name: str) -> Any:
-        raise ValueError(f"{name} is not JSON")
+    return json.loads(body, parse_float=decimal.Decimal, parse_constant=_refuse)
 
-    return json.loads(body, parse_float=decimal.Decimal, parse_constant=refuse)
+
+def loads_as_handler(body: bytes | str) -> Any:
+    """Decode JSON as a handler's `request.json()` has it: fractions as floats (7.0000000000000001 is 7.0,
+    one resource for it, so one key), integers exact; NaN and infinities refused."""
+    return json.loads(body, parse_constant=_refuse)
 
 
 def dumps(document: Any) -> str:

@@ -14,7 +14,7 @@ import dataclasses
 from typing import Any, Iterable, Iterator, Mapping
 from urllib.parse import parse_qsl
 
-from ._canonical import NotCanonical, loads, scalar_text
+from ._canonical import NotCanonical, loads_as_handler, scalar_text
 from ._declared import FILE_ATTRS, MISSING, model_field
 
 from ._keys import PRINCIPAL, WILDCARD, Part, TemplateValueError, json_value, json_values
@@ -150,7 +150,7 @@ class RawValues:
     def _document(self) -> Any:
         if self._json is MISSING:
             try:
-                self._json = loads(self.body)
+                self._json = loads_as_handler(self.body)
             except (ValueError, RecursionError):
                 raise TemplateValueError("the request body is not valid JSON") from None
         return self._json

@@ -733,3 +733,22 @@ def test_equivalent_spellings_through_fastapis_own_validation_are_one_key(qty, m
         assert isinstance(values, dict), body
         keys.add(template.render(values.__getitem__))
     assert len(keys) == 1, keys
+
+
+async def test_a_list_query_parameter_fails_the_start_up_with_a_fix_that_works(redis_url):
+    """Regression test: the start-up said to write {query.ids.0} or {query.ids.<field>}, which the decorator
+    then refuses (only a body's values take steps): the message names what does work."""
+    async with make_manager(redis_url) as manager:
+        app = FastAPI()
+
+        @app.post("/items")
+        @locked("items:{query.ids}")
+        async def items(ids: Annotated[list[int], Query()]):
+            return {"ids": ids}
+
+        app.add_middleware(LockMiddleware, manager=manager)
+        messages = await run_lifespan(app)
+    assert messages[0]["type"] == "lifespan.startup.failed"
+    assert "lock_all" in messages[0]["message"] and "{json.ids.*}" in messages[0]["message"]
+    assert ".0 for" not in messages[0]["message"]
+    locked("items:{json.ids.*}")  # the template it suggests is one the decorator takes

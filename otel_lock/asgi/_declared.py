@@ -193,6 +193,11 @@ def _check_leaf(node: Any, part: Part) -> None:
     origin = typing.get_origin(node) or node
     if model is not None or origin in (list, tuple, set, frozenset, dict) or (
             isinstance(origin, type) and dataclasses.is_dataclass(origin)):
+        if part.source not in ("json", "form"):  # only a body's values take steps (.field, .0, .*)
+            raise Unbindable(f"{part.text} names a {part.source} parameter that is a list or an object, not one "
+                             "value, and a key part is one value: take the locks in the handler "
+                             "(`async with locks.lock_all([f\"item:{i}\" for i in ids])`), or send the values "
+                             "in a JSON body and name each one ({json.ids.*})")
         raise Unbindable(f"{part.text} names an object or a list, not one value: name one of its fields "
                          f"(e.g. {{{part.source}.{part.field}.<field>}} or .0 for a list's first item)")
     arms = [a for a in typing.get_args(node) if a is not type(None)] \

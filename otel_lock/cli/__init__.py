@@ -162,7 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
                                             "SCAN reads them (sorted within a page), in bounded memory.")
     _add_redis(locks, "redis://127.0.0.1:6379/0")
     locks.add_argument("--json", action="store_true",
-                       help="print a JSON array of {key, name, owner, depth, ttl, token} (ttl in seconds), "
+                       help="print a JSON array of {key, name, owner, depth, ttl, token} (ttl in seconds, "
+                            "null without expiry; depth or token null when not a whole number in Redis), "
                             "one object per line as the locks are read")
 
     unlock = commands.add_parser(
@@ -268,7 +269,8 @@ def _against_redis(command: str, args: argparse.Namespace, work: Callable[[LockM
     try:
         return asyncio.run(run())
     except (RedisError, LockError, OSError) as exc:
-        raise _RedisFailed(f"otel-lock {command}: {_describe_redis_error(exc, args.redis_url)}") from exc
+        why = _describe_redis_error(exc, args.redis_url).replace("<namespace>", args.namespace)
+        raise _RedisFailed(f"otel-lock {command}: {why}") from exc
 
 
 class _RedisFailed(Exception):
@@ -277,7 +279,9 @@ class _RedisFailed(Exception):
 
 def _describe_redis_error(exc: BaseException, url: str) -> str:
     """One line that says what went wrong with the Redis at `url` (its password never shown)."""
-    from redis.exceptions import AuthenticationError, InvalidResponse, ResponseError
+    from redis.exceptions import AuthenticationError, InvalidResponse, NoPermissionError, ResponseError
+
+    from .. import LockError
     from redis.exceptions import ConnectionError as RedisConnectionError
     from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -286,6 +290,9 @@ def _describe_redis_error(exc: BaseException, url: str) -> str:
     detail = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
     if isinstance(cause, AuthenticationError):
         return f"Redis at {where} refused the credentials: {detail}"
+    if isinstance(cause, NoPermissionError) and isinstance(exc, LockError) and "; " in str(exc):
+        # the core's message names the ACL rule to grant
+        return f"Redis at {where} refused the user: {detail}; {str(exc).split('; ', 1)[1]}"
     if isinstance(cause, InvalidResponse):
         return f"{where} does not speak the Redis protocol (is it an HTTP or other server?): {detail}"
     if isinstance(cause, ResponseError):

@@ -5,11 +5,16 @@ the listing starts at once and its memory does not grow with the namespace.
 The JSON form is still the one documented array: `[`, one object per line,
 `]`. A listing cut short by a Redis error is left unterminated, so that a
 script reads it as the failure it is (exit status 1), never as a shorter list.
+
+A key without expiry (the stuck lock an operator looks for) has TTL `none`
+(JSON null); a depth or token that is not a whole number in Redis is `?`
+(JSON null).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 from typing import TYPE_CHECKING
 
@@ -28,8 +33,8 @@ class TextRows:
         self.rows = 0
 
     def write(self, page: list[LockInfo]) -> None:
-        cells = [(i.key, i.owner, str(i.depth), "-" if i.ttl is None else f"{i.ttl:.1f}s", str(i.token))
-                 for i in page]
+        cells = [(i.key, i.owner, _cell(_number(i.depth)), "none" if math.isinf(i.ttl) else f"{i.ttl:.1f}s",
+                  _cell(_number(i.token))) for i in page]
         self.widths = [max([width, *(len(row[col]) for row in cells)]) for col, width in enumerate(self.widths)]
         lines = [] if self.rows else [self._line(HEADER)]
         lines += [self._line(row) for row in cells]
@@ -61,7 +66,8 @@ class JsonRows:
         out = []
         for info in page:
             row = {"key": info.key, "name": _lock_name(info.key, self.namespace), "owner": info.owner,
-                   "depth": info.depth, "ttl": info.ttl, "token": info.token}
+                   "depth": _number(info.depth), "ttl": None if math.isinf(info.ttl) else info.ttl,
+                   "token": _number(info.token)}
             out.append(("[\n  " if not self.rows else ",\n  ") + json.dumps(row))
             self.rows += 1
         sys.stdout.write("".join(out))
@@ -74,3 +80,12 @@ class JsonRows:
 
     def end(self) -> None:
         print("\n]" if self.rows else "[]")
+
+
+def _number(value: int) -> int | None:
+    """None for the listing's UNKNOWN (-1): not a whole number in Redis."""
+    return value if value >= 0 else None
+
+
+def _cell(value: int | None) -> str:
+    return "?" if value is None else str(value)

@@ -42,12 +42,16 @@ AUDIT_STREAM_LEN = 10_000
 
 
 def _redis_url(value: str) -> str:
-    scheme = urlsplit(value).scheme
+    try:
+        scheme = urlsplit(value).scheme
+    except ValueError as exc:  # "Invalid IPv6 URL"
+        raise argparse.ArgumentTypeError(f"bad Redis URL {redact_url(value)!r}: {exc}") from None
     if scheme not in ("redis", "rediss", "unix", "redis+sentinel", "redis+cluster"):
         raise argparse.ArgumentTypeError(
             f"not a Redis URL: {redact_url(value)!r} (expected redis://host:port/db, "
             "redis+sentinel://host:port[,host:port...]/service or redis+cluster://host:port[,host:port...])")
-    # The core's own parsers: a bad host list is exit 2 here, not an error in every replica.
+    # The core's own parsers, and redis-py's for one server: a bad URL is exit 2 here, for every command,
+    # not a traceback at the first command nor an error in every replica.
     try:
         if scheme == "redis+sentinel":
             from ..lock._sentinel import parse_url as parse_sentinel_url
@@ -55,6 +59,12 @@ def _redis_url(value: str) -> str:
         elif scheme == "redis+cluster":
             from ..lock._cluster import parse_url as parse_cluster_url
             parse_cluster_url(value)
+        else:
+            from ._urls import check_url
+            try:
+                check_url(value)
+            except ValueError as exc:
+                raise ValueError(f"bad Redis URL {redact_url(value)!r}: {exc}") from None
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return value

@@ -6,7 +6,8 @@ subcommand, so `otel-lock --help` is instant and a bad argument is reported
 serve, demo and stack need the `[cli]` extra, and say so when it is missing.
 
 Exit status: 0 done, 1 failed (Redis unreachable or refusing, lock not held,
-missing extra, demo verdict FAILED), 2 bad arguments, 130 interrupted.
+missing extra, demo verdict FAILED), 2 bad arguments, 3 `unlock` released the
+lock but could not write its audit record, 130 interrupted.
 Errors are one line on stderr, never a traceback.
 """
 
@@ -118,7 +119,22 @@ def _namespace(value: str) -> str:
 def _reason(value: str) -> str:
     if not value.strip():
         raise argparse.ArgumentTypeError("say why, for the audit record: --reason 'holder pod was deleted'")
+    return _utf8(value, "the reason")
+
+
+def _utf8(value: str, what: str) -> str:
+    """Refuse what Redis could not be sent: bytes that are not UTF-8 arrive as lone surrogates."""
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        shown = value.encode(errors="surrogateescape").decode(errors="backslashreplace")
+        raise argparse.ArgumentTypeError(f"{what} '{shown}' is not UTF-8 text (set the terminal to "
+                                         "UTF-8, or write it in ASCII)") from None
     return value
+
+
+def _lock_key(value: str) -> str:
+    return _utf8(value, "the lock name")
 
 
 def _add_redis(parser: argparse.ArgumentParser, default: str | None) -> None:
@@ -180,8 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
         "unlock", help="force-release a lock (audited)",
         description="Delete a lock whatever its owner, for an operator who knows the holder is gone. "
                     "Appended to the Redis stream <namespace>:audit; the result goes to stdout. "
-                    "Exit status 1 if the lock was not held.")
-    unlock.add_argument("key", metavar="KEY", help="lock name (stock:1001) or Redis key as `locks` prints it")
+                    "Exit status 1 if the lock was not held, 3 if it was released but the audit record "
+                    "could not be written (stderr says why).")
+    unlock.add_argument("key", metavar="KEY", type=_lock_key,
+                        help="lock name (stock:1001) or Redis key as `locks` prints it")
     _add_redis(unlock, "redis://127.0.0.1:6379/0")
     unlock.add_argument("--reason", required=True, type=_reason, help="why, for the audit record (required)")
 
@@ -366,32 +384,57 @@ def _lock_name(key: str, namespace: str) -> str:
 
 
 def _unlock(args: argparse.Namespace) -> int:
-    name = _lock_name(args.key, args.namespace)
-    who = f"{getpass.getuser()}@{socket.gethostname()}"
+    """Everything that can be checked is checked before the release: after it, only the audit write can fail."""
+    from redis.exceptions import RedisError
 
-    async def force(manager: LockManager) -> bool:
+    from ..lock._options import check_key
+
+    name = _lock_name(args.key, args.namespace)
+    try:
+        check_key(name)  # the core rejects names it could never have locked
+    except ValueError as exc:
+        print(f"otel-lock unlock: {exc}", file=sys.stderr)
+        return 2
+    who = f"{_user()}@{socket.gethostname()}"
+    stream = f"{args.namespace}:audit"
+
+    async def force(manager: LockManager) -> tuple[bool, str]:
         released = await manager.force_release(name)
-        # The audit record lives next to the locks, so every operator sees it.
-        await manager.redis.xadd(f"{args.namespace}:audit", {
-            "action": "unlock", "lock": name, "by": who, "pid": str(os.getpid()),
-            "released": "1" if released else "0", "reason": args.reason, "at": f"{time.time():.3f}",
-        }, maxlen=AUDIT_STREAM_LEN, approximate=True)
-        return released
+        try:
+            # The audit record lives next to the locks, so every operator sees it.
+            await manager.redis.xadd(stream, {
+                "action": "unlock", "lock": name, "by": who, "pid": str(os.getpid()),
+                "released": "1" if released else "0", "reason": args.reason, "at": f"{time.time():.3f}",
+            }, maxlen=AUDIT_STREAM_LEN, approximate=True)
+        except (RedisError, OSError) as exc:
+            return released, _describe_redis_error(exc, args.redis_url)
+        return released, ""
 
     try:
-        released = _against_redis("unlock", args, force)
+        released, unaudited = _against_redis("unlock", args, force)
     except _RedisFailed as exc:
         print(exc, file=sys.stderr)
         return 1
-    except ValueError as exc:  # the core rejects names it could never have locked
-        print(f"otel-lock unlock: {exc}", file=sys.stderr)
-        return 2
     what = f"lock {name!r} in namespace {args.namespace!r}"
     if not released:
-        print(f"otel-lock unlock: {what} was not held; nothing released (attempt audited)", file=sys.stderr)
+        audited = f"attempt NOT audited: {unaudited}" if unaudited else "attempt audited"
+        print(f"otel-lock unlock: {what} was not held; nothing released ({audited})", file=sys.stderr)
         return 1
-    print(f"released {what} (forced by {who}, reason: {args.reason}; audited in {args.namespace}:audit)")
+    if unaudited:
+        print(f"released {what} (forced by {who}, reason: {args.reason}; NOT audited)")
+        print(f"otel-lock unlock: {what} WAS released, but its audit record could not be written to "
+              f"{stream}: {unaudited}", file=sys.stderr)
+        return 3
+    print(f"released {what} (forced by {who}, reason: {args.reason}; audited in {stream})")
     return 0
+
+
+def _user() -> str:
+    """The operator's login name, or the uid where the system has none for it (a container)."""
+    try:
+        return getpass.getuser()
+    except (OSError, KeyError):
+        return f"uid{os.getuid()}"
 
 
 def _doctor(args: argparse.Namespace) -> int:

@@ -679,3 +679,42 @@ async def test_a_stuck_batch_fails_with_the_timeout_in_every_place(world):
         assert [type(a) for a in answers] == [RedisTimeoutError] * 2, answers
         world.proxy.release()
         assert await connection.execute_many([("ECHO", "c")]) == [b"c"]  # on a new socket
+
+
+@pytest.mark.parametrize("answer", [b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n", b"\x00\xff\xfe garbage\r\n"],
+                         ids=["http", "binary"])
+async def test_a_server_that_does_not_speak_redis_fails_each_call_as_redis_py_does(answer, caplog):
+    """Regression: hiredis' ProtocolError escaped `data_received`, so asyncio logged a traceback, and the callers
+    got "connection lost". Now every caller gets redis-py's InvalidResponse, and no connect is tried again."""
+    handlers: list[asyncio.Future[Any]] = []
+
+    async def speak(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        handlers.append(asyncio.current_task())  # type: ignore[arg-type]
+        try:
+            await reader.read(1024)
+            writer.write(answer)
+            await writer.drain()
+            await reader.read()  # until the client hangs up
+        finally:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+
+    server = await asyncio.start_server(speak, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    connection = Connection(port=port, timeout=TIMEOUT, connect_timeout=TIMEOUT)
+    reference = RedisPy(port)
+    try:
+        async with asyncio.timeout(20):
+            lean = await outcome(connection.execute("GET", "k"))
+            again = await outcome(connection.execute("GET", "k"))
+            expected = await outcome(reference.run("GET", "k"))
+    finally:
+        await connection.aclose()
+        await reference.aclose()
+        server.close()
+        await server.wait_closed()
+        await asyncio.gather(*handlers, return_exceptions=True)
+    assert lean == again == expected == Outcome("InvalidResponse"), (lean, again, expected)
+    assert f"127.0.0.1:{port} a Redis server?" in str(lean.error)
+    assert "data_received() call failed" not in caplog.text

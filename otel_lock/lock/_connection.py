@@ -41,7 +41,7 @@ from typing import Any, Awaitable, Callable, Sequence, cast
 
 import hiredis
 from redis._parsers import BaseParser
-from redis.exceptions import AuthenticationError, BusyLoadingError, DataError, ResponseError
+from redis.exceptions import AuthenticationError, BusyLoadingError, DataError, InvalidResponse, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -134,6 +134,14 @@ class _Protocol(asyncio.Protocol):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
 
     def data_received(self, data: bytes) -> None:
+        try:
+            self._replies(data)
+        except hiredis.ProtocolError as error:  # an HTTP server, a TLS port spoken to in plain text...
+            self.refusal = InvalidResponse(f"{error} (is {self.server} a Redis server?)")
+            if self.transport is not None:
+                self.transport.abort()  # every caller on the socket gets the refusal (connection_lost)
+
+    def _replies(self, data: bytes) -> None:
         reader = self.reader
         reader.feed(data)
         while (reply := reader.gets()) is not False:
@@ -342,7 +350,7 @@ class Connection:
         for reply in replies:
             if not isinstance(reply, Exception):
                 continue
-            if not probe or isinstance(reply, AuthenticationError) or (
+            if not probe or isinstance(reply, (AuthenticationError, InvalidResponse)) or (
                     isinstance(reply, RedisConnectionError) and not isinstance(reply, BusyLoadingError)):
                 raise reply
 

@@ -134,38 +134,35 @@ class _Protocol(asyncio.Protocol):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
 
     def data_received(self, data: bytes) -> None:
+        reader = self.reader
+        reader.feed(data)
         try:
-            self._replies(data)
+            while (reply := reader.gets()) is not False:
+                if self.on_push is not None and (not self.pending or _is_push(reply)):
+                    self.on_push(reply)
+                    continue
+                if not self.pending:
+                    # Nothing asked: the server tells why it hangs up (maxclients, a protocol error).
+                    if isinstance(reply, Exception):
+                        self.refusal = reply
+                    continue
+                future = self.pending.popleft()
+                orphan = self.orphans.pop(future, None) if self.orphans else None
+                if self.deadlines:
+                    self.deadlines.pop(future, None)
+                if future.done():
+                    # its caller was cancelled; the reply is still this one's, and its owner may want it
+                    if orphan is not None:
+                        orphan(reply)
+                    continue
+                if isinstance(reply, Exception):
+                    future.set_exception(reply)
+                else:
+                    future.set_result(reply)
         except hiredis.ProtocolError as error:  # an HTTP server, a TLS port spoken to in plain text...
             self.refusal = InvalidResponse(f"{error} (is {self.server} a Redis server?)")
             if self.transport is not None:
                 self.transport.abort()  # every caller on the socket gets the refusal (connection_lost)
-
-    def _replies(self, data: bytes) -> None:
-        reader = self.reader
-        reader.feed(data)
-        while (reply := reader.gets()) is not False:
-            if self.on_push is not None and (not self.pending or _is_push(reply)):
-                self.on_push(reply)
-                continue
-            if not self.pending:
-                # Nothing asked: the server tells why it hangs up (maxclients, a protocol error).
-                if isinstance(reply, Exception):
-                    self.refusal = reply
-                continue
-            future = self.pending.popleft()
-            orphan = self.orphans.pop(future, None) if self.orphans else None
-            if self.deadlines:
-                self.deadlines.pop(future, None)
-            if future.done():
-                # its caller was cancelled; the reply is still this one's, and its owner may want it
-                if orphan is not None:
-                    orphan(reply)
-                continue
-            if isinstance(reply, Exception):
-                future.set_exception(reply)
-            else:
-                future.set_result(reply)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True

@@ -25,7 +25,7 @@ from typing import TextIO
 from ..lock._core import model_refusal
 from ..lock._scripts import MODEL, SHARES_WITH
 from ..lock._server_checks import Check, ServerReport
-from ._layouts import NamespaceState, namespace_state
+from ._layouts import NamespaceState, namespace_state, unreadable
 from ._redis_server import redact_url
 
 __all__ = ["run_doctor"]
@@ -56,7 +56,7 @@ def run_doctor(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
         rights = _CLUSTER_RIGHTS if args.redis_url.startswith("redis+cluster") and _no_permission(exc) else ""
         print(f"otel-lock doctor: {_describe_redis_error(exc, args.redis_url)}{rights}", file=sys.stderr)
         return 1
-    ok = all(r.ok for r in reports) and not refusal
+    ok = all(r.ok for r in reports) and not refusal and not state.error
     if args.json:
         print(json.dumps({"url": redact_url(args.redis_url), "namespace": args.namespace, "ok": ok,
                           "model": MODEL, "namespace_state": state.as_dict(), "model_refusal": refusal or None,
@@ -70,7 +70,10 @@ async def _reports(url: str, namespace: str,
                    require_noeviction: bool) -> tuple[list[ServerReport], NamespaceState, str]:
     """The manager's own checks (`check_servers()`, as at its first use), what lives in the namespace, and
     the manager's refusal of a namespace another data model claims ("" when it is free or ours)."""
+    from redis.exceptions import ResponseError
+
     from ..lock import LockManager
+    from ..lock._errors import user_name
 
     scheme = url.split("://", 1)[0]
     locks = LockManager.from_url(url, namespace=namespace, require_noeviction=require_noeviction,
@@ -78,7 +81,10 @@ async def _reports(url: str, namespace: str,
     async with locks:
         reports = [replace(r, address=f"{r.address} {_ROLES[scheme]}") if scheme in _ROLES else r
                    for r in await locks.check_servers()]
-        state = await namespace_state(locks.redis, namespace)
+        try:
+            state = await namespace_state(locks.redis, namespace)
+        except ResponseError as exc:  # NOPERM, WRONGTYPE: the servers' report still stands
+            state = unreadable(namespace, exc, user_name(locks.redis))
         refusal = "" if state.model in (None, MODEL, *SHARES_WITH) else model_refusal(namespace, locks._topology.where(), state.model)
     return reports, state, refusal
 
@@ -114,7 +120,7 @@ def _print(reports: list[ServerReport], state: NamespaceState, refusal: str, arg
         print(line, file=out)
     if refusal:
         print(f"  {_MARKS['refusal']:8} {'data model':12} {refusal}", file=out)
-    refusals = sum(len(r.refusals) for r in reports) + bool(refusal)
+    refusals = sum(len(r.refusals) for r in reports) + bool(refusal) + bool(state.error)
     warnings = sum(len(r.warnings) for r in reports)
     counts = f"{refusals} refusal{'s' * (refusals != 1)}, {warnings} warning{'s' * (warnings != 1)}"
     verdict = "REFUSED: the lock manager would not start here" if refusals else "usable by otel-lock"

@@ -10,6 +10,10 @@ Idempotency-Key record layout there has been:
 A rolling deploy or a rollback needs to know both: a manager refuses a
 namespace of another data model, and a release that reads one layout only
 answers none of the other's records.
+
+Reading them can fail after the server checks passed (a user without rights
+on `<ns>:*`, another type under `<ns>:model`): the report is still printed,
+and the namespace part says what failed (`error`), a refusal.
 """
 
 from __future__ import annotations
@@ -26,18 +30,21 @@ LAYOUTS = (("current", "{ns}:idem:{{*}}:r:*", "<ns>:idem:{<p>}:r:<h>"),
 @dataclass(frozen=True)
 class NamespaceState:
     """`model`: the data model claiming the namespace (None: unclaimed), `model_ttl` its seconds left;
-    `layouts`: the record layouts found, by name (current, 0.1.0)."""
+    `layouts`: the record layouts found, by name (current, 0.1.0); `error`: why it could not be read."""
 
     namespace: str
     model: int | None
     model_ttl: int | None
     layouts: tuple[str, ...]
+    error: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         return {"namespace": self.namespace, "model": self.model, "model_ttl": self.model_ttl,
-                "record_layouts": list(self.layouts)}
+                "record_layouts": list(self.layouts), "error": self.error or None}
 
     def lines(self, ours: int) -> list[str]:
+        if self.error:
+            return [f"namespace {self.namespace!r}: could not be read: {self.error}"]
         if self.model is None:
             claim = "no data model claims it (unused, or only managers of 0.1.0, which claim none)"
         else:
@@ -66,6 +73,19 @@ async def namespace_state(client: Any, namespace: str) -> NamespaceState:
         finally:
             await keys.aclose()
     return NamespaceState(namespace, _int(model), ttl, tuple(found))
+
+
+def unreadable(namespace: str, error: BaseException, user: str) -> NamespaceState:
+    """The namespace state of a read that failed, its error worded with the fix."""
+    from redis.exceptions import NoPermissionError
+
+    detail = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    if isinstance(error, NoPermissionError) or "no permissions" in detail.lower():
+        detail += f" (fix: ACL SETUSER {user} ~{namespace}:*, or the namespace this user has: --namespace)"
+    elif detail.startswith("WRONGTYPE"):
+        detail += (f" ({namespace}:model is not a string: another program uses the namespace; "
+                   "fix: another --namespace, or remove that key)")
+    return NamespaceState(namespace, None, None, (), detail)
 
 
 def _int(value: Any) -> int | None:

@@ -39,8 +39,9 @@ class NamespaceState:
     error: str = ""
 
     def as_dict(self) -> dict[str, Any]:
-        return {"namespace": self.namespace, "model": self.model, "model_ttl": self.model_ttl,
-                "record_layouts": list(self.layouts), "error": self.error or None}
+        state = {"namespace": self.namespace, "model": self.model, "model_ttl": self.model_ttl,
+                 "record_layouts": list(self.layouts)}
+        return {**state, "error": self.error} if self.error else state  # the key only when it failed
 
     def lines(self, ours: int) -> list[str]:
         if self.error:

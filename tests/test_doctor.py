@@ -265,3 +265,12 @@ def test_a_namespace_of_another_data_model_is_refused_by_both_for_one_reason(ser
     assert result.returncode == 1 and "verdict: REFUSED" in result.stdout
     assert isinstance(refused, RedisMisconfigured)
     assert f"REFUSED  data model   {refused}" in result.stdout
+
+
+def test_a_database_the_server_lacks_is_named_not_taken_for_acl_refusals(server):
+    """Every probe failed with 'DB index is out of range' and each was reported as a missing ACL right first."""
+    result = doctor("--redis-url", f"redis://127.0.0.1:{server.port}/16")
+    assert result.returncode == 1 and result.stdout == ""
+    assert "ACL SETUSER" not in result.stderr and "may not run" not in result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"otel-lock doctor: Redis at redis://127.0.0.1:{server.port}/16 answered with an error: DB index is out of range"]

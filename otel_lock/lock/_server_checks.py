@@ -283,7 +283,7 @@ async def _round_trip(run: Run, pings: int) -> tuple[float, BaseException | None
         try:
             await run("PING")
         except Exception as exc:  # noqa: BLE001 - classified below; connection errors re-raised
-            if not _answered(exc):
+            if not _refused(exc):
                 raise
             refused = exc
         times.append(time.perf_counter() - began)
@@ -468,7 +468,7 @@ class _Rights:
                 await self.subscribe(self.channel)
                 self._note(self.sub, None)
             except Exception as exc:  # noqa: BLE001
-                if not _answered(exc):
+                if not _refused(exc):
                     raise
                 self._note(self.sub, _first_line(exc))
 
@@ -519,8 +519,10 @@ class _Rights:
                 # not loaded (SCRIPT LOAD was refused), but the ACL let EVALSHA and its keys through
                 self._note("EVALSHA", None)
                 self.keys_refused = None
-            else:
+            elif _refused(exc):
                 self._note(command, _first_line(exc))
+            else:
+                raise
             return False
         self._note(command, None)
         self.keys_refused = None
@@ -534,7 +536,7 @@ class _Rights:
         try:
             await self.run("SCRIPT", "LOAD", _PROBE)
         except Exception as exc:  # noqa: BLE001
-            if not _answered(exc):
+            if not _refused(exc):
                 raise
             self.commands["script load"] = _first_line(exc)  # never about keys or channels: SCRIPT has none
             return False
@@ -647,6 +649,25 @@ def _answered(exc: BaseException) -> bool:
     if isinstance(exc, (RedisConnectionError, RedisTimeoutError, OSError)):
         return False
     return isinstance(exc, (ResponseError, RedisMisconfigured)) or "NOPERM" in str(exc)
+
+
+def _refused(exc: BaseException) -> bool:
+    """An ACL refusal, or a command the server lacks: what the rights checks report, with its fix.
+
+    Any other error reply (DB index is out of range, LOADING, OOM) is about
+    the server, not the user's rights: raised, so that it is named as itself
+    instead of as ACL fixes that do not apply.
+    """
+    from redis.exceptions import NoPermissionError
+
+    if not _answered(exc):
+        return False
+    text = str(exc).lower()
+    return isinstance(exc, NoPermissionError) or any(word in text for word in _REFUSALS)
+
+
+# NOPERM, a script's refused call, a renamed or missing command (SPUBLISH before 7.0, SCRIPT renamed away)
+_REFUSALS = ("noperm", "no permissions", "user executing the script can't", "unknown command", "unknown subcommand")
 
 
 def _is_ok(reply: Any) -> bool:

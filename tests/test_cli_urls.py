@@ -37,10 +37,18 @@ def test_a_bad_url_is_exit_2_with_one_line_for_every_command(command, case, caps
     assert "Traceback" not in err and expected in last and "s3cret" not in err, err
 
 
-@pytest.mark.parametrize("url", [f"redis://127.0.0.1:{PORT}/0?socket_timeout=5&protocol=3",
-                                 f"rediss://127.0.0.1:{PORT}/0?ssl_cert_reqs=none", "unix:///tmp/r.sock?db=1",
-                                 f"redis://[::1]:{PORT}/2", f"redis://u:p%40ss@127.0.0.1:{PORT}"])
-def test_a_good_url_is_accepted(url):
+GOOD = {  # named, not parametrized by URL: the port is drawn per process, and xdist's workers must collect alike
+    "options": f"redis://127.0.0.1:{PORT}/0?socket_timeout=5&protocol=3",
+    "tls-option": f"rediss://127.0.0.1:{PORT}/0?ssl_cert_reqs=none",
+    "unix-with-db": "unix:///tmp/r.sock?db=1",
+    "ipv6": f"redis://[::1]:{PORT}/2",
+    "encoded-password": f"redis://u:p%40ss@127.0.0.1:{PORT}",
+}
+
+
+@pytest.mark.parametrize("case", list(GOOD))
+def test_a_good_url_is_accepted(case):
+    url = GOOD[case]
     from otel_lock.cli import build_parser
 
     assert build_parser().parse_args(["locks", "--redis-url", url]).redis_url == url

@@ -369,3 +369,26 @@ async def test_fail_open_runs_are_counted(fresh_redis):
     assert statuses == [200, 200, 503] and len(ran) == 3 and ran[1:] == [None, None]
     # One run with Redis asked, one refused by the open circuit: both ran unlocked, both counted.
     assert counter_points(reader, "otel_lock.fail_open") == {(("lock.name", "fo"),): 2}
+
+
+async def test_an_open_circuit_fails_at_once_yet_lets_the_loop_turn():
+    """Regression: a refused acquisition raised without giving the loop a turn, so a caller that retried at once
+    (`while True: try: await acquire() except RedisUnavailable: ...`) spun the loop: the half-open probe's reply
+    was never read, and the circuit never closed (a cluster slot migrated under load, now and then)."""
+    breaker = Breaker(1, 60.0)
+    breaker.record(False)  # open
+    other_ran = asyncio.Event()
+
+    async def other() -> None:
+        other_ran.set()
+
+    async def call() -> None:
+        raise AssertionError("not admitted: never started")
+
+    asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(other()))
+    for _ in range(100):
+        if other_ran.is_set():
+            break
+        with pytest.raises(RedisUnavailable):
+            await breaker.guarded(call())
+    assert other_ran.is_set(), "the refused callers never let another task run"

@@ -17,6 +17,8 @@ so the first one that succeeds closes it.
 
 from __future__ import annotations
 
+import asyncio
+
 import logging
 import math
 import time
@@ -108,6 +110,9 @@ class Breaker:
             probe = self.admit()
         except RedisUnavailable:
             call.close()
+            # One turn of the loop first: a caller that retries at once must not starve the probe's reply
+            # (and every other task) by failing without ever giving the loop a turn.
+            await asyncio.sleep(0)
             raise
         try:
             return await call

@@ -308,10 +308,10 @@ class _RedisFailed(Exception):
 def _describe_redis_error(exc: BaseException, url: str) -> str:
     """One line that says what went wrong with the Redis at `url` (its password never shown)."""
     from redis.exceptions import AuthenticationError, InvalidResponse, NoPermissionError, ResponseError
-
-    from .. import LockError
     from redis.exceptions import ConnectionError as RedisConnectionError
     from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    from .. import LockError
 
     where = redact_url(url)
     cause = _root_cause(exc)

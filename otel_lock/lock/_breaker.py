@@ -18,7 +18,6 @@ so the first one that succeeds closes it.
 from __future__ import annotations
 
 import asyncio
-
 import logging
 import math
 import time

@@ -71,17 +71,12 @@ def check_seconds(what: str, value: float, *, allow_zero: bool, allow_inf: bool 
     return float(value)
 
 
-def _fence_ttl(fence_ttl: float) -> float:
-    seconds = check_seconds("fence_ttl", fence_ttl, allow_zero=False)
+def check_expiry(what: str, given: object, seconds: float) -> float:
+    """`seconds` if Redis can hold it as an expiry (at most MAX_LEASE), else ValueError naming `what`."""
     if seconds > MAX_LEASE:
-        raise ValueError(f"fence_ttl must be at most {MAX_LEASE} s (2**53 ms), not {fence_ttl!r}")
+        raise ValueError(f"{what} must be at most {MAX_LEASE} s (2**53 ms, what Redis' expiry times and Lua's "
+                         f"numbers both hold), not {given!r}")
     return seconds
-
-
-def check_longest_lease(lease: object, lease_s: float) -> None:
-    if lease_s > MAX_LEASE:
-        raise ValueError(f"lease must be at most {MAX_LEASE} s (2**53 ms, what Redis' expiry times and Lua's "
-                         f"numbers both hold), not {lease!r}")
 
 
 def check_key(key: object) -> None:
@@ -123,13 +118,14 @@ class ManagerOptions:
         lease_s = check_seconds("lease", lease, allow_zero=False)
         if lease_s < MIN_LEASE:
             raise ValueError(f"lease must be at least {MIN_LEASE} s, not {lease!r}")
-        check_longest_lease(lease, lease_s)
+        check_expiry("lease", lease, lease_s)
         every = lease_s / 3 if renew_interval is None else check_seconds("renew_interval", renew_interval,
                                                                          allow_zero=False)
         if every >= lease_s:
             raise ValueError(f"lease ({lease} s) must be longer than the renewal interval ({every} s)")
         return cls(namespace, lease_s, check_seconds("wait", wait, allow_zero=True, allow_inf=True),
-                   bool(cancel_on_lost), _fence_ttl(fence_ttl),
+                   bool(cancel_on_lost),
+                   check_expiry("fence_ttl", fence_ttl, check_seconds("fence_ttl", fence_ttl, allow_zero=False)),
                    check_seconds("poll_cap", poll_cap, allow_zero=False), every,
                    require_noeviction=bool(require_noeviction))
 
@@ -144,8 +140,7 @@ class ManagerOptions:
         lease_s = check_seconds("lease", lease, allow_zero=False)
         if lease_s < self.min_lease:
             raise ValueError(f"lease must be at least {self.min_lease:g} s{self.min_lease_why}, not {lease!r}")
-        check_longest_lease(lease, lease_s)
-        return lease_s
+        return check_expiry("lease", lease, lease_s)
 
 
 def check_breaker(failures: int, cooldown: float) -> tuple[int, float]:

@@ -30,10 +30,8 @@ log = logging.getLogger("otel_lock")
 # A tick's lease runs from now to `keep` ticks after the tick: between keep and
 # keep + 1 periods. At least MIN_LEASE (the shortest lease a manager takes):
 # a lease of a few milliseconds runs out before the grant's reply is read, the
-# grant is given back and the tick never runs, on every replica. At most 2**53
-# ms, whole seconds: milliseconds Lua's numbers hold exactly (Redis refuses an
-# expiry past 2**63 ms, which a period of 1e16 s reaches).
-MAX_TICK_LEASE = MAX_LEASE
+# grant is given back and the tick never runs, on every replica. At most
+# MAX_LEASE, as any lease (a period of 1e16 s reaches past Redis' expiry times).
 
 TakeTick = Callable[[str, float, str], Awaitable[HeldLock]]
 
@@ -48,8 +46,8 @@ def _check(name: str, period: float, keep: int) -> float:
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         raise ValueError(f"keep must be a whole number of ticks >= 1, not {keep!r}")
     # divided, not multiplied: a huge int keep times a float overflows
-    if keep + 1 > MAX_TICK_LEASE / period_s:
-        raise ValueError(f"(keep + 1) * period, the tick's longest lease, must be at most {MAX_TICK_LEASE} s "
+    if keep + 1 > MAX_LEASE / period_s:
+        raise ValueError(f"(keep + 1) * period, the tick's longest lease, must be at most {MAX_LEASE} s "
                          f"(under 2**53 ms), not keep={keep!r}, period={period!r}")
     if keep < MIN_LEASE / period_s:
         raise ValueError(f"keep * period, the tick's shortest lease, must be at least {MIN_LEASE} s (a shorter "

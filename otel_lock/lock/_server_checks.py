@@ -40,7 +40,7 @@ from typing import Any, Awaitable, Callable, Literal
 from redis.exceptions import NoScriptError
 
 from ._errors import RedisMisconfigured
-from ._scripts import SCRIPT_COMMANDS
+from ._scripts import SCRIPT_COMMANDS, script_refused
 
 __all__ = ["MIN_REDIS", "MIN_VALKEY", "SCRIPT_COMMANDS", "Check", "ServerHealth", "ServerReport", "check_server",
            "server_identity"]
@@ -658,16 +658,15 @@ def _refused(exc: BaseException) -> bool:
     the server, not the user's rights: raised, so that it is named as itself
     instead of as ACL fixes that do not apply.
     """
-    from redis.exceptions import NoPermissionError
-
     if not _answered(exc):
         return False
     text = str(exc).lower()
-    return isinstance(exc, NoPermissionError) or any(word in text for word in _REFUSALS)
+    return script_refused(exc) or any(words in text for words in _REFUSALS)
 
 
-# NOPERM, a script's refused call, a renamed or missing command (SPUBLISH before 7.0, SCRIPT renamed away)
-_REFUSALS = ("noperm", "no permissions", "user executing the script can't", "unknown command", "unknown subcommand")
+# Beside script_refused's NOPERM and unknown command: ACL wording without the code, a script's refused call,
+# a subcommand the server lacks
+_REFUSALS = ("no permissions", "user executing the script can't", "unknown subcommand")
 
 
 def _is_ok(reply: Any) -> bool:

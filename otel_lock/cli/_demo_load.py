@@ -16,7 +16,7 @@ import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable, Sequence
+from typing import AsyncIterator, Callable, Protocol, Sequence
 
 import httpx
 
@@ -76,6 +76,44 @@ def retry_after(response: httpx.Response) -> float:
         return 1.0
 
 
+class _Tally(Protocol):
+    """What a burst counts of the answers that are not a sale."""
+
+    out_of_stock: int
+    retries: Counter[str]
+    failed: Counter[str]
+    latencies: list[float]
+
+
+async def _buy(client: httpx.AsyncClient, url: str, body: object, tally: _Tally) -> httpx.Response | None:
+    """POST until the server answers for good: the 200 answer, or None (out of stock or failed, counted).
+
+    Only what the server says to retry is retried, after its Retry-After
+    (at most 1 s, jittered), MAX_ATTEMPTS times at most.
+    """
+    for _ in range(MAX_ATTEMPTS):
+        began = time.perf_counter()
+        try:
+            response = await client.post(url, json=body)
+        except httpx.HTTPError as exc:
+            tally.failed[type(exc).__name__] += 1
+            return None
+        tally.latencies.append(time.perf_counter() - began)
+        kind = problem_type(response)
+        if response.status_code == 200:
+            return response
+        if kind == "out-of-stock":
+            tally.out_of_stock += 1
+            return None
+        if kind not in RETRYABLE:
+            tally.failed[f"{response.status_code} {kind}".strip()] += 1
+            return None
+        tally.retries[kind] += 1
+        await asyncio.sleep(retry_after(response) * random.uniform(0.5, 1.0))
+    tally.failed["gave up after retries"] += 1
+    return None
+
+
 @dataclass
 class SeckillResult:
     buyers: int
@@ -111,30 +149,10 @@ async def seckill(pool: "httpx.AsyncClient | Sequence[httpx.AsyncClient]", urls:
         url = f"{urls[index % len(urls)]}/api/stock/{product}/{endpoint}"
         mine = _pick(pool, index // len(urls))  # neighbours go to different replicas
         await start.wait()  # everyone fires together
-        for _ in range(MAX_ATTEMPTS):
-            began = time.perf_counter()
-            try:
-                response = await mine.post(url, json={"quantity": 1})
-            except httpx.HTTPError as exc:
-                result.failed[type(exc).__name__] += 1
-                break
-            result.latencies.append(time.perf_counter() - began)
-            kind = problem_type(response)
-            if response.status_code == 200:
-                result.sold += 1
-                result.remaining.append(response.json()["stock"])
-                break
-            if kind == "out-of-stock":
-                result.out_of_stock += 1
-                break
-            if kind in RETRYABLE:
-                result.retries[kind] += 1
-                await asyncio.sleep(retry_after(response) * random.uniform(0.5, 1.0))
-                continue
-            result.failed[f"{response.status_code} {kind}".strip()] += 1
-            break
-        else:
-            result.failed["gave up after retries"] += 1
+        response = await _buy(mine, url, {"quantity": 1}, result)
+        if response is not None:
+            result.sold += 1
+            result.remaining.append(response.json()["stock"])
         on_answer()
 
     tasks = [asyncio.create_task(buyer(i)) for i in range(buyers)]
@@ -188,31 +206,11 @@ async def checkout(pool: "httpx.AsyncClient | Sequence[httpx.AsyncClient]", urls
         mine = _pick(pool, index // len(urls))
         body = {"items": [{"sku": sku, "quantity": 1} for sku in cart]}
         await start.wait()
-        for _ in range(MAX_ATTEMPTS):
-            began = time.perf_counter()
-            try:
-                response = await mine.post(url, json=body)
-            except httpx.HTTPError as exc:
-                result.failed[type(exc).__name__] += 1
-                break
-            result.latencies.append(time.perf_counter() - began)
-            kind = problem_type(response)
-            if response.status_code == 200:
-                result.bought += 1
-                for item in response.json()["items"]:
-                    result.sold[item["sku"]] += item["quantity"]
-                break
-            if kind == "out-of-stock":
-                result.out_of_stock += 1
-                break
-            if kind in RETRYABLE:
-                result.retries[kind] += 1
-                await asyncio.sleep(retry_after(response) * random.uniform(0.5, 1.0))
-                continue
-            result.failed[f"{response.status_code} {kind}".strip()] += 1
-            break
-        else:
-            result.failed["gave up after retries"] += 1
+        response = await _buy(mine, url, body, result)
+        if response is not None:
+            result.bought += 1
+            for item in response.json()["items"]:
+                result.sold[item["sku"]] += item["quantity"]
         on_answer()
 
     tasks = [asyncio.create_task(buyer(i, cart)) for i, cart in enumerate(carts(products, count, size))]

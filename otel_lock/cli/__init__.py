@@ -61,11 +61,8 @@ def _redis_url(value: str) -> str:
             from ..lock._cluster import parse_url as parse_cluster_url
             parse_cluster_url(value)
         else:
-            from ._urls import check_url
-            try:
-                check_url(value)
-            except ValueError as exc:
-                raise ValueError(f"bad Redis URL {redact_url(value)!r}: {exc}") from None
+            from ..lock._url_check import url_checked
+            url_checked(value)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return value

@@ -33,6 +33,7 @@ from ._sentinel import SCHEME as SENTINEL_SCHEME
 from ._sentinel import master_client
 from ._topology import link_for
 from ._transport import Transport
+from ._url_check import url_checked
 from ..telemetry._instruments import LockCounts, Telemetry
 
 _MANAGER_OPTIONS = ("namespace", "lease", "wait", "cancel_on_lost", "fence_ttl", "poll_cap", "renew_interval",
@@ -138,6 +139,8 @@ class LockManager(Core):
         if scheme not in ("redis", "rediss", "unix", SENTINEL_SCHEME, CLUSTER_SCHEME):
             raise ValueError(f"unknown Redis URL scheme in {url!r}: use redis://, rediss://, unix://, "
                              f"{SENTINEL_SCHEME}:// or {CLUSTER_SCHEME}://")
+        if scheme not in (SENTINEL_SCHEME, CLUSTER_SCHEME):  # those parse their own URLs, which take no query
+            url_checked(url)
         refuse_theirs(options, "LockManager.from_url()")
         mine = {k: options.pop(k) for k in _MANAGER_OPTIONS if k in options}
         make = client_factory(url, scheme, options)

@@ -26,6 +26,7 @@ from ._options import ManagerOptions, check_seconds, refuse_theirs
 from ._quorum import QuorumTransport
 from ._redlock_scripts import Masters
 from ._transport import Transport
+from ._url_check import url_checked
 from ..telemetry._instruments import Telemetry
 
 _OPTIONS = ("namespace", "lease", "wait", "cancel_on_lost", "fence_ttl", "poll_cap", "renew_interval",
@@ -130,6 +131,7 @@ class RedLockManager(Core):
             parts = urlsplit(url) if isinstance(url, str) else None
             if parts is None or parts.scheme not in ("redis", "rediss", "unix"):
                 raise ValueError(f"unknown Redis URL scheme in {url!r}: use redis://, rediss:// or unix://")
+            url_checked(url)
             where = (parts.hostname, parts.port, parts.path) if parts.scheme == "unix" else (parts.hostname, parts.port)
             if where in seen:
                 raise ValueError(f"{url!r} names a master already given: each master must be a different Redis")

@@ -18,6 +18,16 @@ LEASE = 30.0  # fixed lease of the peers (seconds); otel-lock uses lease=None + 
 MAX_CONNECTIONS = 1000
 
 
+# The rings of benchmarks/_ring.py by their `via`, as the tables name them.
+RINGS = {
+    "pubsub": "ring (SUBSCRIBE/PUBLISH, lean connection)",
+    "lists": "ring (BLPOP/LPUSH, lean connection)",
+    "lists-queued": "ring (BLPOP/LPUSH + one more round trip, lean connection)",
+    "redis-py": "ring (SUBSCRIBE/PUBLISH, redis-py's client)",
+    "redis-py-lists": "ring (BLPOP/LPUSH, redis-py's client)",
+}
+
+
 class NotAcquired(Exception):
     pass
 

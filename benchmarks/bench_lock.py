@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from ._adapters import RINGS
 from ._harness import flush, percentile, run_workers
 
 KEY = "bench:one"
@@ -135,15 +136,13 @@ def held(lib: str, url: str, locks: int, lease: float, ticks: int = 3) -> dict:
 
 
 def ring(url: str, duration: float, via: str, processes: int = 8) -> dict:
-    """The machine's limit: one token passed around `processes` processes by Redis (`via`: pubsub or lists)."""
+    """The machine's limit: one token passed around `processes` processes by Redis (`via`: a key of RINGS)."""
     flush(url)
     specs = [{"mode": "ring", "via": via, "url": url, "index": i, "size": processes} for i in range(processes)]
     results, redis_delta, window = run_workers(specs, duration, url)
     hops = sum(r["hops"] for r in results)
     return {
-        "lib": {"pubsub": "ring (SUBSCRIBE/PUBLISH, lean connection)", "lists": "ring (BLPOP/LPUSH, lean connection)",
-                "redis-py": "ring (SUBSCRIBE/PUBLISH, redis-py's client)",
-                "redis-py-lists": "ring (BLPOP/LPUSH, redis-py's client)"}[via],
+        "lib": RINGS[via],
         "processes": processes,
         "handoffs_per_s": hops / window,
         "redis_commands_per_handoff": redis_delta["total"] / max(1, hops),

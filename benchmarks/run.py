@@ -28,7 +28,7 @@ from pathlib import Path
 from otel_lock.cli._redis_server import RedisServer
 
 from . import _report
-from ._adapters import available
+from ._adapters import RINGS, available
 from ._harness import best_rounds
 from ._harness import rotate as _rotate
 
@@ -91,7 +91,7 @@ def lock_suite(url: str, quick: bool, profile_dir: Path | None) -> dict:
         for lib in _rotate(libs, r):
             attempt("contended", f"(b) 8 workers in 8 processes, one key, round {r + 1}: {lib}", b.contended,
                     lib, url, 1.0 if quick else 2.0)
-        for via in ("pubsub", "lists", "redis-py", "redis-py-lists"):
+        for via in RINGS:
             # the machine's limit in the same run: a token passed around the same 8 processes
             attempt("ring", f"(b) a token around 8 processes by {via}, round {r + 1}", b.ring, url,
                     1.0 if quick else 2.0, via)

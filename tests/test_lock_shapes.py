@@ -170,6 +170,29 @@ async def test_a_shared_request_queues_behind_a_waiting_exclusive_one(locks, oth
     await later.release()
 
 
+@pytest.mark.parametrize("gives_up", ["cancelled", "timed out"])
+async def test_a_writer_that_gives_up_lets_in_the_shared_waiters_it_kept_out(locks, redis_url, redis_client, gives_up):
+    # Regression: the exclusive LEAVE did not look at a key held shared, so the readers queued behind a writer
+    # that gave up stayed queued beside the shared holders until their fallback poll (one every poll_cap).
+    readers_side = LockManager.from_url(redis_url, namespace="t", poll_cap=60.0)  # no poll can let them in here
+    try:
+        reader = await locks.acquire("cat", shared=True, lease=60.0)
+        writer = asyncio.create_task(locks.acquire("cat", wait=30.0 if gives_up == "cancelled" else 0.5))
+        await queued(redis_client, "t:{cat}:q", 1)
+        readers = [asyncio.create_task(readers_side.acquire("cat", shared=True, wait=30.0)) for _ in range(3)]
+        await queued(redis_client, "t:{cat}:q", 4)
+        if gives_up == "cancelled":
+            writer.cancel()
+        with pytest.raises(asyncio.CancelledError if gives_up == "cancelled" else LockTimeout):
+            await writer
+        held = await asyncio.wait_for(asyncio.gather(*readers), 10)  # without the fix: at their poll, in 48 s or more
+        assert {h.mode for h in held} == {"shared"} and await redis_client.zcard("t:{cat}:sh") == 4
+        for h in [reader, *held]:
+            await h.release()
+    finally:
+        await readers_side.aclose()
+
+
 async def test_an_exclusive_release_lets_in_every_shared_waiter_at_the_head(locks, other, redis_client):
     writer = await locks.acquire("cat", lease=60.0)
     readers = [asyncio.create_task(other.acquire("cat", shared=True, wait=30.0)) for _ in range(3)]

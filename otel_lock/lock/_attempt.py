@@ -408,7 +408,8 @@ class Attempt:
 
     def _leave(self) -> Coroutine[Any, Any, Any]:
         r, t = self.request, self.transport
-        return t.call(r.shape.leave, r.keys, [self._waiter_name(), t.fence_ttl_ms], "leave", r.name)
+        return t.call(r.shape.leave, r.shape.leave_keys(r.keys), [self._waiter_name(), t.fence_ttl_ms], "leave",
+                      r.name)
 
     async def _give_up_soon(self) -> None:
         """Clean up, waiting at most GIVE_UP_WAIT: behind a stalled reply the rest runs in the background."""

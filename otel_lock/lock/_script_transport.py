@@ -170,7 +170,8 @@ class ScriptTransport(Transport):
         """A hand-over to a waiter this manager no longer has: pass it on now, not after its lease."""
         shape, base = shape_of_key(redis_key)
         name = default_name(base.partition("{")[2].rpartition("}")[0])
-        self.background(self.call(shape.leave, shape.keys(base), [waiter_id, self.fence_ttl_ms], "leave", name))
+        self.background(self.call(shape.leave, shape.leave_keys(shape.keys(base)), [waiter_id, self.fence_ttl_ms],
+                                  "leave", name))
 
     # -- the watchdog's batch --------------------------------------------------
 

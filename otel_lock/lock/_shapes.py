@@ -359,6 +359,25 @@ end
 return 0
 """
 
+# EXCLUSIVE_LEAVE: an exclusive waiter gives up: LEAVE (`_scripts.py`), and on a key held shared the shared
+# waiters it kept out (they queue behind a waiting writer) are let in now, not at their fallback poll.
+# KEYS: as SHARED_ACQUIRE. ARGV: as LEAVE (waiter, fence_ttl_ms). Returns as LEAVE.
+EXCLUSIVE_LEAVE = _SHARED + r"""
+unqueue(KEYS[3], KEYS[4], ARGV[1])
+local handed = redis.call('HMGET', KEYS[1], 'waiter', 'token', 'owner')
+if handed[1] == waiter_id(ARGV[1]) then
+  hand_over(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[2], handed[2])
+  return 1
+end
+if handed[3] == SHARED then
+  purge(KEYS[5], KEYS[6], ms(now_us()))
+  local shared = redis.call('ZCARD', KEYS[5]) > 0
+  if not shared then redis.call('DEL', KEYS[1]) end
+  hand_on(shared, ARGV[2], nil)
+end
+return 0
+"""
+
 # RENEW_MEMBERS: extend many shared or permit leases in one call.
 # KEYS: per lease: guard, holders, tokens (guard: the lock's hash for a shared lease, else the holders)
 # ARGV: per lease: owner, lease_ms
@@ -410,10 +429,15 @@ class Shape:
     leave: Script
     suffixes: tuple[str, ...]  # appended to the lock's key, in the scripts' KEYS order
     trust_grants: bool         # a grant notice is a hold (else it is confirmed by one ACQUIRE)
+    leave_also: tuple[str, ...] = ()  # LEAVE's KEYS beyond the others' (an exclusive waiter's: the shared holders)
 
     def keys(self, redis_key: str) -> tuple[str, ...]:
         """The scripts' KEYS for the lock `S:{N}`: all under its hash tag."""
         return tuple(map(redis_key.__add__, self.suffixes))  # no generator frame: twice per hand-over
+
+    def leave_keys(self, keys: tuple[str, ...]) -> tuple[str, ...]:
+        """LEAVE's KEYS, from the others' (`keys()`)."""
+        return keys + tuple(map(keys[0].__add__, self.leave_also)) if self.leave_also else keys
 
     def main_key(self, redis_key: str) -> str:
         """The key a hold is known by (`held.key`, grant notices): KEYS[1]."""
@@ -426,8 +450,8 @@ class Shape:
         return main_key, main_key, main_key + ":t"
 
 
-EXCLUSIVE = Shape("exclusive", _scripts.acquire, _scripts.release, _scripts.leave,
-                  ("", ":fence", ":q", ":w"), True)
+EXCLUSIVE = Shape("exclusive", _scripts.acquire, _scripts.release, Script(EXCLUSIVE_LEAVE),
+                  ("", ":fence", ":q", ":w"), True, (":sh", ":sh:t"))
 SHARED = Shape("shared", Script(SHARED_ACQUIRE), Script(SHARED_RELEASE), Script(SHARED_LEAVE),
                ("", ":fence", ":q", ":w", ":sh", ":sh:t"), False)
 PERMIT = Shape("permit", Script(PERMIT_ACQUIRE), Script(PERMIT_RELEASE), Script(PERMIT_LEAVE),

@@ -226,6 +226,43 @@ async def test_form_models_and_upload_metadata(redis_url):
     assert b.json() == {"key": lock_key("upload:report.pdf:40"), "read": 40}  # the handler still reads it all
 
 
+async def test_a_form_within_fastapis_form_limits_is_locked_not_refused(redis_url):
+    """Forms were parsed with Starlette's default limits, not the app's, router's or route's `form_limits`:
+    1,500 fields (or a 2 MiB field) that FastAPI accepts were judged invalid, left unlocked, and the
+    handler refused to run (500 lock-binding-mismatch)."""
+    async with make_manager(redis_url) as manager:
+        app = FastAPI(form_limits={"max_part_size": 4 * 1024 * 1024})
+        router = APIRouter(form_limits={"max_fields": 5000})
+
+        @router.post("/survey")
+        @locked("survey:{form.name}", max_body=4 * 1024 * 1024)
+        async def survey(name: Annotated[str, Form()], request: Request):
+            return {"key": request.state.lock.key}
+
+        @app.post("/note", form_limits={"max_fields": 5000})
+        @locked("note:{form.name}", max_body=4 * 1024 * 1024)
+        async def note(name: Annotated[str, Form()], text: Annotated[str, Form()], request: Request):
+            return {"key": request.state.lock.key, "length": len(text)}
+
+        @app.post("/small", form_limits={"max_fields": 2})
+        @locked("small:{form.name}")
+        async def small(name: Annotated[str, Form()]):
+            return {}
+
+        app.include_router(router, prefix="/r")
+        app.add_middleware(LockMiddleware, manager=manager)
+        many = {"name": "ann", **{f"q{i}": "x" for i in range(1500)}}
+        async with client_for(app) as client:
+            fields = await client.post("/r/survey", data=many)
+            routes = await client.post("/note", data=many)
+            large = await client.post("/note", files={"name": (None, "ann"), "text": (None, "x" * 2 * 1024 * 1024)})
+            over = await client.post("/small", data={"name": "ann", "a": "1", "b": "2"})
+    assert fields.json() == {"key": lock_key("survey:ann")}
+    assert routes.status_code == 422   # no `text`: FastAPI's own answer, not a refusal
+    assert large.json() == {"key": lock_key("note:ann"), "length": 2 * 1024 * 1024}
+    assert over.status_code == 400     # the route's own, smaller limit: FastAPI's answer
+
+
 async def test_a_starlette_route_reads_raw_form_fields(redis_url):
     async def handler(request):
         form = await request.form()

@@ -59,9 +59,10 @@ class RouteBinding:
     """How one route's handler receives each value of one key template."""
 
     def __init__(self, template: KeySet, dependant: Any = None, embed: bool = False,
-                 json_without_content_type: bool = True) -> None:
+                 json_without_content_type: bool = True, form_limits: Mapping[str, int] | None = None) -> None:
         self.template = template
         self.json_without_content_type = json_without_content_type  # as the route's FastAPI reads a body
+        self.form_limits: Mapping[str, int] = form_limits or {}     # the route's own, over the app's and routers'
         own = _Declared(dependant, top_only=True) if dependant is not None else None
         declared = _Declared(dependant) if dependant is not None else None
         self.body_fields: list[Any] = declared.body if declared is not None else []
@@ -155,7 +156,8 @@ class RouteBinding:
         from fastapi.dependencies.utils import request_body_to_args
 
         if self.form:
-            return await _validate_form(self.body_fields, self.embed, scope, body)
+            return await _validate_form(self.body_fields, self.embed, scope, body,
+                                        _form_limits(scope, self.form_limits))
         document = _json_body(scope, body, self.json_without_content_type)
         if document is INVALID:
             return INVALID
@@ -325,11 +327,28 @@ def _content_type(scope: Scope) -> str:
     return ""
 
 
-async def _validate_form(fields: list[Any], embed: bool, scope: Scope, body: bytes) -> Any:
+def form_limits(route: Any) -> Mapping[str, int]:
+    """A FastAPI route's own form limits (`form_limits=` on the route); none on FastAPIs without them."""
+    limits = getattr(route, "form_limits", None)
+    return dict(limits) if isinstance(limits, Mapping) else {}
+
+
+def _form_limits(scope: Scope, own: Mapping[str, int]) -> Mapping[str, int]:
+    """The limits FastAPI parses this request's form with: the app's and routers' (which their routing put
+    in `scope["fastapi"]["form_limits"]`), the route's own over them. Parsed with Starlette's defaults
+    instead, a form FastAPI accepts (1,500 fields where the app allows 5,000) was judged invalid, left
+    unlocked, and its handler refused to run (500 lock-binding-mismatch)."""
+    fastapi_scope = scope.get("fastapi")
+    inherited = fastapi_scope.get("form_limits") if isinstance(fastapi_scope, dict) else None
+    return {**(inherited if isinstance(inherited, Mapping) else {}), **own}
+
+
+async def _validate_form(fields: list[Any], embed: bool, scope: Scope, body: bytes,
+                         limits: Mapping[str, int]) -> Any:
     from fastapi.dependencies.utils import request_body_to_args
 
     try:
-        form = await parse_form(scope, body)
+        form = await parse_form(scope, body, limits)
     except Exception:   # a malformed form: FastAPI answers it (400/422)
         return INVALID
     try:

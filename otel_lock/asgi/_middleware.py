@@ -23,7 +23,7 @@ from typing import Any, Callable, TypeAlias
 from ..lock import Locks
 from ._after_auth import after_security, security_dependencies
 from ._annotations import MIB, Idempotent, Locked
-from ._binding import RouteBinding, json_without_content_type
+from ._binding import RouteBinding, form_limits, json_without_content_type
 from ._declared import Unbindable
 from ._body import BodyLimits
 from ._guard import DirectCalls, Hold, guard_functions, install_direct_calls, plain_function
@@ -269,7 +269,8 @@ class LockMiddleware:
         if locked is not None:
             binding = RouteBinding(locked.template, getattr(target, "dependant", None),
                                    bool(getattr(target, "_embed_body_fields", False)),
-                                   json_without_content_type(target if target is not None else route))
+                                   json_without_content_type(target if target is not None else route),
+                                   form_limits(route))
             at_call = _key_at_call(route, locked, binding, guards, template)
         limits = BodyLimits(locked.max_body if locked is not None and locked.max_body is not None else self.max_body,
                             locked.body_idle_timeout if locked is not None and locked.body_idle_timeout is not None

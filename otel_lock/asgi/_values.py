@@ -203,7 +203,8 @@ def detach(value: Any) -> Any:
     return value
 
 
-async def parse_form(scope: Scope, body: bytes) -> Any:
+async def parse_form(scope: Scope, body: bytes, limits: Mapping[str, int] | None = None) -> Any:
+    """The form as Starlette parses it; `limits` (max_fields, max_files, max_part_size) as the route's are."""
     from starlette.requests import Request
 
     sent = False
@@ -213,4 +214,4 @@ async def parse_form(scope: Scope, body: bytes) -> Any:
         chunk, sent = (b"" if sent else body), True
         return {"type": "http.request", "body": chunk, "more_body": False}
 
-    return await Request(scope, receive).form()
+    return await Request(scope, receive).form(**(limits or {}))

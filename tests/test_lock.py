@@ -384,9 +384,14 @@ async def test_redis_unreachable_raises_redis_unavailable_not_a_hang():
         (lambda m: m.acquire("k", lease="5"), "number of seconds"),
         (lambda m: m.acquire("k", owner=""), "owner must be"),
         (lambda m: m.acquire("k", lease=1e16), "lease must be at most 9007199254740 s"),
+        # a name that is not text broke every later /metrics scrape (500) and its spans' OTLP export
+        (lambda m: m.acquire("k", name="stock\udcff"), "surrogates not allowed"),
+        (lambda m: m.acquire_all(["k"], name="stock\udcff"), "surrogates not allowed"),
+        (lambda m: m.acquire_permit("k", permits=2, name="stock\udcff"), "surrogates not allowed"),
     ],
     ids=["empty", "oversized", "braces", "not-a-string", "negative-wait", "nan-wait",
-         "negative-lease", "zero-lease", "string-lease", "empty-owner", "lease-beyond-redis"],
+         "negative-lease", "zero-lease", "string-lease", "empty-owner", "lease-beyond-redis",
+         "name-not-text", "lock-all-name-not-text", "permit-name-not-text"],
 )
 async def test_bad_arguments_raise_value_error(locks, call, message):
     with pytest.raises(ValueError, match=message):

@@ -128,10 +128,12 @@ def test_bad_rules_are_rejected(rules, message):
     (dict(lease=0.001), "lease must be at least 0.01 s"),
     (dict(retry_after=float("inf")), "retry_after must be at most 1000000000 s"),
     (dict(retry_after=1e300), "retry_after must be at most"),
+    (dict(name="stock\udcff"), "surrogates not allowed"),
 ])
 def test_a_lease_or_retry_after_no_request_could_use_is_refused_at_decoration(options, message):
     """Regression: each passed the decorator and answered every request with a bare 500 (the manager refused the
-    lease; `Retry-After: inf` could not be written, 1e300 was a 301-digit header)."""
+    lease; `Retry-After: inf` could not be written, 1e300 was a 301-digit header); a name that is not text made
+    every later /metrics scrape a 500."""
     with pytest.raises(ValueError, match=message):
         locked("k", **options)
     with pytest.raises(ValueError, match=message):

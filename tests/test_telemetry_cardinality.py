@@ -275,24 +275,3 @@ async def _scraped_after_now(api) -> float:
     await until(fresh, "a scrape after the keys were driven")
     [samples] = await _query(api, 'scrape_samples_scraped{job="otel-lock-replicas"}')
     return samples
-
-
-async def test_a_name_that_is_not_utf8_text_leaves_metrics_servable(installed, redis_client):
-    """A lock named with a lone surrogate (as os.fsdecode gives for a non-UTF-8 byte) made every later
-    /metrics scrape a 500 (UnicodeEncodeError in the exposition) for the life of the process."""
-    from starlette.routing import Route as MetricsRoute
-
-    locks = LockManager(redis_client, namespace="card-surrogate")
-    try:
-        async with locks.lock("stock:1", name="stock\udcff"):
-            pass
-    finally:
-        await locks.aclose()
-    app = Starlette(routes=[MetricsRoute("/metrics", telemetry.metrics_endpoint)])
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
-        openmetrics = await client.get("/metrics", headers={"accept": "application/openmetrics-text; version=1.0.0"})
-        text = await client.get("/metrics")
-    assert openmetrics.status_code == text.status_code == 200
-    names = {sample.labels.get("lock_name") for family in text_string_to_metric_families(text.text)
-             for sample in family.samples}
-    assert "stock\\udcff" in names

@@ -39,7 +39,7 @@ from ._errors import (LockBusy, LockDeadlock, LockError, LockTimeout, RedisMisco
 from ._held import NEVER, HeldLock, Lease, LockContext, LockInfo, forget, held_here, remember
 from ._listing import PAGE
 from ._multi import HeldLocks, MultiLockContext, acquire_all, canonical
-from ._options import ManagerOptions, check_breaker, check_key, check_seconds, default_name, unknown_argument
+from ._options import ManagerOptions, check_breaker, check_key, check_name, check_seconds, default_name, unknown_argument
 from ._periodic import once_per_period, run_every
 from ._ending import HoldEnds
 from .._fork import watch_fork
@@ -224,8 +224,8 @@ class Core:
                       cancel_on_lost: bool | None) -> tuple[float, float, bool]:
         wait_s = self.options.wait if wait is None else check_seconds("wait", wait, allow_zero=True, allow_inf=True)
         lease_s = self.options.check_lease(lease)
-        if name is not None and (not isinstance(name, str) or not name):
-            raise ValueError(f"name must be a non-empty string, not {name!r}")
+        if name is not None:
+            check_name(name)
         return wait_s, lease_s, self.options.cancel_on_lost if cancel_on_lost is None else bool(cancel_on_lost)
 
     async def acquire(self, key: str, *, wait: float | None = None, lease: float | None = None,
@@ -252,8 +252,8 @@ class Core:
                 raise TypeError("owner= is not offered with shared=True: every shared holder has its own lease")
         wait_s = self.options.wait if wait is None else check_seconds("wait", wait, allow_zero=True, allow_inf=True)
         lease_s = self.options.check_lease(lease)
-        if name is not None and (not isinstance(name, str) or not name):
-            raise ValueError(f"name must be a non-empty string, not {name!r}")
+        if name is not None:
+            check_name(name)
         if owner is None:
             held = held_here((self.id, key))
             if held is not None and not held.ended:

@@ -95,6 +95,18 @@ def check_key(key: object) -> None:
         raise
 
 
+def check_name(name: object) -> None:
+    """An explicit `lock.name`: a non-empty str that is UTF-8 text (metric labels and span attributes must be)."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name must be a non-empty string, not {name!r}")
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        exc.add_note(f"name {name!r} cannot be encoded as UTF-8 (position {exc.start}): a lone surrogate, from "
+                     "os.fsdecode() or undecodable input; it names the lock's metrics and spans, which must be text")
+        raise
+
+
 @dataclass(frozen=True)
 class ManagerOptions:
     """What every manager (single Redis or RedLock) checks the same way."""

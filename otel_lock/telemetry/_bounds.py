@@ -86,7 +86,6 @@ class ValueLimit:
     def admit(self, value: str) -> str:
         if value in self._seen:
             return value
-        value = _utf8(value)
         with self._lock:
             if value in self._seen or len(self._seen) < self.limit:
                 self._seen.add(value)
@@ -99,19 +98,6 @@ class ValueLimit:
                 "looks like %r) is recorded as %r. Give locks a template or an explicit name without ids "
                 "(`name=`), or raise %s.", self.what, self.limit, LIMIT_ENV, key_name(value), OVERFLOW, LIMIT_ENV)
         return OVERFLOW
-
-
-def _utf8(value: str) -> str:
-    """`value`, or with what is not UTF-8 text (a lone surrogate, as os.fsdecode gives) backslash-escaped.
-
-    Every exposition is UTF-8: one such label value made each /metrics scrape
-    a 500 and each OTLP export fail, for the life of the process.
-    """
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return value.encode("utf-8", "backslashreplace").decode("utf-8")
-    return value
 
 
 class Limits:

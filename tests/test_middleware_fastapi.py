@@ -21,7 +21,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel
 from starlette.routing import Mount
 
-from otel_lock import LockMiddleware, idempotent, locked
+from otel_lock import LockManager, LockMiddleware, idempotent, locked
 from otel_lock.asgi.idempotency import KEY_PATTERN
 
 try:
@@ -287,6 +287,45 @@ async def test_rules_on_fastapi_included_routes(redis_url):
         async with client_for(app) as client:
             response = await client.post("/v1/stock/08/deduct")
     assert response.json()["key"] == lock_key("stock:8")
+
+
+async def test_a_router_included_in_two_apps_is_protected_in_each_by_its_own_middleware(redis_url):
+    """FastAPI's include_router shares the router's APIRoute objects between the apps that include it (an
+    app factory called twice): the app that started first ran them unprotected, so its `def` and
+    @idempotent handlers answered 500 and its other handlers took the later app's lock manager."""
+    router = APIRouter()
+
+    @router.post("/sync/{pid}")
+    @locked("sync:{path.pid}")
+    def sync_handler(pid: int, request: Request):
+        return {"key": request.state.lock.key}
+
+    @router.post("/orders/{pid}")
+    @idempotent()
+    @locked("order:{path.pid}")
+    async def order(pid: int, request: Request):
+        return {"key": request.state.lock.key}
+
+    def create_app(manager) -> FastAPI:
+        app = FastAPI()
+        app.include_router(router, prefix="/api")
+        app.add_middleware(LockMiddleware, manager=manager, principal=lambda request: "ann")
+        return app
+
+    second_manager = LockManager.from_url(redis_url, namespace="other")
+    async with make_manager(redis_url) as first_manager:
+        first, second = create_app(first_manager), create_app(second_manager)
+        try:
+            async with client_for(first) as first_client, client_for(second) as second_client:
+                await run_lifespan(first)
+                await run_lifespan(second)   # prepared last
+                answers = [await client.post(path, headers={"idempotency-key": '"k1"'})
+                           for client in (first_client, second_client) for path in ("/api/sync/07", "/api/orders/7")]
+        finally:
+            await second_manager.aclose()
+    assert [a.status_code for a in answers] == [200] * 4, [a.text for a in answers]
+    assert [a.json()["key"] for a in answers] == [lock_key("sync:7"), lock_key("order:7"),
+                                                  lock_key("sync:7", "other"), lock_key("order:7", "other")]
 
 
 async def test_sync_handlers_and_dependencies_run_protected(redis_url):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import inspect
 import re
 import sys
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, TypeAlias
 
@@ -462,28 +463,63 @@ def effective_context(scope: Scope, route: Any) -> Any:
 # -- the hooks installed on protected routes ------------------------------------------
 
 
+@dataclass(frozen=True)
+class Inclusion:
+    """Another app's inclusion of a shared route, and the middleware that protects it there (both weakly)."""
+
+    context: weakref.ref[Any]
+    mw: weakref.ref[LockMiddleware]
+    protections: dict[str, Protection]   # per method
+
+
 class RouteHandle:
     """Replaces a protected route's `handle`: the router has matched, the handler has not run yet."""
 
     def __init__(self, mw: LockMiddleware, route_plan: RoutePlan, original: ASGIApp,
                  protections: dict[tuple[int, str], Protection]) -> None:
         self.mw, self.plan, self.original, self.protections = mw, route_plan, original, protections
+        # A module-level APIRouter included in two apps shares its APIRoute objects (FastAPI's lazy
+        # include_router), so one `handle` serves both apps' inclusions: the other app's stay its own
+        # middleware's (they ran unmarked: a 500 for `def` and @idempotent handlers).
+        self.elsewhere: dict[int, Inclusion] = _inclusions_before(route_plan.route, mw)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         method = scope.get("method", "") if scope["type"] == "http" else ""
-        context = effective_context(scope, self.plan.route) if self.plan.contexts else None
-        protection = self.protections.get((id(context) if context is not None else 0, method))
+        context = effective_context(scope, self.plan.route) if self.plan.contexts or self.elsewhere else None
+        mw, protection = self._protection(context, method)
         if protection is None:
             await self.original(scope, receive, send)   # websocket, 405, or an unannotated method
             return
         # Starlette >= 1.7 sets it itself; older ones do not, and HTTP instrumentations
         # read the route template from it (also for the middleware's own answers).
         scope.setdefault("route", RouteTemplate(protection.route))
-        if not self.mw.enabled:
+        if not mw.enabled:
             with marked(Mark.unlocked(protection.guards)):
                 await self.original(scope, receive, send)
             return
-        await ProtectedRequest(self.mw, protection, self.original, scope, receive, send).run()
+        await ProtectedRequest(mw, protection, self.original, scope, receive, send).run()
+
+    def _protection(self, context: Any, method: str) -> tuple[LockMiddleware, Protection | None]:
+        """Whose protection this request gets: ours, or that of the app whose inclusion it came through."""
+        protection = self.protections.get((id(context) if context is not None else 0, method))
+        inclusion = self.elsewhere.get(id(context)) if protection is None and context is not None else None
+        mw = inclusion.mw() if inclusion is not None and inclusion.context() is context else None
+        if inclusion is None or mw is None:
+            return self.mw, protection
+        return mw, inclusion.protections.get(method)
+
+
+def _inclusions_before(route: Any, mw: LockMiddleware) -> dict[int, Inclusion]:
+    """The inclusions another middleware's handle on `route` protects (those still alive), by context id."""
+    current = route.__dict__.get("handle")
+    if not isinstance(current, RouteHandle) or current.mw is mw:
+        return {}
+    found = {key: inclusion for key, inclusion in current.elsewhere.items()
+             if inclusion.context() is not None and inclusion.mw() is not None}
+    for context in current.plan.contexts:
+        methods = {m: p for (key, m), p in current.protections.items() if key == id(context)}
+        found[id(context)] = Inclusion(weakref.ref(context), weakref.ref(current.mw), methods)
+    return found
 
 
 class Refuse:

@@ -193,6 +193,29 @@ async def test_a_writer_that_gives_up_lets_in_the_shared_waiters_it_kept_out(loc
         await readers_side.aclose()
 
 
+async def test_a_shared_waiter_that_joins_from_the_head_lets_in_the_shared_waiters_behind_it(locks, other,
+                                                                                              redis_client):
+    # Regression: behind a writer that died queued (no LEAVE, its deadline passed), the first reader joined at its
+    # poll and the readers behind it stayed queued, each let in by a poll of its own (only a manager's first
+    # waiter polls: one reader per poll_cap).
+    from otel_lock.lock._attempt import queue_record
+    from otel_lock.lock._scripts import acquire
+
+    reader = await locks.acquire("cat", shared=True, lease=60.0)
+    dead = queue_record("dead", 1500, 30000, "dead", "", "nobody-listens", False, "")
+    # ACQUIRE's ARGV: owner, waiter, lease_ms, -, queue_ms, ctx, fence_ttl_ms, channel, sharded
+    assert (await acquire(redis_client, ("t:{cat}", "t:{cat}:fence", "t:{cat}:q", "t:{cat}:w"),
+                          ["dead", dead, 30000, "0", 1500, "", 60000, "nobody-listens", "0"]))[0] == 0
+    readers = []
+    for n in range(3):
+        readers.append(asyncio.create_task(other.acquire("cat", shared=True, wait=30.0)))
+        await queued(redis_client, "t:{cat}:q", n + 2)
+    first = await readers[0]  # at its poll, once the dead writer's deadline has passed
+    assert await redis_client.zcard("t:{cat}:sh") == 4  # the others were let in by the same script
+    for h in [reader, first, *await asyncio.gather(*readers[1:])]:
+        await h.release()
+
+
 async def test_an_exclusive_release_lets_in_every_shared_waiter_at_the_head(locks, other, redis_client):
     writer = await locks.acquire("cat", lease=60.0)
     readers = [asyncio.create_task(other.acquire("cat", shared=True, wait=30.0)) for _ in range(3)]

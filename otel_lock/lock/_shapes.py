@@ -308,7 +308,10 @@ if holder == SHARED then
     -- nobody waits ahead (an exclusive waiter would): join the holders
     local token = grant(KEYS[5], KEYS[6], KEYS[2], ARGV[7], {0, lease, owner}, id, now, KEYS[1], id)
     redis.call('HSET', KEYS[1], 'ctx', ARGV[6])
-    return joined(KEYS[5], KEYS[6], KEYS[1], token, lease, now_ms, queued, KEYS[3], KEYS[4], waiter)
+    local mine = joined(KEYS[5], KEYS[6], KEYS[1], token, lease, now_ms, queued, KEYS[3], KEYS[4], waiter)
+    -- from the head (the waiter ahead died queued): the shared waiters right behind come in with it
+    if first then hand_on(true, ARGV[7], nil) end
+    return mine
   end
 end
 if not holder then

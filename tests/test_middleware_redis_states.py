@@ -10,10 +10,11 @@ locks, and never disturbs the connection other requests share.
 
 from __future__ import annotations
 
+import pytest
 from fastapi import FastAPI
 from pydantic import BaseModel
 
-from otel_lock import LockManager, LockMiddleware, locked
+from otel_lock import LockManager, LockMiddleware, limited, locked
 
 from _middleware_helpers import client_for, lock_key, make_manager, problem
 
@@ -91,3 +92,31 @@ def test_the_former_body_timeout_name_warns_and_cannot_be_mixed():
         LockMiddleware(Starlette(), body_timeout=3.0)
     with pytest.raises(TypeError, match="both"):
         LockMiddleware(Starlette(), body_timeout=3.0, body_idle_timeout=2.0)
+
+
+@pytest.mark.parametrize("rule", [
+    lambda: locked("item:{path.sku}", wait=1),
+    lambda: locked("item:{path.sku}", "shelf:{path.sku}", wait=1),
+    lambda: locked("item:{path.sku}", wait=1, shared=True),
+    lambda: limited("item:{path.sku}", permits=2, wait=1),
+    lambda: locked("item:{path.sku}", wait=1, release_after="response"),
+], ids=["one-key", "two-keys", "shared", "permit", "release-after-response"])
+async def test_a_handlers_error_answer_survives_a_release_that_finds_redis_gone(fresh_redis, rule):
+    """The handler raised (a 404 HTTPException) and Redis went away meanwhile: its answer goes out as it is,
+    the release's RedisUnavailable is logged, and the lock expires by itself (never a bare 500)."""
+    from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
+    from starlette.routing import Route
+
+    @rule()
+    async def missing(request):
+        fresh_redis.stop()   # Redis goes away while the handler holds the lock
+        raise HTTPException(404, "no such item")
+
+    async with make_manager(fresh_redis.url, breaker=False) as manager:
+        app = Starlette(routes=[Route("/items/{sku}", missing, methods=["POST"])])
+        app.add_middleware(LockMiddleware, manager=manager)
+        async with client_for(app) as client:
+            response = await client.post("/items/a")
+    assert response.status_code == 404
+    assert response.text == "no such item"

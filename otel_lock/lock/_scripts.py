@@ -247,21 +247,6 @@ hand_over(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[2], held[2])
 return 0
 """
 
-# LEAVE: a waiter gives up (timeout, cancellation, gone). A lock handed to it
-# meanwhile and not claimed yet is passed on at once.
-# KEYS: lock, fence, queue, waiters
-# ARGV: waiter (its queue member, or its id), fence_ttl_ms
-# Returns 1 when a hand-over to this waiter was passed on, else 0.
-LEAVE = _COMMON + r"""
-unqueue(KEYS[3], KEYS[4], ARGV[1])
-local handed = redis.call('HMGET', KEYS[1], 'waiter', 'token')
-if handed[1] == waiter_id(ARGV[1]) then
-  hand_over(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[2], handed[2])
-  return 1
-end
-return 0
-"""
-
 # RENEW: extend many leases in one call.
 # KEYS: lock keys
 # ARGV: owner and lease_ms for each key, in order (2 per key)
@@ -506,7 +491,6 @@ def eval_instead(command: tuple[Any, ...], script: Script) -> tuple[Any, ...]:
 
 acquire = Script(ACQUIRE)
 release = Script(RELEASE)
-leave = Script(LEAVE)
 renew = Script(RENEW)
 force_release = Script(FORCE_RELEASE)
 model_check = Script(MODEL_CHECK)

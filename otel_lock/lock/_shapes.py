@@ -362,9 +362,11 @@ end
 return 0
 """
 
-# EXCLUSIVE_LEAVE: an exclusive waiter gives up: LEAVE (`_scripts.py`), and on a key held shared the shared
-# waiters it kept out (they queue behind a waiting writer) are let in now, not at their fallback poll.
-# KEYS: as SHARED_ACQUIRE. ARGV: as LEAVE (waiter, fence_ttl_ms). Returns as LEAVE.
+# EXCLUSIVE_LEAVE: an exclusive waiter gives up (timeout, cancellation, gone). A lock handed to it meanwhile
+# and not claimed yet is passed on at once; on a key held shared, the shared waiters it kept out (they queue
+# behind a waiting writer) are let in now, not at their fallback poll.
+# KEYS: as SHARED_ACQUIRE. ARGV: waiter (its queue member, or its id), fence_ttl_ms.
+# Returns 1 when a hand-over to this waiter was passed on, else 0.
 EXCLUSIVE_LEAVE = _SHARED + r"""
 unqueue(KEYS[3], KEYS[4], ARGV[1])
 local handed = redis.call('HMGET', KEYS[1], 'waiter', 'token', 'owner')

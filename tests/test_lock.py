@@ -398,6 +398,27 @@ async def test_bad_arguments_raise_value_error(locks, call, message):
         await call(locks)
 
 
+@pytest.mark.parametrize("call", [
+    lambda m: m.acquire("k", cancel_on_lost="false"),
+    lambda m: m.acquire("k", cancel_on_lost=0),
+    lambda m: m.acquire("k", share_with_children="yes"),
+    lambda m: m.acquire_all(["k"], cancel_on_lost="no"),
+    lambda m: m.acquire_permit("k", permits=2, cancel_on_lost=1),
+    lambda m: m.try_lock("k", cancel_on_lost="false"),
+], ids=["cancel-string", "cancel-zero", "share-string", "lock-all", "permit", "try-lock"])
+async def test_a_flag_that_is_not_true_or_false_is_refused_not_read_for_its_truth(locks, redis_client, call):
+    """Regression: `cancel_on_lost="false"` was read as true (bool("false")), and 0 as false, silently."""
+    with pytest.raises(TypeError, match="must be True or False"):
+        await call(locks)
+    assert await redis_client.keys("*{k}*") == []   # refused before anything was taken
+
+
+def test_a_manager_flag_that_is_not_true_or_false_is_refused(redis_url):
+    for options in (dict(cancel_on_lost="false"), dict(require_noeviction="no")):
+        with pytest.raises(TypeError, match="must be True or False"):
+            LockManager.from_url(redis_url, **options)
+
+
 @pytest.mark.parametrize(
     "options, message",
     [

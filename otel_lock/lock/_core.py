@@ -39,7 +39,8 @@ from ._errors import (LockBusy, LockDeadlock, LockError, LockTimeout, RedisMisco
 from ._held import NEVER, HeldLock, Lease, LockContext, LockInfo, forget, held_here, remember
 from ._listing import PAGE
 from ._multi import HeldLocks, MultiLockContext, acquire_all, canonical
-from ._options import ManagerOptions, check_breaker, check_key, check_name, check_seconds, default_name, unknown_argument
+from ._options import (ManagerOptions, check_breaker, check_flag, check_key, check_name, check_seconds, default_name,
+                       unknown_argument)
 from ._periodic import once_per_period, run_every
 from ._ending import HoldEnds
 from .._fork import watch_fork
@@ -226,7 +227,9 @@ class Core:
         lease_s = self.options.check_lease(lease)
         if name is not None:
             check_name(name)
-        return wait_s, lease_s, self.options.cancel_on_lost if cancel_on_lost is None else bool(cancel_on_lost)
+        cancel = self.options.cancel_on_lost if cancel_on_lost is None else check_flag("cancel_on_lost",
+                                                                                         cancel_on_lost)
+        return wait_s, lease_s, cancel
 
     async def acquire(self, key: str, *, wait: float | None = None, lease: float | None = None,
                       name: str | None = None, cancel_on_lost: bool | None = None,
@@ -250,10 +253,8 @@ class Core:
             self._check_shapes("lock(shared=True)")
             if owner is not None:
                 raise TypeError("owner= is not offered with shared=True: every shared holder has its own lease")
-        wait_s = self.options.wait if wait is None else check_seconds("wait", wait, allow_zero=True, allow_inf=True)
-        lease_s = self.options.check_lease(lease)
-        if name is not None:
-            check_name(name)
+        wait_s, lease_s, cancel = self._check_common(wait, lease, name, cancel_on_lost)
+        check_flag("share_with_children", share_with_children)
         if owner is None:
             held = held_here((self.id, key))
             if held is not None and not held.ended:
@@ -266,9 +267,8 @@ class Core:
                 if held.share_with_children:
                     return await self._reenter(held, child=True)
                 # a task spawned by the holder: another caller, it waits its turn
-        cancel = self.options.cancel_on_lost if cancel_on_lost is None else bool(cancel_on_lost)
         return await self._take(key, wait_s, lease_s, self.options.renew_interval if lease is None else NEVER,
-                                owner, name or default_name(key), cancel, bool(share_with_children),
+                                owner, name or default_name(key), cancel, share_with_children,
                                 shape=SHARED if shared else EXCLUSIVE)
 
     def lock_all(self, keys: Iterable[str], *, wait: float | None = None, lease: float | None = None,
@@ -291,8 +291,7 @@ class Core:
         ordered = canonical(keys)
         for key in ordered:
             check_key(key)
-        wait_s = self.options.wait if wait is None else check_seconds("wait", wait, allow_zero=True, allow_inf=True)
-        self.options.check_lease(lease)
+        wait_s, _, _ = self._check_common(wait, lease, name, cancel_on_lost)
         return await acquire_all(self.acquire, ordered, wait_s, self._redis_key, lease=lease, name=name,
                                  cancel_on_lost=cancel_on_lost)
 

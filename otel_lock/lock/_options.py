@@ -95,6 +95,13 @@ def check_key(key: object) -> None:
         raise
 
 
+def check_flag(what: str, value: object) -> bool:
+    """A True/False option: anything else (the string "false", 0) is refused, not read for its truth."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{what} must be True or False, not {value!r}")
+    return value
+
+
 def check_name(name: object) -> None:
     """An explicit `lock.name`: a non-empty str that is UTF-8 text (metric labels and span attributes must be)."""
     if not isinstance(name, str) or not name:
@@ -136,10 +143,10 @@ class ManagerOptions:
         if every >= lease_s:
             raise ValueError(f"lease ({lease} s) must be longer than the renewal interval ({every} s)")
         return cls(namespace, lease_s, check_seconds("wait", wait, allow_zero=True, allow_inf=True),
-                   bool(cancel_on_lost),
+                   check_flag("cancel_on_lost", cancel_on_lost),
                    check_expiry("fence_ttl", fence_ttl, check_seconds("fence_ttl", fence_ttl, allow_zero=False)),
                    check_seconds("poll_cap", poll_cap, allow_zero=False), every,
-                   require_noeviction=bool(require_noeviction))
+                   require_noeviction=check_flag("require_noeviction", require_noeviction))
 
     @property
     def fence_ttl_ms(self) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from functools import partial
 from typing import Any, Awaitable, Callable
 
 from otel_lock.lock._connection import Connection
@@ -77,31 +78,15 @@ async def _circulate(index: int, await_start: Callable[[], tuple[float, float]],
     return {"hops": hops, "cpu": time.process_time() - cpu, "sleeps": _counting.sleeps() - sleeps}
 
 
-async def _lists(spec: dict, send: Callable[[dict], None], await_start: Callable[[], tuple[float, float]]) -> dict:
-    index, size = spec["index"], spec["size"]
-    mine, nxt = f"{PREFIX}:{index}", f"{PREFIX}:{(index + 1) % size}"
-    conn = _connection(spec["url"], timeout=None)
-    await conn.execute("DEL", mine)
-    send({"ready": True})
-
-    async def take() -> bool:
-        return await conn.execute("BLPOP", mine, 0.05) is not None
-
-    try:
-        return await _circulate(index, await_start, take, lambda: conn.execute("LPUSH", nxt, "t"))
-    finally:
-        await conn.aclose()
-
-
-async def _lists_queued(spec: dict, send: Callable[[dict], None],
-                        await_start: Callable[[], tuple[float, float]]) -> dict:
-    """The BLPOP ring plus one more round trip per hop after the token is passed: a lock's floor.
+async def _lists(spec: dict, send: Callable[[dict], None], await_start: Callable[[], tuple[float, float]],
+                 queued: bool = False) -> dict:
+    """The BLPOP ring; `queued`: with one more round trip per hop after the token is passed, a lock's floor.
 
     A lock whose waiters queue costs a holder three waits per cycle where a
     ring hop costs two: the grant, its release's reply, and the reply to the
     next acquisition's request to queue (off the hand-over's path, but on the
-    CPU). This ring does exactly that with no lock logic: its rate is what a
-    queued lock's hand-over can reach on this connection.
+    CPU). The queued ring does exactly that with no lock logic: its rate is
+    what a queued lock's hand-over can reach on this connection.
     """
     index, size = spec["index"], spec["size"]
     mine, nxt = f"{PREFIX}:{index}", f"{PREFIX}:{(index + 1) % size}"
@@ -114,7 +99,8 @@ async def _lists_queued(spec: dict, send: Callable[[dict], None],
 
     async def pass_on() -> None:
         await conn.execute("LPUSH", nxt, "t")
-        await conn.execute("PING")  # the next acquisition's request to queue, answered at once
+        if queued:
+            await conn.execute("PING")  # the next acquisition's request to queue, answered at once
 
     try:
         return await _circulate(index, await_start, take, pass_on)
@@ -168,7 +154,7 @@ async def _redis_py_lists(spec: dict, send: Callable[[dict], None],
 
 
 def run(spec: dict, send: Callable[[dict], None], await_start: Callable[[], tuple[float, float]]) -> dict:
-    via = {"pubsub": _pubsub, "lists": _lists, "lists-queued": _lists_queued, "redis-py": _redis_py_pubsub,
-           "redis-py-lists": _redis_py_lists}[spec["via"]]
+    via = {"pubsub": _pubsub, "lists": _lists, "lists-queued": partial(_lists, queued=True),
+           "redis-py": _redis_py_pubsub, "redis-py-lists": _redis_py_lists}[spec["via"]]
     return asyncio.run(via(spec, send, await_start))
 

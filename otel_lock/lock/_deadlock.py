@@ -119,7 +119,7 @@ def ttl_ms(wait_left: float) -> int:
 
 def refusal(want: str, cycle: tuple[tuple[str, str, str], ...]) -> LockDeadlock:
     steps = "; ".join(f"{key} is held by {holder}" + (f", which waits for {cycle[i + 1][0]}" if i + 1 < len(cycle)
-                                                      else ", this task")
+                                                      else ", the caller")
                       for i, (key, _, holder) in enumerate(cycle))
     return LockDeadlock(f"waiting for {want} would close a deadlock: {steps}", key=want, cycle=cycle)
 

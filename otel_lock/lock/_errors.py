@@ -73,9 +73,10 @@ class LockDeadlock(LockError):
 
     `cycle`: one `(key, owner, holder)` per lock of the cycle, starting with
     the lock this caller asked for: the lock's full Redis key, the owner id
-    holding it, and the task holding it (`task-name@pid/manager-id`). The
-    last lock is one this caller holds, so its holder is this task.
-    Nothing was taken; the locks this task already holds are still held.
+    holding it, and the task holding it (`task-name@pid/manager-id`; a
+    thread's name, for the blocking facade). The last lock is one this
+    caller holds, so its holder is the caller. Nothing was taken; the locks
+    the caller already holds are still held.
     """
 
     def __init__(self, message: str, *, key: str | None = None,

@@ -388,10 +388,11 @@ async def test_redis_unreachable_raises_redis_unavailable_not_a_hang():
         (lambda m: m.acquire("k", name="stock\udcff"), "surrogates not allowed"),
         (lambda m: m.acquire_all(["k"], name="stock\udcff"), "surrogates not allowed"),
         (lambda m: m.acquire_permit("k", permits=2, name="stock\udcff"), "surrogates not allowed"),
+        (lambda m: m.acquire("k", owner="own\udcff"), "owner 'own\\\\udcff' cannot be encoded as UTF-8"),
     ],
     ids=["empty", "oversized", "braces", "not-a-string", "negative-wait", "nan-wait",
          "negative-lease", "zero-lease", "string-lease", "empty-owner", "lease-beyond-redis",
-         "name-not-text", "lock-all-name-not-text", "permit-name-not-text"],
+         "name-not-text", "lock-all-name-not-text", "permit-name-not-text", "owner-not-text"],
 )
 async def test_bad_arguments_raise_value_error(locks, call, message):
     with pytest.raises(ValueError, match=message):

@@ -21,7 +21,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, TypeVar
 
-from ..lock._options import MAX_LEASE, NO_DEADLINE_ABOVE, ManagerOptions, check_name
+from ..lock._options import MAX_LEASE, NO_DEADLINE_ABOVE, ManagerOptions, check_text
 from ._attach import ATTR, attach
 from ._keys import parse_template
 from ._keyset import KeySet, check_one_wildcard
@@ -181,7 +181,7 @@ def _check_common(wait: float | None, lease: float | None, retry_after: float | 
     if not isinstance(status, int) or not 400 <= status <= 599:
         raise ValueError(f"status must be a 4xx or 5xx code, got {status!r}")
     if name is not None:
-        check_name(name)
+        check_text("name", name)
     if release_after not in RELEASE_AFTER:
         raise ValueError(f"release_after must be one of {', '.join(map(repr, RELEASE_AFTER))}, got {release_after!r}")
     if after_auth is not None and not isinstance(after_auth, bool):

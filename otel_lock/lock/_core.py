@@ -39,7 +39,7 @@ from ._errors import (LockBusy, LockDeadlock, LockError, LockTimeout, RedisMisco
 from ._held import NEVER, HeldLock, Lease, LockContext, LockInfo, forget, held_here, remember
 from ._listing import PAGE
 from ._multi import HeldLocks, MultiLockContext, acquire_all, canonical
-from ._options import (ManagerOptions, check_breaker, check_flag, check_key, check_name, check_seconds, default_name,
+from ._options import (ManagerOptions, check_breaker, check_flag, check_key, check_seconds, check_text, default_name,
                        unknown_argument)
 from ._periodic import once_per_period, run_every
 from ._ending import HoldEnds
@@ -226,7 +226,7 @@ class Core:
         wait_s = self.options.wait if wait is None else check_seconds("wait", wait, allow_zero=True, allow_inf=True)
         lease_s = self.options.check_lease(lease)
         if name is not None:
-            check_name(name)
+            check_text("name", name)
         cancel = self.options.cancel_on_lost if cancel_on_lost is None else check_flag("cancel_on_lost",
                                                                                          cancel_on_lost)
         return wait_s, lease_s, cancel
@@ -306,8 +306,7 @@ class Core:
         if not self._topology.owners:
             raise TypeError(f"{type(self).__name__} does not offer owner=: each round of a quorum grant has its "
                             "own owner (docs/lock.md, RedLock quorum)")
-        if not isinstance(owner, str) or not owner:
-            raise ValueError(f"owner must be a non-empty string, not {owner!r}")
+        check_text("owner", owner)
 
     def expect_lock_names(self, names: Iterable[str]) -> None:
         """These lock names will be used (the middleware's routes at start-up): their series start at 0 now.

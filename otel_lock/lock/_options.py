@@ -102,15 +102,15 @@ def check_flag(what: str, value: object) -> bool:
     return value
 
 
-def check_name(name: object) -> None:
-    """An explicit `lock.name`: a non-empty str that is UTF-8 text (metric labels and span attributes must be)."""
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"name must be a non-empty string, not {name!r}")
+def check_text(what: str, value: object) -> None:
+    """A `name=` or `owner=`: a non-empty str that is UTF-8 text (Redis, metric labels and spans carry it)."""
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{what} must be a non-empty string, not {value!r}")
     try:
-        name.encode("utf-8")
+        value.encode("utf-8")
     except UnicodeEncodeError as exc:
-        exc.add_note(f"name {name!r} cannot be encoded as UTF-8 (position {exc.start}): a lone surrogate, from "
-                     "os.fsdecode() or undecodable input; it names the lock's metrics and spans, which must be text")
+        exc.add_note(f"{what} {value!r} cannot be encoded as UTF-8 (position {exc.start}): a lone surrogate, from "
+                     "os.fsdecode() or undecodable input; decode bytes with errors='replace' or pass text")
         raise
 
 

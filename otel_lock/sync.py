@@ -49,7 +49,7 @@ from opentelemetry.trace import TracerProvider
 from .lock import HeldLock, LockBusy, LockError, LockInfo, LockLost, LockManager, Locks, LockTimeout, RedisUnavailable
 from .lock._deadlock import THREAD_HOLDS
 from .lock._multi import canonical
-from .lock._options import check_key, check_seconds
+from .lock._options import check_flag, check_key, check_seconds
 from .lock._server_checks import ServerHealth, ServerReport
 
 __all__ = ["RunningLoopError", "SyncHeldLock", "SyncHeldLocks", "SyncLockContext", "SyncLockManager",
@@ -420,6 +420,12 @@ class SyncHeldLock:
         return f"<SyncHeldLock {self.key} owner={self.owner} token={self.token} depth={self.depth}>"
 
 
+def _check_cancel(cancel_on_lost: object) -> None:
+    """Before a nested hold is handed out or a first key taken: a flag that is not a bool is refused."""
+    if cancel_on_lost is not None:
+        check_flag("cancel_on_lost", cancel_on_lost)
+
+
 class _PerThread(Generic[T]):
     """A `with` context that threads may share and nest, as one does a `threading.RLock`.
 
@@ -575,7 +581,7 @@ class SyncLockManager:
             raise TypeError(f"SyncLockManager takes a factory that returns a lock manager, not {factory!r}; "
                             f"for a URL use SyncLockManager.from_url(url)")
         self._factory = factory
-        self._cancel_on_lost = bool(cancel_on_lost)
+        self._cancel_on_lost = check_flag("cancel_on_lost", cancel_on_lost)
         self._permit_ids = itertools.count(1)
         self._closed = False
         self._runtime: _Runtime | None = None
@@ -665,6 +671,7 @@ class SyncLockManager:
         """
         _refuse_in_loop("acquire")
         check_key(key)  # before the thread's holds are looked up by it
+        _check_cancel(cancel_on_lost)
         nested = self._reenter(key, shared)
         if nested is not None:
             return nested
@@ -678,6 +685,7 @@ class SyncLockManager:
         """The hold if the lock is free right now (or this thread holds it), else None."""
         _refuse_in_loop("try_lock")
         check_key(key)  # before the thread's holds are looked up by it
+        _check_cancel(cancel_on_lost)
         nested = self._reenter(key, shared)
         if nested is not None:
             return nested
@@ -727,6 +735,7 @@ class SyncLockManager:
         ordered = canonical(keys)
         for key in ordered:
             check_key(key)
+        _check_cancel(cancel_on_lost)
         if wait is None:
             wait_s = float(getattr(self._current().manager, "wait", 5.0))
         else:
@@ -865,7 +874,7 @@ class SyncLockManager:
               cancel_on_lost: bool | None) -> SyncHeldLock | None:
         runtime = self._current()
         holds = runtime.holds()
-        cancel = self._cancel_on_lost if cancel_on_lost is None else bool(cancel_on_lost)
+        cancel = self._cancel_on_lost if cancel_on_lost is None else check_flag("cancel_on_lost", cancel_on_lost)
 
         caller = threading.current_thread()
         who = f"{caller.name}#{caller.ident}"

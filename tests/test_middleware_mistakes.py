@@ -14,7 +14,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from otel_lock import LockMiddleware, idempotent, locked
+from otel_lock import LockManager, LockMiddleware, idempotent, locked
 
 try:
     from ._middleware_helpers import client_for, lock_key, make_manager, problem, run_lifespan
@@ -275,3 +275,10 @@ async def test_a_header_the_route_never_declares_is_the_clients_400_naming_it(re
     body = problem(missing)
     assert body["type"] == "lock-key-invalid" and "header 'x-user-id' is missing" in body["detail"]
     assert sent.json() == {"key": lock_key("order:user:u1")}
+
+
+def test_enabled_that_is_not_true_or_false_is_refused(redis_url):
+    """Regression: `enabled="false"` (an environment variable passed on) was read as true, silently."""
+    for value in ("false", 0, None):
+        with pytest.raises(ValueError, match="enabled must be True or False"):
+            LockMiddleware(Starlette(), manager=LockManager.from_url(redis_url), enabled=value)

@@ -129,11 +129,14 @@ def test_bad_rules_are_rejected(rules, message):
     (dict(retry_after=float("inf")), "retry_after must be at most 1000000000 s"),
     (dict(retry_after=1e300), "retry_after must be at most"),
     (dict(name="stock\udcff"), "surrogates not allowed"),
+    (dict(fail_open="false"), "fail_open must be True or False"),
+    (dict(hash_parts=0), "hash_parts must be True or False"),
 ])
-def test_a_lease_or_retry_after_no_request_could_use_is_refused_at_decoration(options, message):
+def test_an_option_no_request_could_use_is_refused_at_decoration(options, message):
     """Regression: each passed the decorator and answered every request with a bare 500 (the manager refused the
     lease; `Retry-After: inf` could not be written, 1e300 was a 301-digit header); a name that is not text made
-    every later /metrics scrape a 500."""
+    every later /metrics scrape a 500; `fail_open="false"` (an environment variable) was read as true and ran the
+    handler unlocked when Redis was away."""
     with pytest.raises(ValueError, match=message):
         locked("k", **options)
     with pytest.raises(ValueError, match=message):

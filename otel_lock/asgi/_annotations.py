@@ -122,8 +122,7 @@ def locked(
     before every dependency; True: insist, failing the start-up without any).
     """
     keys = _key_set("locked", templates)
-    if not isinstance(shared, bool):
-        raise ValueError(f"shared must be True or False, got {shared!r}")
+    _check_flags(shared=shared, fail_open=fail_open, hash_parts=hash_parts)
     if shared and keys.several:
         raise ValueError(f"locked({keys.template!r}, shared=True): a shared lock is on one key; several "
                          f"templates or a '*' list name several (take them exclusively, or one shared key)")
@@ -153,6 +152,7 @@ def limited(
         raise ValueError(f"limited({template!r}): a limit is on one key; '*' names several")
     if not isinstance(permits, int) or isinstance(permits, bool) or permits < 1:
         raise ValueError(f"permits must be a positive number of holders, got {permits!r}")
+    _check_flags(fail_open=fail_open, hash_parts=hash_parts)
     _check_common(wait, lease, retry_after, body_idle_timeout, max_body, status, name, release_after, after_auth)
     return Locked(keys, wait=wait, lease=lease, status=status, fail_open=fail_open, hash_parts=hash_parts,
                   name=name, retry_after=retry_after, release_after=release_after, max_body=max_body,
@@ -167,6 +167,13 @@ def _key_set(what: str, templates: tuple[str, ...]) -> KeySet:
     for template in parsed:
         check_one_wildcard(template)
     return KeySet(parsed)
+
+
+def _check_flags(**flags: object) -> None:
+    """True/False options: a string such as "false" would be read as true (fail_open: the handler unlocked)."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
 def _check_common(wait: float | None, lease: float | None, retry_after: float | None, body_idle_timeout: float | None,

@@ -73,7 +73,9 @@ class LockMiddleware:
         self.idempotency_store = idempotency_store
         # enabled=False: a deliberate switch (demos, load tests) that runs annotated
         # handlers without their locks instead of refusing them; logged at start-up.
-        self.enabled: bool = bool(enabled)
+        if not isinstance(enabled, bool):  # "false" from an environment variable would be read as true
+            raise ValueError(f"enabled must be True or False, got {enabled!r}")
+        self.enabled: bool = enabled
         self.plain: RuleMatcher | None = None
         self.plain_protections: dict[int, Protection] = {}
         self.prepared: bool = False

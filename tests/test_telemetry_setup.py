@@ -65,6 +65,10 @@ def test_instance_id_from_otel_resource_attributes_is_kept(monkeypatch):
     ({"service_name": None}, "service_name"),
     ({"service_instance_id": ""}, "service_instance_id"),
     ({"resource_attributes": ["a"]}, "resource_attributes"),
+    # read for their truth, "false" (an environment variable passed on) meant true
+    ({"otlp": "false"}, "otlp must be True, False or None"),
+    ({"prometheus": 0}, "prometheus must be True, False or None"),
+    ({"flush_on_signal": "no"}, "flush_on_signal must be True, False or None"),
 ])
 def test_bad_arguments_are_named(kwargs, problem):
     with pytest.raises(ValueError, match=problem):

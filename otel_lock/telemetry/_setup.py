@@ -157,6 +157,9 @@ def setup(
     """
     global _current
     _check_arguments(service_name, service_instance_id, resource_attributes, redact)
+    for flag, value in (("prometheus", prometheus), ("otlp", otlp), ("flush_on_signal", flush_on_signal)):
+        if value is not None and not isinstance(value, bool):  # "false" would be read as true
+            raise ValueError(f"{flag} must be True, False or None, not {value!r}")
     exporters = _metrics_exporters()
     with _lock:
         if _current is not None:

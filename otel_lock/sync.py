@@ -672,6 +672,7 @@ class SyncLockManager:
         _refuse_in_loop("acquire")
         check_key(key)  # before the thread's holds are looked up by it
         _check_cancel(cancel_on_lost)
+        check_flag("shared", shared)
         nested = self._reenter(key, shared)
         if nested is not None:
             return nested
@@ -686,6 +687,7 @@ class SyncLockManager:
         _refuse_in_loop("try_lock")
         check_key(key)  # before the thread's holds are looked up by it
         _check_cancel(cancel_on_lost)
+        check_flag("shared", shared)
         nested = self._reenter(key, shared)
         if nested is not None:
             return nested

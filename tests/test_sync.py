@@ -284,14 +284,15 @@ def test_a_key_that_is_no_string_is_the_async_api_s_value_error(sync_locks, call
     lambda s: s.try_lock("k", cancel_on_lost=0),
     lambda s: s.acquire_permit("p", permits=2, cancel_on_lost="no"),
     lambda s: s.acquire_all(["k", "j"], cancel_on_lost="no"),
-], ids=["acquire", "try_lock", "acquire_permit", "acquire_all"])
-def test_a_cancel_on_lost_that_is_not_true_or_false_is_refused_even_when_nested(sync_locks, client, call):
+    lambda s: s.acquire("k", shared="yes"),
+], ids=["acquire", "try_lock", "acquire_permit", "acquire_all", "shared"])
+def test_a_flag_that_is_not_true_or_false_is_refused_even_when_nested(sync_locks, client, call):
     """Regression: the facade read `cancel_on_lost="false"` for its truth (true), and a nested call never looked."""
-    with pytest.raises(TypeError, match="cancel_on_lost must be True or False"):
+    with pytest.raises(TypeError, match="must be True or False"):
         call(sync_locks)
     assert client.keys("*") == []   # nothing taken
     with sync_locks.lock("k"):
-        with pytest.raises(TypeError, match="cancel_on_lost must be True or False"):
+        with pytest.raises(TypeError, match="must be True or False"):
             call(sync_locks)
     with pytest.raises(TypeError, match="cancel_on_lost must be True or False"):
         SyncLockManager.from_url("redis://127.0.0.1:1/0", cancel_on_lost="false")

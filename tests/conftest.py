@@ -116,6 +116,24 @@ async def redis_client(redis_url):
 
 
 @pytest.fixture
+async def locks(redis_url):
+    """A LockManager on the session's Redis (namespace `t`, wait 5 s); a module may define its own."""
+    from otel_lock import LockManager
+
+    async with LockManager.from_url(redis_url, namespace="t", wait=5.0) as manager:
+        yield manager
+
+
+@pytest.fixture
+async def other(redis_url):
+    """A second manager on the same namespace as `locks`: another replica."""
+    from otel_lock import LockManager
+
+    async with LockManager.from_url(redis_url, namespace="t", wait=5.0) as manager:
+        yield manager
+
+
+@pytest.fixture
 async def agents(redis_url):
     """Child processes with their own event loop and LockManager (tests/_proc_helpers.py)."""
     from _proc_helpers import Agents

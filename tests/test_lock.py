@@ -15,20 +15,6 @@ from otel_lock.cli._redis_server import free_port
 from otel_lock.lock._attempt import queue_record
 
 
-@pytest.fixture
-async def locks(redis_url):
-    manager = LockManager.from_url(redis_url, namespace="t", wait=5.0)
-    yield manager
-    await manager.aclose()
-
-
-@pytest.fixture
-async def other(redis_url):
-    manager = LockManager.from_url(redis_url, namespace="t", wait=5.0)
-    yield manager
-    await manager.aclose()
-
-
 async def until(predicate, deadline: float = 10.0) -> None:
     """Poll Redis state until `predicate()` holds; fail instead of hanging."""
     async with asyncio.timeout(deadline):

@@ -9,20 +9,6 @@ import pytest
 from otel_lock import HeldLocks, LockBusy, LockLost, LockManager, LockTimeout
 
 
-@pytest.fixture
-async def locks(redis_url):
-    manager = LockManager.from_url(redis_url, namespace="t", wait=5.0)
-    yield manager
-    await manager.aclose()
-
-
-@pytest.fixture
-async def other(redis_url):
-    manager = LockManager.from_url(redis_url, namespace="t", wait=5.0)
-    yield manager
-    await manager.aclose()
-
-
 async def held_keys(redis_client) -> list[bytes]:
     return sorted(k for k in await redis_client.keys("t:{*}") if b"}:" not in k)
 

@@ -9,20 +9,6 @@ import pytest
 from otel_lock import LockError, LockLost, LockManager, LockTimeout
 
 
-@pytest.fixture
-async def locks(redis_url):
-    manager = LockManager.from_url(redis_url, namespace="t", wait=5.0)
-    yield manager
-    await manager.aclose()
-
-
-@pytest.fixture
-async def other(redis_url):
-    manager = LockManager.from_url(redis_url, namespace="t", wait=5.0)
-    yield manager
-    await manager.aclose()
-
-
 async def until(predicate, deadline: float = 10.0) -> None:
     """Poll Redis state until `predicate()` holds; fail instead of hanging."""
     async with asyncio.timeout(deadline):

@@ -23,6 +23,7 @@ from redis.asyncio.sentinel import Sentinel
 
 from benchmarks._sentinel_set import SentinelSet, until
 from otel_lock import LockManager, LockTimeout, RedisUnavailable
+from otel_lock.cli._redis_server import RedisServer
 from otel_lock.lock._connection import Connection
 from otel_lock.lock._sentinel import MasterConnection, parse_url
 
@@ -360,6 +361,38 @@ async def test_a_demoted_master_is_never_talked_to_again(sentinels):
         await old.aclose()
         for manager in (holder, waiter):
             await manager.aclose()
+
+
+class _UndemotableSentinelSet(SentinelSet):
+    """The old master cannot be turned into a replica (REPLICAOF renamed away): a partition that never heals."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.master = RedisServer(extra_args=(*self.master.extra_args, "--rename-command", "SLAVEOF", "",
+                                              "--rename-command", "REPLICAOF", ""))
+
+
+@pytest.mark.failover
+async def test_a_switch_is_seen_even_when_a_new_pooled_connection_asked_the_sentinels_first():
+    """Regression: a pooled connection opened after the switch (Idempotency-Key records, the listing) asks the
+    Sentinels too and overwrote the address the master check compared with: the lock's connections stayed on
+    the old master, which still answered as one, and took new locks there."""
+    async with _UndemotableSentinelSet() as sentinels:
+        holder = LockManager.from_url(sentinels.url, lease=6.0)
+        old = aioredis.Redis(port=sentinels.master.port)
+        try:
+            kept = await holder.acquire("job:1")  # the lean connection is on the old master
+            new = aioredis.Redis(port=await sentinels.demote_master())
+            assert (await old.info("replication"))["role"] == "master"  # still a master: nothing demotes it
+            await asyncio.gather(*(holder.redis.ping() for _ in range(3)))  # the app's own use of the client
+            await until(_renewed(new, kept.key), "a renewal on the new master")
+            busy = await holder.acquire("stock:1", lease=30.0)
+            assert await new.exists(busy.key) == 1 and await old.exists(busy.key) == 0
+            assert await busy.release() and await kept.release()
+            await new.aclose()
+        finally:
+            await old.aclose()
+            await holder.aclose()
 
 
 async def _subscribed(client, channel):

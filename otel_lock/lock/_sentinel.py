@@ -102,6 +102,7 @@ class MasterWatch:
     def __init__(self, pool: SentinelConnectionPool) -> None:
         self.pool = pool
         self._next = 0.0
+        self._seen: tuple[str, int] | None = None  # the master at this watch's last check
         self.leans: weakref.WeakSet[MasterConnection] = weakref.WeakSet()  # closed too when the master changes
 
     @classmethod
@@ -118,14 +119,18 @@ class MasterWatch:
         if now < self._next:
             return
         self._next = now + REFRESH_EVERY
-        known = self.pool.master_address
+        # Not the pool's `master_address` alone: any new pooled connection (the Idempotency-Key
+        # records, the listing) asks the Sentinels too and overwrites it, and the switch went unseen.
+        known = self._seen or self.pool.master_address
         try:
             current = await self.pool.get_master_address()  # type: ignore[no-untyped-call]
         except (RedisError, OSError):
             return  # no Sentinel answered: the call itself will tell
-        if known is not None and current != known:
+        self._seen = current = (str(current[0]), int(current[1]))
+        if known is not None and current != (str(known[0]), int(known[1])):
             await self.pool.disconnect(inuse_connections=True)
-            for lean in list(self.leans):
+        for lean in list(self.leans):
+            if lean.connected and lean.master != current:
                 lean.drop()  # a subscriber among them notices, and subscribes again on the new master
 
     def recheck(self) -> None:
@@ -157,6 +162,11 @@ class MasterConnection(Connection):
             raise RedisConnectionError(f"no Sentinel named a master: {exc}") from exc
         self._host, self._port = str(host), int(port)
         await super().connect()
+
+    @property
+    def master(self) -> tuple[str, int]:
+        """The address the Sentinels named when this connection opened."""
+        return self._host, self._port
 
     async def execute(self, *args: Any) -> Any:
         try:

@@ -341,10 +341,23 @@ async def test_token_is_the_maximum_and_still_increases_without_that_master(mast
     (lambda u: RedLockManager.from_urls(u, lease=3, renew_interval=3), "renewal interval"),
     (lambda u: RedLockManager.from_urls(u, namespace="a{b}"), "namespace"),
     (lambda u: RedLockManager([redis.asyncio.Redis()] * 3), "same client"),
+    # regression: the default port and two clients of one server were taken as different masters
+    (lambda u: RedLockManager.from_urls(["redis://127.0.0.1", "redis://127.0.0.1:6379", u[1]]), "already given"),
+    (lambda u: RedLockManager([redis.asyncio.Redis.from_url(u[0]), redis.asyncio.Redis.from_url(u[0] + "1"),
+                               redis.asyncio.Redis.from_url(u[1])]), "name the master 127.0.0.1"),
 ])
 def test_bad_options_raise_value_error_naming_the_problem(masters, call, message):
     with pytest.raises(ValueError, match=message):
         call(urls(masters))
+
+
+@pytest.mark.parametrize("clients", [["a", "b", "c"], "sync"], ids=["strings", "sync-clients"])
+def test_clients_that_are_not_redis_asyncio_are_refused_naming_the_type(masters, clients):
+    """Regression: they were taken, and the first use failed on a raw AttributeError or TypeError."""
+    if clients == "sync":
+        clients = [redis.Redis(port=server.port) for server in masters]
+    with pytest.raises(TypeError, match=r"redis\.asyncio\.Redis client per master, not (builtins\.str|redis\.client)"):
+        RedLockManager(clients)
 
 
 @pytest.mark.parametrize("kwargs, message", [

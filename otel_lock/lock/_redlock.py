@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence
 from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
+from redis.asyncio.sentinel import SentinelConnectionPool
 from opentelemetry import trace
 from opentelemetry.metrics import MeterProvider
 
@@ -22,7 +23,7 @@ from ._breaker import Breaker
 from ._calls import Calls
 from ._clients import settings_of, speaking_for, twin
 from ._core import Core, Topology
-from ._options import ManagerOptions, check_seconds, refuse_theirs
+from ._options import ManagerOptions, check_breaker, check_seconds, refuse_theirs
 from ._quorum import QuorumTransport
 from ._redlock_scripts import Masters
 from ._transport import Transport
@@ -42,6 +43,24 @@ def _check_masters(given: object, name: str, kind: str, alternative: str) -> Non
     if len(given) < MIN_MASTERS:
         raise ValueError(f"RedLock needs at least {MIN_MASTERS} independent masters, got {len(given)} {kind}: "
                          f"with fewer, one failure stops all locking (use {alternative} for one Redis)")
+
+
+def _check_clients(clients: Sequence[Any]) -> None:
+    """redis.asyncio clients of different masters: a master counted twice makes one Redis a quorum."""
+    for client in clients:
+        if not isinstance(client, aioredis.Redis):
+            raise TypeError(f"RedLockManager takes one redis.asyncio.Redis client per master, not "
+                            f"{type(client).__module__}.{type(client).__qualname__}")
+    if len({id(c) for c in clients}) != len(clients):
+        raise ValueError("the same client is given twice: each master must be a different Redis")
+    seen: set[str] = set()
+    for client in clients:
+        if isinstance(client.connection_pool, SentinelConnectionPool):
+            continue  # its master is whatever its Sentinels name
+        where = settings_of(client).address()
+        if where in seen:
+            raise ValueError(f"two clients name the master {where}: each master must be a different Redis")
+        seen.add(where)
 
 
 class Quorum(Topology):
@@ -100,8 +119,6 @@ class RedLockManager(Core):
                  meter_provider: MeterProvider | None = None, breaker_failures: int = 5,
                  breaker_cooldown: float = 1.0, require_noeviction: bool = False) -> None:
         _check_masters(clients, "clients", "redis.asyncio clients", "LockManager")
-        if len({id(c) for c in clients}) != len(clients):
-            raise ValueError("the same client is given twice: each master must be a different Redis")
         options = ManagerOptions.checked(namespace, lease, renew_interval, wait, cancel_on_lost, fence_ttl, poll_cap,
                                          require_noeviction)
         self.master_timeout: float = min(0.25, options.lease / 10) if master_timeout is None else check_seconds(
@@ -109,6 +126,8 @@ class RedLockManager(Core):
         if self.master_timeout * 4 > options.lease:
             raise ValueError(f"master_timeout ({master_timeout} s) must be at most a quarter of the lease "
                              f"({options.lease} s): a round takes up to two of them and must leave validity")
+        check_breaker(breaker_failures, breaker_cooldown)  # every option is named before the clients are
+        _check_clients(clients)
         # a per-call lease must leave a round its validity too
         options = dataclasses.replace(
             options, min_lease=self.master_timeout * 4,
@@ -132,7 +151,8 @@ class RedLockManager(Core):
             if parts is None or parts.scheme not in ("redis", "rediss", "unix"):
                 raise ValueError(f"unknown Redis URL scheme in {url!r}: use redis://, rediss:// or unix://")
             url_checked(url)
-            where = (parts.hostname, parts.port, parts.path) if parts.scheme == "unix" else (parts.hostname, parts.port)
+            where = (parts.hostname, parts.port, parts.path) if parts.scheme == "unix" else (parts.hostname,
+                                                                                            parts.port or 6379)
             if where in seen:
                 raise ValueError(f"{url!r} names a master already given: each master must be a different Redis")
             seen.add(where)

@@ -8,6 +8,8 @@ under load, and (marked `failover`) a master killed while a lock is held.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 
 import pytest
 import redis.asyncio as aioredis
@@ -336,6 +338,29 @@ async def test_a_master_down_at_first_use_fails_only_its_own_keys(caplog):
             assert {report.address for report in locks.server_reports} == {
                 f"127.0.0.1:{p}" for p in cluster.ports if p != dead}
         assert f"server checks skipped for Cluster master 127.0.0.1:{dead}" in caplog.text
+
+
+async def test_callers_queued_on_a_reconnect_to_a_stopped_master_share_its_one_attempt():
+    """Regression: each caller queued behind a reconnect to a stopped (SIGSTOP) master, or behind a read of the
+    slot map that asked it first, tried again in turn once the one before it had timed out, so the 40th waited
+    40 connect timeouts, far past its `wait`."""
+    async with ClusterSet(masters=3) as cluster:
+        per = await cluster.keys_per_master(40)
+        async with LockManager.from_url(cluster.url, socket_timeout=1.0, breaker_failures=0) as locks:
+            async with locks.lock(per[min(per)][0]):  # the lean connections are open
+                pass
+            _, port = next(iter(link_of(locks).routed._nodes))  # the node the slot map is asked first
+            node = next(n for n in cluster.nodes if n.port == port)
+            assert node.process is not None
+            os.kill(node.process.pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(RedisUnavailable):  # no reply: the connection is dropped
+                    await asyncio.wait_for(locks.acquire(per[port][0], wait=0), BOUND)
+                outcomes = await asyncio.wait_for(asyncio.gather(
+                    *(locks.acquire(key, wait=0) for key in per[port]), return_exceptions=True), BOUND)
+            finally:
+                os.kill(node.process.pid, signal.SIGCONT)
+        assert all(isinstance(outcome, RedisUnavailable) for outcome in outcomes), outcomes
 
 
 async def _on_replica(cluster: ClusterSet, master: int, key: str) -> bool:

@@ -242,6 +242,7 @@ class Connection:
         self._protocol: _Protocol | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop of the open socket
         self._connecting = asyncio.Lock()
+        self._failed: Exception | None = None  # the last connect attempt's error, until one succeeds
 
     @property
     def server(self) -> str:
@@ -277,43 +278,57 @@ class Connection:
 
     async def connect(self) -> None:
         loop = self._check_loop()
+        failed = self._failed
         async with self._connecting:
             if self.connected:
                 return
-            protocol = _Protocol(None, None, self.server, self._tls)
+            if self._failed is not None and self._failed is not failed:
+                # The attempt this caller queued behind has just failed: a frozen server costs the
+                # queue one connect timeout, not one per caller in turn (the last waited N of them).
+                raise self._failed
             try:
-                async with asyncio.timeout(self._connect_timeout):
-                    if self._path:
-                        await loop.create_unix_connection(lambda: protocol, self._path)
-                    elif self._tls is not None:
-                        # TCP, then TLS on it: a handshake cancelled half-way (aclose) leaves a socket
-                        # this code can abort, where create_connection(ssl=...) could leave it to the GC
-                        context = self._tls.context()
-                        await loop.create_connection(lambda: protocol, self._host, self._port)
-                        assert protocol.transport is not None  # connection_made set it
-                        protocol.transport = cast(asyncio.Transport, await loop.start_tls(
-                            protocol.transport, protocol, context, server_hostname=self._host))
-                    else:
-                        await loop.create_connection(lambda: protocol, self._host, self._port)
-                    await self._handshake(protocol)
-            except BaseException as exc:
-                # A refused AUTH or SELECT (a rotated password, a wrong db) must
-                # not leave its socket behind: one per attempt would exhaust maxclients.
-                protocol.abort()
-                if isinstance(exc, TimeoutError):
-                    raise RedisTimeoutError(f"connecting to Redis at {self.server} timed out after "
-                                            f"{self._connect_timeout} s") from exc
-                refusal = self._tls.refusal(exc, self.server) if self._tls is not None else None
-                if refusal is None and self._tls is not None and type(exc) is RedisConnectionError and \
-                        protocol.refusal is None:  # hung up without a word: a client certificate refused?
-                    refusal = await self._tls.diagnose(self._host, self._port, min(self._connect_timeout or 1.0, 1.0))
-                if refusal is not None:  # a certificate or protocol problem: no retry will fix it
-                    raise refusal from exc
-                if isinstance(exc, OSError):
-                    raise RedisConnectionError(f"cannot connect to Redis at {self.server}: {exc}") from exc
+                await self._open(loop)
+            except Exception as exc:
+                self._failed = exc
                 raise
-            protocol.on_push, protocol.on_lost = self._on_push, self._on_lost
-            self._protocol, self._loop = protocol, loop
+            self._failed = None
+
+    async def _open(self, loop: asyncio.AbstractEventLoop) -> None:
+        """One connect attempt: the socket (TLS too) and the handshake, or an error that says why not."""
+        protocol = _Protocol(None, None, self.server, self._tls)
+        try:
+            async with asyncio.timeout(self._connect_timeout):
+                if self._path:
+                    await loop.create_unix_connection(lambda: protocol, self._path)
+                elif self._tls is not None:
+                    # TCP, then TLS on it: a handshake cancelled half-way (aclose) leaves a socket
+                    # this code can abort, where create_connection(ssl=...) could leave it to the GC
+                    context = self._tls.context()
+                    await loop.create_connection(lambda: protocol, self._host, self._port)
+                    assert protocol.transport is not None  # connection_made set it
+                    protocol.transport = cast(asyncio.Transport, await loop.start_tls(
+                        protocol.transport, protocol, context, server_hostname=self._host))
+                else:
+                    await loop.create_connection(lambda: protocol, self._host, self._port)
+                await self._handshake(protocol)
+        except BaseException as exc:
+            # A refused AUTH or SELECT (a rotated password, a wrong db) must
+            # not leave its socket behind: one per attempt would exhaust maxclients.
+            protocol.abort()
+            if isinstance(exc, TimeoutError):
+                raise RedisTimeoutError(f"connecting to Redis at {self.server} timed out after "
+                                        f"{self._connect_timeout} s") from exc
+            refusal = self._tls.refusal(exc, self.server) if self._tls is not None else None
+            if refusal is None and self._tls is not None and type(exc) is RedisConnectionError and \
+                    protocol.refusal is None:  # hung up without a word: a client certificate refused?
+                refusal = await self._tls.diagnose(self._host, self._port, min(self._connect_timeout or 1.0, 1.0))
+            if refusal is not None:  # a certificate or protocol problem: no retry will fix it
+                raise refusal from exc
+            if isinstance(exc, OSError):
+                raise RedisConnectionError(f"cannot connect to Redis at {self.server}: {exc}") from exc
+            raise
+        protocol.on_push, protocol.on_lost = self._on_push, self._on_lost
+        self._protocol, self._loop = protocol, loop
 
     async def _handshake(self, protocol: _Protocol) -> None:
         """AUTH and SELECT in one write, or a PING: a server that refuses this client says so now.

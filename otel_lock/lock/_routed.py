@@ -45,6 +45,7 @@ class RoutedConnections:
         self._nodes: dict[Address, Connection] = {}
         self._slots: dict[int, Address] = {}
         self._reading = asyncio.Lock()
+        self._reads = 0  # slot maps read so far
 
     @property
     def in_flight(self) -> int:
@@ -71,8 +72,15 @@ class RoutedConnections:
         return address
 
     async def _read_slots(self) -> None:
-        """Read the slot map from the first node that answers (known ones first, then redis-py's)."""
+        """Read the slot map from the first node that answers (known ones first, then redis-py's).
+
+        Callers that queued while another read it take that map: each reading
+        it again in turn would ask a stopped node first, a timeout per caller.
+        """
+        reads = self._reads
         async with self._reading:
+            if self._reads != reads:
+                return
             try:
                 await self._cluster.initialize()
             except (RedisError, RedisClusterException, OSError):
@@ -95,6 +103,7 @@ class RoutedConnections:
                     for slot in range(int(start), int(end) + 1):
                         slots[slot] = owner
                 self._slots = slots
+                self._reads += 1
                 return
             if isinstance(error, (TlsMisconfigured, NoPermissionError)):
                 raise error  # the same on every node and every retry: say what to fix (a certificate, ACL rights)

@@ -151,7 +151,13 @@ class MasterConnection(Connection):
     def __init__(self, pool: SentinelConnectionPool, watch: MasterWatch, **options: Any) -> None:
         super().__init__(**options)
         self._pool, self._watch = pool, watch
+        self._named = False  # has a Sentinel named the master yet? Until then _host/_port are placeholders
         watch.leans.add(self)
+
+    @property
+    def server(self) -> str:
+        """The master's host:port once a Sentinel named it; before, the service (not a made-up 127.0.0.1:6379)."""
+        return super().server if self._named else f"the master of Sentinel service {self._pool.service_name!r}"
 
     async def connect(self) -> None:
         if self.connected:
@@ -160,7 +166,7 @@ class MasterConnection(Connection):
             host, port = await self._pool.get_master_address()  # type: ignore[no-untyped-call]
         except (RedisError, OSError) as exc:
             raise RedisConnectionError(f"no Sentinel named a master: {exc}") from exc
-        self._host, self._port = str(host), int(port)
+        self._host, self._port, self._named = str(host), int(port), True
         await super().connect()
 
     @property

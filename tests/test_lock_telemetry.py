@@ -152,6 +152,25 @@ async def test_timeout_is_an_error_span_and_a_timeout_outcome(redis_url, locks, 
     assert otel.gauge("otel_lock.pending", "k") == 0
 
 
+async def test_a_cancelled_wait_ends_its_span_unset_with_outcome_cancelled(redis_url, locks, otel):
+    """The caller gave up (a client disconnect, a deadline): no error on the span, but the span ends."""
+    async with LockManager.from_url(redis_url, namespace="tel", **otel.providers()) as other:
+        async with locks.lock("k"):
+            async def waiter() -> None:
+                with otel.tracer.start_as_current_span("request"):
+                    await other.acquire("k", wait=30.0)
+
+            task = asyncio.create_task(waiter())
+            async with asyncio.timeout(10):
+                while {"lock.name": "k"} not in otel.counted("otel_lock.pending"):  # the wait has begun
+                    await asyncio.sleep(0.01)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+    [span] = [s for s in otel.acquire_spans() if s.attributes["lock.outcome"] == "cancelled"]
+    assert span.status.status_code == StatusCode.UNSET and "error.type" not in span.attributes
+
+
 async def test_redis_error_is_counted_with_its_type(otel):
     port = free_port()
     async with LockManager.from_url(f"redis://127.0.0.1:{port}/0", socket_timeout=0.5,

@@ -16,7 +16,9 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 
 from benchmarks._cluster_set import ClusterSet
-from otel_lock import LockError, LockLost, LockManager, LockTimeout, RedisUnavailable
+from otel_lock.cli._redis_server import RedisServer, stop_servers
+from otel_lock import (LockError, LockLost, LockManager, LockTimeout, RedisMisconfigured, RedisUnavailable,
+                       RedLockManager)
 from otel_lock.lock._cluster import parse_url, slot_of
 from otel_lock.sync import SyncLockManager
 
@@ -84,6 +86,25 @@ async def test_options_the_cluster_cannot_honour_are_refused(cluster):
 
 
 # -- mutual exclusion and keys ---------------------------------------------------------
+
+
+async def test_a_cluster_node_behind_a_plain_url_is_refused_naming_the_cluster_url(flushed):
+    """Regression: keys of the node's own slots were locked and the others failed as LockError "MOVED ...";
+    as a RedLock master it silently never granted most keys."""
+    per = await flushed.keys_per_master(1)
+    node = min(per)
+    other_key = next(keys[0] for port, keys in per.items() if port != node)
+    plain = [LockManager.from_url(f"redis://127.0.0.1:{node}")]
+    others = [RedisServer().start() for _ in range(2)]
+    try:
+        quorum = RedLockManager.from_urls([f"redis://127.0.0.1:{node}", *(s.url for s in others)])
+        for locks in (*plain, quorum):
+            async with locks:
+                for key in (per[node][0], other_key):
+                    with pytest.raises(RedisMisconfigured, match=rf"Cluster node.*redis\+cluster://127\.0\.0\.1:{node}"):
+                        await asyncio.wait_for(locks.acquire(key, wait=0), BOUND)
+    finally:
+        stop_servers(others)
 
 
 async def test_every_lock_lives_in_one_slot_and_locks_spread_over_every_master(flushed):

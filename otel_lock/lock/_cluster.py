@@ -23,6 +23,7 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
+from redis.exceptions import MovedError, ResponseError
 
 from ._url_hosts import UrlForm
 
@@ -36,6 +37,11 @@ _UNSUPPORTED = ("db", "connection_class", "unix_socket_path", "path")  # ssl=Tru
 
 def is_cluster(client: Any) -> bool:
     return isinstance(client, RedisCluster)
+
+
+def is_moved(error: BaseException) -> bool:
+    """A Cluster node's MOVED answer (redis-py before 6 leaves it a plain ResponseError outside its cluster client)."""
+    return isinstance(error, MovedError) or isinstance(error, ResponseError) and str(error).startswith("MOVED ")
 
 
 def parse_url(url: str) -> tuple[list[tuple[str, int]], str | None, str | None]:

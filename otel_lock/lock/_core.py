@@ -33,6 +33,7 @@ from redis.exceptions import NoScriptError, RedisError
 from ._attempt import Acquisition, Reply
 from ._background import Background
 from ._breaker import Breaker
+from ._cluster import is_moved
 from ._deadlock import probe_for
 from ._errors import (LockBusy, LockDeadlock, LockError, LockTimeout, RedisMisconfigured, RedisUnavailable, error_type,
                       to_lock_error)
@@ -508,9 +509,11 @@ class Core:
         """
         try:
             held = await self._claim_model(transport, key, name)  # the first call: its errors are an acquire's
-        except RedisMisconfigured as exc:
-            if script_refused(exc.__cause__ or exc):
-                # a server that refuses the claim's script commands: the server checks say why, in doctor's words
+        except LockError as exc:
+            cause = exc.__cause__ or exc
+            if isinstance(exc, RedisMisconfigured) and script_refused(cause) or is_moved(cause):
+                # a server that refuses the claim's script commands, or a Cluster node behind a plain URL
+                # (MOVED): the server checks say why, in doctor's words
                 await self._check_reports(transport, key)
             raise
         await self._check_reports(transport, key)

@@ -244,8 +244,10 @@ async def check_server(run: Run, *, namespace: str = "otel-lock", cluster: bool 
     round_trip, ping = await _round_trip(run, pings)
     info = await _info(run)
     config = await _config(run, info)
+    node = _int(info.get("cluster_enabled")) == 1 if info else None
+    asked_plain = cluster is False and node is True  # a Cluster node behind a plain (or RedLock) URL
     if cluster is None:
-        cluster = _int(info.get("cluster_enabled")) == 1 if info else None
+        cluster = node
     user = _text(await _try(run, "ACL", "WHOAMI")) or None
     rights = _Rights(run, namespace, bool(cluster), user, subscribe)
     await rights.probe()
@@ -267,6 +269,7 @@ async def check_server(run: Run, *, namespace: str = "otel-lock", cluster: bool 
         _replication_check(role, replicas),
         *rights.checks(),
         _round_trip_check(round_trip, ping, user),
+        *([_cluster_node_check(address)] if asked_plain else []),
     )
     return ServerReport(address, server, version, user, maxmemory, policy, used, aof,
                         None if rdb_save is None else _text(rdb_save), role, replicas, cluster, round_trip, checks)
@@ -421,6 +424,13 @@ def _replication_check(role: str | None, replicas: int | None) -> Check:
                      "point the manager at the master, or use a redis+sentinel:// URL")
     count = "no replicas" if not replicas else f"{replicas} replica{'s' if replicas > 1 else ''}"
     return Check("replication", role, "ok", f"{role}, {count}")
+
+
+def _cluster_node_check(address: str | None) -> Check:
+    """A Cluster node used as one Redis answers MOVED for the other nodes' slots: refuse it by name at once."""
+    return Check("topology", "cluster node", "refusal", "this server is a Redis Cluster node, reached as a single "
+                 "Redis: the keys of other nodes' slots would be answered MOVED",
+                 f"use redis+cluster://{address or 'host:port'} (or a RedisCluster client) with LockManager")
 
 
 def _round_trip_check(round_trip: float, refused: BaseException | None, user: str | None) -> Check:

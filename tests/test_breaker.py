@@ -141,6 +141,21 @@ async def test_guard_closes_the_refused_call_unstarted():
     assert started == [] and coro.cr_frame is None  # closed, so no "never awaited" warning
 
 
+def test_failures_of_one_part_count_only_while_no_call_is_answered():
+    """A Cluster master down: its calls in flight fail in a burst; while the others answer, no circuit opens."""
+    clock = Clock()
+    breaker = Breaker(3, 1.0, clock=clock)
+    breaker.record(True)                        # another master answered
+    clock.now += 2.0
+    for _ in range(10):                         # sent 1.5 s ago, within the cool-down of that answer
+        breaker.record(False, partial=True, took=1.5)
+    assert breaker.state() == CLOSED
+    clock.now += 0.5
+    for _ in range(3):                          # the whole cluster is silent since: it opens
+        breaker.record(False, partial=True, took=0.1)
+    assert breaker.state() == OPEN
+
+
 def test_zero_failures_turns_it_off():
     breaker = Breaker(0, 1.0)
     for _ in range(100):

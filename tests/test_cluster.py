@@ -384,6 +384,37 @@ async def test_callers_queued_on_a_reconnect_to_a_stopped_master_share_its_one_a
         assert all(isinstance(outcome, RedisUnavailable) for outcome in outcomes), outcomes
 
 
+@pytest.mark.parametrize("fault", ["killed", "stopped"])
+async def test_one_master_down_does_not_open_the_circuit_for_the_other_masters(fault):
+    """Regression: the calls in flight to a dead or stopped master fail in a burst, with no answer between them,
+    and opened the manager's one breaker: every slot's new locks were refused "circuit open"."""
+    async with ClusterSet(masters=3) as cluster:
+        per = await cluster.keys_per_master(10)
+        dead = min(per)
+        node = next(n for n in cluster.nodes if n.port == dead)
+        healthy = [keys[0] for port, keys in per.items() if port != dead]
+        # a cool-down far longer than this test: once open, the circuit would stay open
+        async with LockManager.from_url(cluster.url, socket_timeout=1.0, breaker_cooldown=60.0) as locks:
+            for keys in per.values():
+                async with locks.lock(keys[0]):
+                    pass
+            if fault == "killed":
+                cluster.kill(dead)
+            else:
+                assert node.process is not None
+                os.kill(node.process.pid, signal.SIGSTOP)
+            try:
+                outcomes = await asyncio.wait_for(asyncio.gather(
+                    *(locks.acquire(key, wait=0) for key in per[dead]), return_exceptions=True), BOUND)
+                assert all(isinstance(outcome, RedisUnavailable) for outcome in outcomes), outcomes
+                for key in healthy:
+                    async with locks.lock(key, wait=1.0) as held:
+                        assert held.token > 0
+            finally:
+                if node.process is not None:
+                    os.kill(node.process.pid, signal.SIGCONT)
+
+
 async def _on_replica(cluster: ClusterSet, master: int, key: str) -> bool:
     """The replica of `master` has the lock key (replication is asynchronous)."""
     async with aioredis.Redis(port=master) as node:

@@ -51,6 +51,7 @@ class Breaker:
         self._current = cooldown                 # this opening's cool-down (doubles on failed probes)
         self._probe = 0                          # the probe let through and not ended yet (0: none)
         self._probes = 0
+        self._answered_at = -math.inf            # the clock when a call was last answered
 
     @classmethod
     def for_pool(cls, failures: int, cooldown: float, telemetry: Telemetry, counts: LockCounts,
@@ -118,13 +119,21 @@ class Breaker:
         finally:
             self.done(probe)
 
-    def record(self, reachable: bool) -> None:
-        """Feed one Redis call's outcome: answered (even with an error reply), or unavailable."""
+    def record(self, reachable: bool, *, partial: bool = False, took: float = 0.0) -> None:
+        """Feed one Redis call's outcome: answered (even with an error reply), or unavailable.
+
+        `partial`: the call (sent `took` seconds ago) went to one part of the
+        deployment (a Cluster slot's master). Its failure counts only when no
+        call was answered since the cool-down before it was sent: one master
+        down must not shut every slot out (its calls in flight fail in a
+        burst, with no answer between them).
+        """
         if reachable:
+            self._answered_at = self._clock()
             if self._failed or self._open_until is not None:
                 self._close()
             return
-        if not self.failures:
+        if not self.failures or partial and self._answered_at >= self._clock() - took - self.cooldown:
             return
         state = self.state()
         if state == CLOSED:

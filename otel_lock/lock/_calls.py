@@ -23,10 +23,11 @@ __all__ = ["Calls", "batch_outcomes", "error_type", "record_batch"]
 class Calls:
     """Times and classifies the calls of one manager (its telemetry and breaker) to one server."""
 
-    __slots__ = ("telemetry", "breaker", "client")
+    __slots__ = ("telemetry", "breaker", "client", "partial")
 
-    def __init__(self, telemetry: Telemetry, breaker: Breaker | None, client: Any) -> None:
+    def __init__(self, telemetry: Telemetry, breaker: Breaker | None, client: Any, *, partial: bool = False) -> None:
         self.telemetry, self.breaker, self.client = telemetry, breaker, client
+        self.partial = partial  # each call reaches one part of the deployment (a Cluster slot's master)
 
     @property
     def where(self) -> str:
@@ -55,7 +56,7 @@ class Calls:
         self.telemetry.redis_duration.record(seconds, attributes)
         self.telemetry.errors.add(1, attributes)
         if self.breaker is not None:
-            self.breaker.record(kind != "redis_unavailable")
+            self.breaker.record(kind != "redis_unavailable", partial=self.partial, took=seconds)
         return self.error(exc, f"{operation} of {key}", key)
 
     def error(self, exc: BaseException, what: str, key: str | None) -> LockError:

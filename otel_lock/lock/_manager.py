@@ -80,7 +80,8 @@ class OneRedis(Topology):
         client, owns = self.client_for_loop()
         link = link_for(client, self.wait_replicas, self.wait_timeout_ms)
         channel = f"{self.options.namespace}:wake:{identity}" + (f"-{index}" if index else "")
-        transport = ScriptTransport(link, Calls(self.telemetry, self.breaker, link.client), channel,
+        calls = Calls(self.telemetry, self.breaker, link.client, partial=link.sharded)
+        transport = ScriptTransport(link, calls, channel,
                                     self.options.fence_ttl_ms, self.options.poll_cap, self.counts.pending, background)
         return transport, client, owns
 

@@ -107,6 +107,14 @@ async def test_a_cluster_node_behind_a_plain_url_is_refused_naming_the_cluster_u
         stop_servers(others)
 
 
+async def test_a_plain_redis_behind_a_cluster_url_is_misconfigured_naming_the_plain_url(redis_url):
+    """Regression: it was RedisUnavailable (a 503 to retry, the breaker fed) for what no retry fixes."""
+    port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
+    async with LockManager.from_url(f"redis+cluster://127.0.0.1:{port}") as locks:
+        with pytest.raises(RedisMisconfigured, match="cluster support disabled.*not a Redis Cluster node.*redis://"):
+            await asyncio.wait_for(locks.acquire("k", wait=0), BOUND)
+
+
 async def test_every_lock_lives_in_one_slot_and_locks_spread_over_every_master(flushed):
     keys = await keys_on_every_master(flushed)
     async with LockManager.from_url(flushed.url, lease=5.0) as locks:

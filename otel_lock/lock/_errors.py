@@ -169,6 +169,8 @@ _RULES = (
     _Rule(MISCONFIGURED, words=("DB index is out of range", "invalid DB index"),
           fix="the URL's database number is not below the server's `databases` setting (16 by "
               "default): use a lower one, or raise `databases`"),
+    _Rule(MISCONFIGURED, words=("cluster support disabled",),
+          fix="the server is not a Redis Cluster node: use a redis:// (or redis+sentinel://) URL for it"),
     _Rule(MISCONFIGURED, words=("unknown command",),
           fix="the server does not offer a command the lock needs (renamed or disabled by "
               "rename-command, or a server older than Redis 7.0)"),

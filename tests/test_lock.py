@@ -400,6 +400,18 @@ async def test_a_flag_that_is_not_true_or_false_is_refused_not_read_for_its_trut
     assert await redis_client.keys("*{k}*") == []   # refused before anything was taken
 
 
+@pytest.mark.parametrize("given", ["url", None, 42, "blocking"])
+def test_a_client_that_is_not_redis_asyncio_is_refused_naming_its_type(redis_url, given):
+    """Regression: a URL string failed at first use as AttributeError 'str' object has no attribute
+    'connection_pool', and a blocking redis.Redis half-worked (the lean connection spoke for it) until a
+    pooled call awaited one of its methods."""
+    import redis
+
+    client = {"url": redis_url, "blocking": redis.Redis.from_url(redis_url)}.get(given, given)
+    with pytest.raises(TypeError, match="LockManager takes a redis.asyncio.Redis or redis.asyncio.RedisCluster"):
+        LockManager(client)
+
+
 def test_a_manager_flag_that_is_not_true_or_false_is_refused(redis_url):
     for options in (dict(cancel_on_lost="false"), dict(require_noeviction="no")):
         with pytest.raises(TypeError, match="must be True or False"):

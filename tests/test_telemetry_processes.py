@@ -15,6 +15,7 @@ import contextlib
 import gc
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -451,6 +452,26 @@ def test_a_reused_pid_never_overwrites_the_counts_of_the_process_that_had_it(tmp
     errors(later, 2)
     text = generate_latest(registry).decode()
     assert [s.value for s in _samples(text, "otel_lock_errors_total")] == [7.0]
+
+
+def test_a_process_whose_directory_was_emptied_keeps_recording(tmp_path):
+    """The directory emptied under a live process (a newer start's `rm -rf DIR && mkdir -p DIR`): its next
+    new file made LockManager() and the lock's records raise FileNotFoundError; it is written in a new one."""
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.exposition import generate_latest
+
+    from otel_lock.telemetry import _multiproc
+    from otel_lock.telemetry._prom import FastMetrics
+
+    path = tmp_path / _multiproc.SUBDIR
+    path.mkdir()
+    registry = CollectorRegistry()
+    fast = FastMetrics(registry, shared=str(path))  # setup() ran; no file opened yet (a --preload worker)
+    shutil.rmtree(path)
+    fast.instruments["errors"].add(1, {"lock.name": "a", "lock.operation": "acquire", "error.type": "x"})
+    _multiproc.serve(registry, str(path), fast, dict)
+    text = generate_latest(registry).decode()
+    assert [s.value for s in _samples(text, "otel_lock_errors_total")] == [1.0]
 
 
 def test_a_scrape_while_a_worker_creates_its_file_answers(tmp_path):

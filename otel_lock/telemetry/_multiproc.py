@@ -110,6 +110,9 @@ class Files:
             return file
 
     def _fresh(self, kind: str) -> str:
+        # Emptied under this live process (a newer start's `rm -rf DIR && mkdir -p DIR`): write in a new one,
+        # the lock must not fail over its metrics.
+        os.makedirs(self.path, exist_ok=True)
         name = os.path.join(self.path, f"{kind}_{self.pid}.db")
         if os.path.exists(name):  # a dead process had this pid (or an earlier setup() of this one)
             if kind.startswith("gauge_live"):

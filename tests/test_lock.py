@@ -553,3 +553,33 @@ async def test_the_next_local_waiter_polls_once_the_first_one_left(redis_url, ot
         held = await asyncio.wait_for(second, 10)  # the lease ends after 1 s; a poll finds the lock free
         assert held.token > gone.token
         await held.release()
+
+
+@pytest.mark.parametrize("cancel_on_lost", [False, True])
+async def test_a_lock_held_when_its_manager_closes_is_told_lost_when_its_lease_runs_out(redis_url, cancel_on_lost):
+    """Regression: after aclose() nothing watched the lease any more: `held.lost` never fired (a holder awaiting
+    it waited forever, another manager long since holding the key), the hold's gauges and span stayed open."""
+    manager = LockManager.from_url(redis_url, namespace="t", lease=1.0, cancel_on_lost=cancel_on_lost)
+    entered, told = asyncio.Event(), asyncio.Event()
+    holds = []
+
+    async def holder() -> None:
+        holds.append(await manager.acquire("closing"))
+        entered.set()
+        await holds[0].lost.wait()
+        told.set()
+        await asyncio.sleep(10)   # runs on unprotected, unless it asked to be cancelled
+
+    task = asyncio.create_task(holder())
+    await entered.wait()
+    await manager.aclose()
+    # 8 s bound a hang: the 1 s lease runs out long before
+    if cancel_on_lost:
+        done, _ = await asyncio.wait({task}, timeout=8)
+        assert done and task.cancelled()
+    else:
+        await asyncio.wait_for(told.wait(), 8)
+        assert not task.done()   # told, not cancelled
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert holds[0].lost.is_set()

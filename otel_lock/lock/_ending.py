@@ -158,7 +158,8 @@ class HoldEnds:
         log.warning("otel-lock: lease of %s lost: %s", lease.key, reason)
         for callback in lease.on_lost:
             callback()
-        lease.runtime.transport.lost(lease)
+        if not lease.runtime.closed:  # told after the manager closed: its clients are gone
+            lease.runtime.transport.lost(lease)
         task = lease.task
         if lease.cancel_on_lost and task is not None and not task.done():
             lease.cancelled_by_us = True

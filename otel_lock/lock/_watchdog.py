@@ -102,6 +102,11 @@ class Watchdog:
                 self._ends.renewed(lease, "ok")
 
     async def aclose(self) -> None:
+        """Stop renewing; a lease still held is told lost when it runs out, as if this loop had kept watching it.
+
+        Its holder may run on after the manager closed (a shutdown that did not
+        wait for it): nothing renews it, so it must not believe it still holds.
+        """
         if self._timer is not None:
             self._timer.cancel()
         if self._task is not None:
@@ -109,4 +114,8 @@ class Watchdog:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
             self._task = None
+        loop = asyncio.get_running_loop()
+        for lease in self._leases:
+            if lease.expires_at < NEVER:
+                loop.call_at(lease.expires_at + 0.001, lease.check_validity)  # never a hair early
         self._leases.clear()

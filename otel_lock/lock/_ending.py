@@ -41,6 +41,8 @@ class HoldEnds:
         task and no shield, as this is on every hand-over's path. Anything
         else runs as a task.
         """
+        if lease.runtime.closed:
+            return asyncio.ensure_future(self._release_closed(lease))
         if outer and not child and lease.depth == 1 and not lease.child_holds and not lease.ended \
                 and lease.renewing is None:
             releasing = Releasing(self, lease)
@@ -52,6 +54,21 @@ class HoldEnds:
                 releasing.reply = reply
                 return releasing
         return asyncio.ensure_future(self._release(lease, outer=outer, child=child))
+
+    async def _release_closed(self, lease: Lease) -> bool:
+        """Its manager is closed: nothing is sent (a socket opened now would never be closed); it expires.
+
+        RedisUnavailable, as for a release Redis did not answer: a `with` block,
+        the middleware and the blocking facade log it and go on.
+        """
+        if lease.ended:
+            return False
+        lost_before = bool(lease.lost_reason)
+        self._end(lease, "lost" if lost_before else "error")
+        if lost_before:
+            return False
+        raise RedisUnavailable(f"lock {lease.key} was not released: its manager was closed, so it expires after "
+                               "its lease", key=lease.key)
 
     def settle_release(self, lease: Lease, lost_before: bool, began: float, reply: Any) -> bool | LockError:
         """What the fast path's RELEASE answered (a reply, or the error), as `_let_go` would end the hold."""

@@ -30,6 +30,14 @@ _SENTINEL_CLASSES = ("SentinelManagedConnection", "SentinelManagedSSLConnection"
 _CLUSTER_ARGS = frozenset(inspect.signature(RedisCluster.__init__).parameters)
 
 
+def check_async(client: object, kinds: tuple[type, ...], takes: str, builder: str) -> None:
+    """A redis.asyncio client of `kinds`: anything else (a URL, a blocking client) would fail only at first use."""
+    if isinstance(client, kinds):
+        return
+    hint = f"for a URL use {builder}" if isinstance(client, str) else f"use redis.asyncio, or {builder}"
+    raise TypeError(f"{takes}, not {type(client).__module__}.{type(client).__qualname__}: {hint}")
+
+
 @dataclass(frozen=True)
 class Settings:
     """Where and how a client connects: what a lean connection needs to speak for it."""

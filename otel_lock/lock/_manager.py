@@ -22,7 +22,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from ._background import Background
 from ._breaker import Breaker
 from ._calls import Calls
-from ._clients import settings_of, twin
+from ._clients import check_async, settings_of, twin
 from ._cluster import SCHEME as CLUSTER_SCHEME
 from ._cluster import cluster_client
 from ._core import Core, Topology
@@ -105,16 +105,6 @@ class OneRedis(Topology):
         return self._spare
 
 
-def _check_client(client: object) -> None:
-    """A redis.asyncio client: anything else (a URL, a blocking client) failed only at first use, unnamed."""
-    if isinstance(client, (aioredis.Redis, RedisCluster)):
-        return
-    hint = ("for a URL use LockManager.from_url(url)" if isinstance(client, str)
-            else "use redis.asyncio, or LockManager.from_url(url)")
-    raise TypeError(f"LockManager takes a redis.asyncio.Redis or redis.asyncio.RedisCluster client, not "
-                    f"{type(client).__module__}.{type(client).__qualname__}: {hint}")
-
-
 class LockManager(Core):
     """Hands out locks from one Redis; one subscriber and one watchdog per manager and event loop."""
 
@@ -127,7 +117,9 @@ class LockManager(Core):
                  breaker_cooldown: float = 1.0, require_noeviction: bool = False) -> None:
         options = ManagerOptions.checked(namespace, lease, renew_interval, wait, cancel_on_lost, fence_ttl, poll_cap,
                                          require_noeviction)
-        _check_client(redis)
+        check_async(redis, (aioredis.Redis, RedisCluster),
+                    "LockManager takes a redis.asyncio.Redis or redis.asyncio.RedisCluster client",
+                    "LockManager.from_url(url)")
         if isinstance(redis, RedisCluster) and wait_replicas:
             raise ValueError("wait_replicas is not supported with Redis Cluster (it needs WAIT on the "
                              "connection that ran the script; see docs/lock.md)")

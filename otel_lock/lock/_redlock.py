@@ -21,7 +21,7 @@ from opentelemetry.metrics import MeterProvider
 from ._background import Background
 from ._breaker import Breaker
 from ._calls import Calls
-from ._clients import settings_of, speaking_for, twin
+from ._clients import check_async, settings_of, speaking_for, twin
 from ._core import Core, Topology
 from ._options import ManagerOptions, check_breaker, check_seconds, refuse_theirs
 from ._quorum import QuorumTransport
@@ -48,9 +48,8 @@ def _check_masters(given: object, name: str, kind: str, alternative: str) -> Non
 def _check_clients(clients: Sequence[Any]) -> None:
     """redis.asyncio clients of different masters: a master counted twice makes one Redis a quorum."""
     for client in clients:
-        if not isinstance(client, aioredis.Redis):
-            raise TypeError(f"RedLockManager takes one redis.asyncio.Redis client per master, not "
-                            f"{type(client).__module__}.{type(client).__qualname__}")
+        check_async(client, (aioredis.Redis,), "RedLockManager takes one redis.asyncio.Redis client per master",
+                    "RedLockManager.from_urls(urls)")
     if len({id(c) for c in clients}) != len(clients):
         raise ValueError("the same client is given twice: each master must be a different Redis")
     seen: set[str] = set()

@@ -145,7 +145,7 @@ def test_failures_of_one_part_count_only_while_no_call_is_answered():
     """A Cluster master down: its calls in flight fail in a burst; while the others answer, no circuit opens."""
     clock = Clock()
     breaker = Breaker(3, 1.0, clock=clock)
-    breaker.record(True)                        # another master answered
+    breaker.record(True, partial=True)          # another master answered
     clock.now += 2.0
     for _ in range(10):                         # sent 1.5 s ago, within the cool-down of that answer
         breaker.record(False, partial=True, took=1.5)

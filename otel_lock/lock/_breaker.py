@@ -124,12 +124,13 @@ class Breaker:
 
         `partial`: the call (sent `took` seconds ago) went to one part of the
         deployment (a Cluster slot's master). Its failure counts only when no
-        call was answered since the cool-down before it was sent: one master
-        down must not shut every slot out (its calls in flight fail in a
-        burst, with no answer between them).
+        partial call was answered since the cool-down before it was sent: one
+        master down must not shut every slot out (its calls in flight fail in
+        a burst, with no answer between them).
         """
         if reachable:
-            self._answered_at = self._clock()
+            if partial:  # the clock is read only where a failure may be weighed against it
+                self._answered_at = self._clock()
             if self._failed or self._open_until is not None:
                 self._close()
             return

@@ -47,7 +47,7 @@ class Calls:
         """Record a call that was answered (timed by its caller: a reply's future, not a coroutine)."""
         self.telemetry.redis_duration.record(seconds, {"lock.name": name, "lock.operation": operation})
         if self.breaker is not None:
-            self.breaker.record(True)
+            self.breaker.record(True, partial=self.partial)
 
     def failed(self, exc: BaseException, seconds: float, operation: str, name: str, key: str) -> LockError:
         """Record a failed call and return the error for its caller."""

@@ -711,6 +711,7 @@ class SyncLockManager:
         """Block until a permit of `key` is held (LockTimeout after `wait`); release it with `held.release()`."""
         _refuse_in_loop("acquire_permit")
         check_key(key)
+        _check_cancel(cancel_on_lost)
         slot = f"\x00permit\x00{key}\x00{next(self._permit_ids)}"  # a slot of its own in the thread's holds
         held = self._take(slot, lambda manager: manager.acquire_permit(key, permits=permits, wait=wait, lease=lease,
                                                                        name=name, cancel_on_lost=False),
@@ -876,7 +877,7 @@ class SyncLockManager:
               cancel_on_lost: bool | None) -> SyncHeldLock | None:
         runtime = self._current()
         holds = runtime.holds()
-        cancel = self._cancel_on_lost if cancel_on_lost is None else check_flag("cancel_on_lost", cancel_on_lost)
+        cancel = self._cancel_on_lost if cancel_on_lost is None else cancel_on_lost  # checked by the callers
 
         caller = threading.current_thread()
         who = f"{caller.name}#{caller.ident}"

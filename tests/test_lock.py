@@ -585,15 +585,18 @@ async def test_a_lock_held_when_its_manager_closes_is_told_lost_when_its_lease_r
     assert holds[0].lost.is_set()
 
 
-async def test_a_release_after_its_manager_closed_sends_nothing_and_says_why(redis_url, redis_client, caplog):
-    """Regression: the release opened a new socket on the closed manager (never closed again: a ResourceWarning
-    at exit) to release a lock that expires by itself anyway."""
+async def test_a_release_or_reentry_after_its_manager_closed_sends_nothing_and_says_why(redis_url, redis_client, caplog):
+    """Regression: the release (and a nested re-entry) opened a new socket on the closed manager (never closed
+    again: a ResourceWarning at exit) for a lock that expires by itself anyway."""
     manager = LockManager.from_url(redis_url, namespace="t")
     held = await manager.acquire("after-close")
     async with manager.lock("after-close-block"):
         await manager.aclose()
         # the block's end logs what its release could not do, and goes on
-    with pytest.raises(RedisUnavailable, match="its manager was closed"):
+    with pytest.raises(RedisUnavailable, match="not re-entered: its manager was closed"):
+        async with manager.lock("after-close"):   # the task's nested hold: nothing sent either
+            pass
+    with pytest.raises(RedisUnavailable, match="not released: its manager was closed"):
         await held.release()
     assert await redis_client.exists("t:{after-close}", "t:{after-close-block}") == 2   # nothing was sent
     assert "after-close-block" in caplog.text

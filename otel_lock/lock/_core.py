@@ -43,7 +43,7 @@ from ._multi import HeldLocks, MultiLockContext, acquire_all, canonical
 from ._options import (ManagerOptions, check_breaker, check_flag, check_key, check_seconds, check_text, default_name,
                        unknown_argument)
 from ._periodic import once_per_period, run_every
-from ._ending import HoldEnds
+from ._ending import HoldEnds, manager_closed
 from .._fork import watch_fork
 from ._runtime import Runtime, Runtimes
 from ._transport import Transport
@@ -590,6 +590,8 @@ class Core:
 
     async def _reenter(self, lease: Lease, *, child: bool) -> HeldLock:
         """A nested hold: counted locally before Redis is asked, so a final release cannot miss it."""
+        if lease.runtime.closed:
+            raise manager_closed(lease, "re-entered")
         lease.nest(child=child)
         depth = None
         try:

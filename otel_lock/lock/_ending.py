@@ -22,6 +22,13 @@ from ..telemetry._instruments import LockCounts, Telemetry
 log = logging.getLogger("otel_lock")
 
 
+def manager_closed(lease: Lease, what: str) -> RedisUnavailable:
+    """A hold of a closed manager is neither released nor re-entered: a socket opened for it would never be
+    closed, and the lock expires after its lease anyway."""
+    return RedisUnavailable(f"lock {lease.key} was not {what}: its manager was closed, so it expires after its "
+                            "lease", key=lease.key)
+
+
 class HoldEnds:
     """Releases, losses and renewals of one manager's holds (on every loop: each lease knows its runtime)."""
 
@@ -67,8 +74,7 @@ class HoldEnds:
         self._end(lease, "lost" if lost_before else "error")
         if lost_before:
             return False
-        raise RedisUnavailable(f"lock {lease.key} was not released: its manager was closed, so it expires after "
-                               "its lease", key=lease.key)
+        raise manager_closed(lease, "released")
 
     def settle_release(self, lease: Lease, lost_before: bool, began: float, reply: Any) -> bool | LockError:
         """What the fast path's RELEASE answered (a reply, or the error), as `_let_go` would end the hold."""

@@ -122,7 +122,7 @@ def locked(
     before every dependency; True: insist, failing the start-up without any).
     """
     keys = _key_set("locked", templates)
-    _check_flags(shared=shared, fail_open=fail_open, hash_parts=hash_parts)
+    check_flags(shared=shared, fail_open=fail_open, hash_parts=hash_parts)
     if shared and keys.several:
         raise ValueError(f"locked({keys.template!r}, shared=True): a shared lock is on one key; several "
                          f"templates or a '*' list name several (take them exclusively, or one shared key)")
@@ -152,7 +152,7 @@ def limited(
         raise ValueError(f"limited({template!r}): a limit is on one key; '*' names several")
     if not isinstance(permits, int) or isinstance(permits, bool) or permits < 1:
         raise ValueError(f"permits must be a positive number of holders, got {permits!r}")
-    _check_flags(fail_open=fail_open, hash_parts=hash_parts)
+    check_flags(fail_open=fail_open, hash_parts=hash_parts)
     _check_common(wait, lease, retry_after, body_idle_timeout, max_body, status, name, release_after, after_auth)
     return Locked(keys, wait=wait, lease=lease, status=status, fail_open=fail_open, hash_parts=hash_parts,
                   name=name, retry_after=retry_after, release_after=release_after, max_body=max_body,
@@ -169,7 +169,7 @@ def _key_set(what: str, templates: tuple[str, ...]) -> KeySet:
     return KeySet(parsed)
 
 
-def _check_flags(**flags: object) -> None:
+def check_flags(**flags: object) -> None:
     """True/False options: a string such as "false" would be read as true (fail_open: the handler unlocked)."""
     for name, value in flags.items():
         if not isinstance(value, bool):

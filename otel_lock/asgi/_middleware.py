@@ -22,7 +22,7 @@ from typing import Any, Callable, TypeAlias
 
 from ..lock import Locks
 from ._after_auth import after_security, security_dependencies
-from ._annotations import MIB, Idempotent, Locked
+from ._annotations import MIB, Idempotent, Locked, check_flags
 from ._binding import RouteBinding, form_limits, json_without_content_type
 from ._declared import Unbindable
 from ._body import BodyLimits
@@ -73,8 +73,7 @@ class LockMiddleware:
         self.idempotency_store = idempotency_store
         # enabled=False: a deliberate switch (demos, load tests) that runs annotated
         # handlers without their locks instead of refusing them; logged at start-up.
-        if not isinstance(enabled, bool):  # "false" from an environment variable would be read as true
-            raise ValueError(f"enabled must be True or False, got {enabled!r}")
+        check_flags(enabled=enabled)
         self.enabled: bool = enabled
         self.plain: RuleMatcher | None = None
         self.plain_protections: dict[int, Protection] = {}
